@@ -1,0 +1,220 @@
+"""The user-facing KVStore API, shared by the embedded and the remote stores.
+
+This module turns the many call forms of MXNet's API (one key or a list, one array or a
+list per key, ``out`` or a return value) into lists of (key, [arrays]) pairs; the store
+types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
+"""
+from .backend import shape_dtype, write_into
+from .codec import Item, check_key
+from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+
+
+def _is_array_like(value):
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _as_list(keys, values, what):
+    """([keys], [values]) for a single key or a list of keys."""
+    if isinstance(keys, (list, tuple)):
+        if not isinstance(values, (list, tuple)) or len(values) != len(keys):
+            count = len(values) if isinstance(values, (list, tuple)) else 1
+            raise InvalidArgumentError(f"{what}: {len(keys)} keys need {len(keys)} values, got {count}")
+        return list(keys), list(values)
+    return [keys], [values]
+
+
+def _arrays(key, value):
+    """The list of arrays given for one key: one array, or a list (one per device)."""
+    arrays = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not arrays:
+        raise InvalidArgumentError(f"key {key!r}: an empty list of values")
+    for array in arrays:
+        if not _is_array_like(array):
+            raise InvalidArgumentError(
+                f"key {key!r}: value of type {type(array).__name__} is not an array"
+            )
+    return arrays
+
+
+def _check_same(key, arrays, verb):
+    shape, dtype = shape_dtype(arrays[0])
+    for other in arrays[1:]:
+        other_shape, other_dtype = shape_dtype(other)
+        if other_dtype != dtype:
+            raise DtypeMismatchError(f"key {key!r}: {verb} values of dtypes {dtype} and {other_dtype}")
+        if other_shape != shape:
+            raise ShapeMismatchError(f"key {key!r}: {verb} values of shapes {shape} and {other_shape}")
+
+
+class KVStore:
+    """A key-value store for data-parallel training, with MXNet's KVStore API.
+
+    Create one with :func:`tensorkv.create`. Keys are int or str; values are arrays
+    (NumPy, CuPy, torch, or anything with ``__array__`` / ``__dlpack__``).
+
+    >>> import numpy as np, tensorkv
+    >>> kv = tensorkv.create('local')
+    >>> kv.init(3, np.ones((2, 3)) * 2)
+    >>> a = np.zeros((2, 3))
+    >>> kv.pull(3, out=a)
+    >>> print(a)
+    [[2. 2. 2.]
+     [2. 2. 2.]]
+    """
+
+    def __init__(self, name):
+        self._type = name
+        self._closed = False
+
+    # ---- properties -------------------------------------------------------------------
+
+    @property
+    def type(self):
+        """The type this store was created with: 'local', 'device', 'dist_sync' or 'dist_async'."""
+        return self._type
+
+    @property
+    def rank(self):
+        """This worker's rank, 0 <= rank < num_workers."""
+        return 0
+
+    @property
+    def num_workers(self):
+        """The number of workers."""
+        return 1
+
+    # ---- data -------------------------------------------------------------------------
+
+    def init(self, key, value):
+        """Initialize one key or a list of keys, once each.
+
+        >>> kv.init('w', np.zeros(4, dtype=np.float32))
+        >>> kv.init([5, 7], [np.ones(2), np.ones(2)])   # doctest: +SKIP
+        """
+        keys, values = _as_list(key, value, "init")
+        items = []
+        for k, v in zip(keys, values):
+            k = check_key(k)
+            arrays = _arrays(k, v)
+            if len(arrays) != 1:
+                raise InvalidArgumentError(f"key {k!r}: init takes one array per key, got {len(arrays)}")
+            items.append(Item(k, arrays[0]))
+        self._init(items)
+
+    def push(self, key, value, priority=0):
+        """Push values into one key or a list of keys.
+
+        A list of arrays for one key (one per device) is summed first; the sum then goes
+        through the updater (by default it is assigned).
+
+        >>> kv.push('w', np.ones(4, dtype=np.float32) * 8)
+        >>> kv.push('w', [np.ones(4, dtype=np.float32)] * 4)   # stored value becomes 4
+        """
+        self._push(self._push_pairs(key, value))
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Pull values of one key or a list of keys.
+
+        With ``out`` (an array, or a list of arrays that each get the value) the values are
+        written in place; with ``out=None`` new NumPy arrays are returned.
+
+        >>> a = np.zeros(4, dtype=np.float32)
+        >>> kv.pull('w', out=a)
+        >>> kv.pull('w')   # doctest: +SKIP
+        array([4., 4., 4., 4.], dtype=float32)
+        """
+        keys, outs = self._pull_targets(key, out)
+        values = self._pull(keys, fresh=out is None)
+        return self._deliver(key, keys, outs, values)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Push, then pull the same keys, in one call (one round trip on a server)."""
+        pairs = self._push_pairs(key, value)
+        keys, outs = self._pull_targets(key, out)
+        values = self._pushpull(pairs, fresh=out is None)
+        return self._deliver(key, keys, outs, values)
+
+    def broadcast(self, key, value, out=None, priority=0):
+        """Initialize keys with ``value``, then pull them into ``out`` (or return them)."""
+        self.init(key, value)
+        return self.pull(key, out=out)
+
+    # ---- updaters -----------------------------------------------------------------------
+
+    def set_updater(self, updater):
+        """Set ``updater(key, input, stored)``, which updates ``stored`` in place on push."""
+        self._set_updater(updater)
+
+    def set_optimizer(self, optimizer):
+        """Apply ``optimizer`` (see :mod:`tensorkv.optimizer`) to every push from now on."""
+        self._set_optimizer(optimizer)
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Save the optimizer's per-key states (and, always, its hyper-parameters) to ``fname``."""
+        self._save_optimizer_states(fname)
+
+    def load_optimizer_states(self, fname):
+        """Load optimizer states saved by :meth:`save_optimizer_states`."""
+        self._load_optimizer_states(fname)
+
+    def barrier(self):
+        """Return once every worker has called barrier()."""
+        self._barrier()
+
+    # ---- life cycle -------------------------------------------------------------------
+
+    def close(self):
+        """Release the store's resources; further calls are errors."""
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- argument plumbing --------------------------------------------------------------
+
+    def _push_pairs(self, key, value):
+        keys, values = _as_list(key, value, "push")
+        pairs = []
+        for k, v in zip(keys, values):
+            k = check_key(k)
+            arrays = _arrays(k, v)
+            _check_same(k, arrays, "pushed")
+            pairs.append((k, arrays))
+        return pairs
+
+    def _pull_targets(self, key, out):
+        keys = [check_key(k) for k in key] if isinstance(key, (list, tuple)) else [check_key(key)]
+        if out is None:
+            return keys, [None] * len(keys)
+        if isinstance(key, (list, tuple)):
+            _, outs = _as_list(key, out, "pull")
+        else:
+            outs = [out]
+        return keys, [_arrays(k, o) for k, o in zip(keys, outs)]
+
+    def _deliver(self, key, keys, outs, values):
+        """Write ``values`` into ``outs``, all checked before any is written; or return them.
+
+        ``values`` come from ``_pull(keys, fresh)``: with ``fresh=True`` (no ``out``) they are
+        new NumPy arrays the caller owns; otherwise they may alias stored memory.
+        """
+        if outs[0] is None:
+            return values if isinstance(key, (list, tuple)) else values[0]
+        for k, targets, value in zip(keys, outs, values):
+            for target in targets:
+                shape, dtype = shape_dtype(target)
+                if shape != tuple(value.shape):
+                    raise ShapeMismatchError(
+                        f"key {k!r}: out array of shape {shape} cannot hold the stored shape {tuple(value.shape)}"
+                    )
+                if dtype != value.dtype:
+                    raise DtypeMismatchError(
+                        f"key {k!r}: out array of dtype {dtype} does not match the stored dtype {value.dtype}"
+                    )
+        for targets, value in zip(outs, values):
+            for target in targets:
+                write_into(target, value)
+        return None
