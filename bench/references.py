@@ -7,6 +7,7 @@ and is stopped by its PID (terminate, then kill) when the function returns.
 """
 
 import contextlib
+import functools
 import multiprocessing
 import socket
 import statistics
@@ -51,8 +52,8 @@ def grpc_unary_echo(sizes=SIZES, repeats=REPEATS):
     """Plain gRPC-Python unary bytes echo: returns {payload bytes: GB/s}."""
     with _grpc_channel() as channel:
         echo = channel.unary_unary(f"/{_SERVICE}/Echo")
-        return {n: _gbps(n, _median_time(lambda p=bytes(n): echo(
-            p, timeout=CALL_TIMEOUT), repeats)) for n in sizes}
+        return {n: _gbps(n, _median_time(functools.partial(
+            echo, bytes(n), timeout=CALL_TIMEOUT), repeats)) for n in sizes}
 
 
 def grpc_stream_echo(sizes=SIZES, repeats=REPEATS):
@@ -66,8 +67,8 @@ def grpc_stream_echo(sizes=SIZES, repeats=REPEATS):
             push(_chunks(payload), timeout=CALL_TIMEOUT)
             return b"".join(pull(b"", timeout=CALL_TIMEOUT))
 
-        return {n: _gbps(n, _median_time(lambda p=bytes(n): round_trip(p),
-                                         repeats)) for n in sizes}
+        return {n: _gbps(n, _median_time(functools.partial(
+            round_trip, bytes(n)), repeats)) for n in sizes}
 
 
 def grpc_small_rtt(repeats=SMALL_REPEATS):
