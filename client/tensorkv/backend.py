@@ -81,7 +81,7 @@ def shape_dtype(value):
         return tuple(value.shape), _torch_dtype(value.dtype)
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return tuple(value.shape), np.dtype(value.dtype)
-    array = to_host(value)
+    array = np.asarray(value)
     return array.shape, array.dtype
 
 

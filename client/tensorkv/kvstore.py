@@ -4,7 +4,7 @@ This module turns the many call forms of MXNet's API (one key or a list, one arr
 list per key, ``out`` or a return value) into lists of (key, [arrays]) pairs; the store
 types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
 """
-from .backend import is_array, shape_dtype, write_into
+from .backend import is_array, shape_dtype, to_host, write_into
 from .codec import Item, check_key
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
 
@@ -20,15 +20,20 @@ def _as_list(keys, values, what):
 
 
 def _arrays(key, value):
-    """The list of arrays given for one key: one array, or a list (one per device)."""
+    """The list of arrays given for one key: one array, or a list (one per device).
+
+    Objects that only expose ``__array__`` or ``__dlpack__`` are converted to NumPy here.
+    """
     arrays = list(value) if isinstance(value, (list, tuple)) else [value]
     if not arrays:
         raise InvalidArgumentError(f"key {key!r}: an empty list of values")
-    for array in arrays:
+    for i, array in enumerate(arrays):
         if not is_array(array):
             raise InvalidArgumentError(
                 f"key {key!r}: value of type {type(array).__name__} is not an array"
             )
+        if not (hasattr(array, "shape") and hasattr(array, "dtype")):
+            arrays[i] = to_host(array)
     return arrays
 
 

@@ -284,7 +284,7 @@ class RMSProp(Optimizer):
         self.gamma1 = _number("gamma1", gamma1)
         self.gamma2 = _number("gamma2", gamma2)
         self.epsilon = _number("epsilon", epsilon)
-        self.centered = bool(_number("centered", centered))
+        self.centered = centered if isinstance(centered, bool) else bool(_number("centered", centered))
         self.clip_weights = _bound("clip_weights", clip_weights)
 
     def create_state(self, xp, weight):
@@ -448,10 +448,12 @@ class Updater:
         return states
 
     def get_states(self):
-        """``{key: (num_update, [state arrays])}`` for every key updated so far."""
+        """``{key: (num_update, [state arrays])}`` for every key updated so far; the arrays are
+        the live states, not copies."""
         return {key: (self._num_updates.get(key, 0), list(state)) for key, state in self._states.items()}
 
     def set_states(self, states):
-        """Replace every key's states and update count by ``{key: (num_update, [state arrays])}``."""
+        """Replace every key's states and update count by ``{key: (num_update, [state arrays])}``;
+        the updater takes the arrays over and updates them in place."""
         self._states = {key: tuple(arrays) for key, (_, arrays) in states.items()}
         self._num_updates = {key: int(num_update) for key, (num_update, _) in states.items()}
