@@ -29,3 +29,19 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(MXNET_VENV) build *.egg-info client/tensorkv/v1/*_pb2*.py client/tensorkv/v1/*_pb2*.pyi
+
+# `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
+# has written bench-results/mxnet.json) MXNet 1.9.1, measured on 127.0.0.1;
+# writes bench-results/bench.json and bench-results/throughput.png.
+# `make bench BENCH_ARGS=--quick` is a fast smoke run.
+BENCH_STAMP := $(VENV)/.bench-installed
+BENCH_ARGS ?=
+
+.PHONY: bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(PY) bench/run.py $(BENCH_ARGS)

@@ -1,0 +1,779 @@
+"""`make bench`: tensorkv next to its references, measured in one run on 127.0.0.1.
+
+    python bench/run.py [--quick] [--out-dir bench-results] [--mxnet-json FILE]
+
+tensorkv is measured through its public API only (tensorkv.create, init, push,
+pull, pushpull).  Rows, all medians, for one float32 key unless said:
+
+  * push+pull round trip at 4 MiB and 64 MiB, GB/s = 2*N / round trip (the
+    payload counted both ways, as bench/references.py counts it), on
+    'dist_sync' with one worker: a real server process
+    (`python -m tensorkv_server`) and this process as the worker;
+  * a 16-float key: push+pull round trip in µs (and fused pushpull);
+  * 1000 keys x 1 KiB: one list push then one list pull, in ms;
+  * two worker processes on one 4 MiB key in dist_sync: aggregate GB/s
+    (2 x 2*N / the slower worker's median round trip, as bench/mxnet_ref.py);
+  * the embedded 'local' store at 4 MiB, GB/s.
+
+Every dist row is run once per transport path in PATHS (the same-host default
+and a TCP-only path), each on a fresh server.  The references are measured in
+this run: a raw loopback TCP echo and a plain gRPC-Python echo (unary, and
+1 MiB-chunked streaming) from bench/references.py, and a NumPy copy.  MXNet
+1.9.1's numbers come from bench-results/mxnet.json when `make bench-mxnet` has
+written it.  Ratios are "how many times better tensorkv is": tensorkv/reference
+for throughput, reference/tensorkv for times, so > 1 always favours tensorkv.
+
+Each timed round trip pushes one of two distinct patterns, alternately, and
+checks every element pulled back after the clock stops: a stale, partial,
+reordered or wrong value fails the bench (exit status 2).  Any other failure
+(a server that does not start, a worker that does not finish in time) exits 1.
+Results go to <out-dir>/bench.json and the throughput plot to
+<out-dir>/throughput.png (bench-quick.json / throughput-quick.png with
+--quick, a fast smoke run with 16 MiB in place of 64 MiB and fewer repeats).
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import references
+from plot import plot_throughput, size_label
+from progress import Progress
+
+MiB = 1 << 20
+KiB = 1 << 10
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# Transport paths of the dist rows: a name -> the options given to
+# tensorkv.create() and the environment set for the server and the workers.
+# The same-host default path takes whatever the client negotiates; the TCP-only
+# path asks for plain gRPC over TCP.  The transport option is only passed when
+# this client's create() accepts it (see _path_options); until then both paths
+# run the same (TCP) code, and the bench says so.
+PATHS = {
+    "same-host": {"options": {}, "env": {}},
+    "tcp-only": {"options": {"transport": "tcp"}, "env": {}},
+}
+
+FULL = dict(sizes=(64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB),
+            big=64 * MiB, repeats=15, big_repeats=7, small_repeats=2000,
+            list_repeats=15, pair_repeats=15, ref_repeats=7,
+            ref_small_repeats=2000)
+QUICK = dict(sizes=(64 * KiB, MiB, 4 * MiB, 16 * MiB),
+             big=16 * MiB, repeats=3, big_repeats=3, small_repeats=200,
+             list_repeats=3, pair_repeats=3, ref_repeats=3,
+             ref_small_repeats=200)
+
+SMALL_FLOATS = 16
+LIST_KEYS = 1000
+LIST_FLOATS = 256  # 1 KiB per key
+SERVER_START_TIMEOUT = 30.0  # seconds for the server to accept connections
+WORKERS_TIMEOUT = 300.0  # seconds for the two-worker run
+STEP_TIMEOUT = 600.0  # seconds for any one in-process step (SIGALRM)
+STOP_TIMEOUT = 5.0  # seconds after terminate, then after kill
+
+# The issue's goals: (row, path, MXNet column or None, how many times better,
+# and for the small key an absolute bound in µs).
+GOALS = [
+    ("4 MiB push+pull >= 1.5x MXNet (same-host)", "4MiB", "same-host", 1.5),
+    ("64 MiB push+pull >= 1.5x MXNet (same-host)", "big", "same-host", 1.5),
+    ("4 MiB push+pull >= 1.0x MXNet (TCP-only)", "4MiB", "tcp-only", 1.0),
+    ("64 MiB push+pull >= 1.5x MXNet (TCP-only)", "big", "tcp-only", 1.5),
+    ("16-float push+pull >= 1.3x better than MXNet", "16f", "same-host", 1.3),
+    ("1000 x 1 KiB list push+pull >= 6x faster than MXNet", "list",
+     "same-host", 6.0),
+    ("2 workers, 4 MiB, aggregate >= 1.5x MXNet", "pair", "same-host", 1.5),
+    ("'local' 4 MiB >= 1.0x MXNet 'local'", "local", None, 1.0),
+]
+SMALL_GOAL_US = 300.0
+
+
+class CheckError(Exception):
+    """A value pulled back was not the one expected."""
+
+
+# ---- value patterns and checks -------------------------------------------------------
+
+
+def _patterns(n_floats, scale=1.0):
+    """Two distinct float32 patterns of n_floats (exact in float32, also when
+    summed over two workers), and what a pull must return for each."""
+    base = (np.arange(n_floats, dtype=np.int64) % 65521).astype(np.float32)
+    a, b = base + 1.0, base + 0.5
+    return [a, b], [a * scale, b * scale]
+
+
+def _check(what, got, expected):
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise CheckError(f"{what}: pulled {got.dtype}{list(got.shape)}, "
+                         f"expected {expected.dtype}{list(expected.shape)}")
+    if not np.array_equal(got, expected):
+        bad = np.flatnonzero(got != expected)
+        raise CheckError(
+            f"{what}: {bad.size} of {got.size} values wrong, first at "
+            f"[{bad[0]}]: {got[bad[0]]!r} where {expected[bad[0]]!r} expected")
+
+
+def _timed(repeats, warmup, prepare, op, check):
+    """Median seconds of op(i) over `repeats` calls after `warmup` calls;
+    prepare(i) runs before and check(i) after each call, off the clock."""
+    times = []
+    for i in range(warmup + repeats):
+        prepare(i)
+        start = time.perf_counter()
+        op(i)
+        elapsed = time.perf_counter() - start
+        check(i)
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def _gbps(nbytes, seconds):
+    return 2 * nbytes / seconds / 1e9
+
+
+# ---- one-key and list round trips on a store -----------------------------------------
+
+
+def key_rtt(kv, key, n_floats, repeats, fused=False, scale=1.0, warmup=2):
+    """Median seconds of push+pull (or pushpull) of one float32 key."""
+    values, expected = _patterns(n_floats, scale)
+    out = np.zeros(n_floats, np.float32)
+    kv.init(key, values[0])
+
+    def prepare(i):
+        out.fill(-1.0)  # so a partial pull cannot pass for a full one
+
+    def op(i):
+        if fused:
+            kv.pushpull(key, values[i % 2], out=out)
+        else:
+            kv.push(key, values[i % 2])
+            kv.pull(key, out=out)
+
+    def check(i):
+        verb = "pushpull" if fused else "push+pull"
+        _check(f"key {key!r} ({n_floats * 4} bytes) {verb} #{i}", out,
+               expected[i % 2])
+
+    return _timed(repeats, warmup, prepare, op, check)
+
+
+def list_rtt(kv, repeats, first_key=100000, warmup=2):
+    """Median seconds of one list push then one list pull of 1000 x 1 KiB."""
+    keys = list(range(first_key, first_key + LIST_KEYS))
+    base = np.arange(LIST_FLOATS, dtype=np.float32)
+    values = [[base + 256.0 * j + 1.0 for j in range(LIST_KEYS)],
+              [base + 256.0 * j + 0.5 for j in range(LIST_KEYS)]]
+    outs = [np.zeros(LIST_FLOATS, np.float32) for _ in keys]
+    kv.init(keys, values[0])
+
+    def prepare(i):
+        for out in outs:
+            out.fill(-1.0)
+
+    def op(i):
+        kv.push(keys, values[i % 2])
+        kv.pull(keys, out=outs)
+
+    def check(i):
+        for key, out, want in zip(keys, outs, values[i % 2]):
+            _check(f"list push+pull #{i}, key {key}", out, want)
+
+    return _timed(repeats, warmup, prepare, op, check)
+
+
+# ---- server and worker processes -----------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path, lines=30):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _stop(proc):
+    """Stops one process by its PID: terminate, then kill after a timeout."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(STOP_TIMEOUT)
+
+
+def _spawn(cmd, env, log_path):
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+@contextlib.contextmanager
+def server(num_workers, env, logdir):
+    """Runs `python -m tensorkv_server` in sync mode on a free port of
+    127.0.0.1; yields "127.0.0.1:PORT" once it accepts connections."""
+    port = _free_port()
+    log = os.path.join(logdir, f"server-{port}.log")
+    proc = _spawn([sys.executable, "-m", "tensorkv_server", "--host",
+                   "127.0.0.1", "--port", str(port), "--num-workers",
+                   str(num_workers), "--mode", "sync"], env, log)
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensorkv server (pid {proc.pid}) exited "
+                                   f"with {proc.returncode}\n{_tail(log)}")
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), 1.0).close()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensorkv server (pid {proc.pid}) did not accept "
+                    f"connections on port {port} within "
+                    f"{SERVER_START_TIMEOUT:.0f}s\n{_tail(log)}")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+def _env(extra):
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [HERE] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def pair_rtt(path, options, repeats, logdir):
+    """Two worker processes push+pull one 4 MiB key in dist_sync on a fresh
+    server; returns each worker's median round-trip seconds."""
+    env = _env(PATHS[path]["env"])
+    with server(2, env, logdir) as address:
+        procs, outs = [], []
+        try:
+            for rank in range(2):
+                out = os.path.join(logdir, f"pair-{path}-{rank}.json")
+                log = os.path.join(logdir, f"pair-{path}-{rank}.log")
+                outs.append((out, log))
+                procs.append(_spawn(
+                    [sys.executable, os.path.join(HERE, "run.py"), "--worker",
+                     "--servers", address, "--options", json.dumps(options),
+                     "--repeats", str(repeats), "--out", out], env, log))
+            deadline = time.monotonic() + WORKERS_TIMEOUT
+            for proc, (out, log) in zip(procs, outs):
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(
+                        f"worker (pid {proc.pid}) did not finish within "
+                        f"{WORKERS_TIMEOUT:.0f}s\n{_tail(log)}")
+                if proc.returncode == 2:
+                    raise CheckError(f"worker (pid {proc.pid}):\n{_tail(log)}")
+                if proc.returncode != 0:
+                    raise RuntimeError(f"worker (pid {proc.pid}) exited with "
+                                       f"{proc.returncode}\n{_tail(log)}")
+        finally:
+            for proc in procs:
+                _stop(proc)
+    results = []
+    for out, _ in outs:
+        with open(out) as f:
+            results.append(json.load(f)["rtt_s"])
+    return results
+
+
+def worker_main(args):
+    """A worker process of the two-worker row: dist_sync, one 4 MiB key,
+    pushes summed over both workers."""
+    import tensorkv
+    options = json.loads(args.options)
+    try:
+        with tensorkv.create("dist_sync", servers=args.servers,
+                             **options) as kv:
+            if kv.num_workers != 2:
+                raise RuntimeError(f"num_workers is {kv.num_workers}, not 2")
+            rtt = key_rtt(kv, 0, 4 * MiB // 4, args.repeats, scale=2.0)
+            rank = kv.rank
+    except CheckError as err:
+        print(f"value check failed: {err}", file=sys.stderr)
+        return 2
+    with open(args.out, "w") as f:
+        json.dump({"rtt_s": rtt, "rank": rank}, f)
+    return 0
+
+
+# ---- the dist paths ------------------------------------------------------------------
+
+
+def _accepts(option, kv_factory):
+    """Whether create() takes `option`: a TypeError or an error naming the
+    option says it does not."""
+    try:
+        kv = kv_factory()
+    except TypeError as err:
+        return False, str(err)
+    except Exception as err:  # noqa: BLE001 - judged by its message
+        if option in str(err):
+            return False, str(err)
+        raise
+    kv.close()
+    return True, ""
+
+
+def _path_options(path, address):
+    """The create() options of `path` that this client accepts, and a note
+    on what was dropped."""
+    import tensorkv
+    options = dict(PATHS[path]["options"])
+    notes = []
+    for name in list(options):
+        ok, why = _accepts(name, lambda: tensorkv.create(
+            "dist_sync", servers=address, **{name: options[name]}))
+        if not ok:
+            del options[name]
+            notes.append(f"create() does not take {name}= yet ({why.strip()})")
+    return options, notes
+
+
+def dist_available():
+    return (importlib.util.find_spec("tensorkv_server") is not None
+            and importlib.util.find_spec("tensorkv.dist") is not None)
+
+
+# ---- the run -------------------------------------------------------------------------
+
+
+class Run:
+    """Collects the steps of one bench run and their results."""
+
+    def __init__(self, cfg, logdir):
+        self.cfg = cfg
+        self.logdir = logdir
+        self.results = {"refs": {}, "local": {}, "paths": {}}
+        self.notes = []
+        self.stack = contextlib.ExitStack()
+
+    def steps(self):
+        cfg, steps = self.cfg, []
+        refs = self.results["refs"]
+        sizes = cfg["sizes"]
+
+        def ref(name, fn):
+            steps.append((f"ref {name}", lambda: refs.__setitem__(name, fn())))
+
+        ref("tcp_echo", lambda: references.tcp_echo(sizes, cfg["ref_repeats"]))
+        ref("grpc_unary_echo",
+            lambda: references.grpc_unary_echo(sizes, cfg["ref_repeats"]))
+        ref("grpc_stream_echo",
+            lambda: references.grpc_stream_echo(sizes, cfg["ref_repeats"]))
+        ref("tcp_small_rtt",
+            lambda: references.tcp_small_rtt(cfg["ref_small_repeats"]))
+        ref("grpc_small_rtt",
+            lambda: references.grpc_small_rtt(cfg["ref_small_repeats"]))
+        ref("memcpy_4MiB",
+            lambda: references.memcpy(4 * MiB, cfg["ref_repeats"]))
+        ref("memcpy_64MiB",
+            lambda: references.memcpy(64 * MiB, cfg["ref_repeats"]))
+        steps.append(("local 4 MiB", self.local))
+        if not dist_available():
+            self.notes.append("dist rows not measured: tensorkv_server or "
+                              "tensorkv.dist is not installed in this tree")
+            return steps
+        for path in PATHS:
+            steps.append((f"{path}: start server",
+                          lambda path=path: self.open_path(path)))
+            for n in sizes:
+                steps.append((f"{path}: {size_label(n)}",
+                              lambda path=path, n=n: self.size(path, n)))
+            steps.append((f"{path}: 16 floats",
+                          lambda path=path: self.small(path)))
+            steps.append((f"{path}: 1000 x 1 KiB",
+                          lambda path=path: self.list(path)))
+            steps.append((f"{path}: stop server",
+                          lambda path=path: self.close_path(path)))
+            steps.append((f"{path}: 2 workers",
+                          lambda path=path: self.pair(path)))
+        return steps
+
+    def local(self):
+        import tensorkv
+        with tensorkv.create("local") as kv:
+            rtt = key_rtt(kv, "w", 4 * MiB // 4, self.cfg["repeats"])
+        self.results["local"] = {"4MiB_gbps": _gbps(4 * MiB, rtt)}
+
+    def open_path(self, path):
+        import tensorkv
+        path_stack = contextlib.ExitStack()
+        self.stack.enter_context(path_stack)
+        env = PATHS[path]["env"]
+        for name, value in env.items():  # the worker is this process
+            path_stack.callback(
+                lambda n=name, v=os.environ.get(name): (
+                    os.environ.__setitem__(n, v) if v is not None
+                    else os.environ.pop(n, None)))
+            os.environ[name] = value
+        address = path_stack.enter_context(
+            server(1, _env(env), self.logdir))
+        options, notes = _path_options(path, address)
+        kv = path_stack.enter_context(
+            tensorkv.create("dist_sync", servers=address, **options))
+        self.results["paths"][path] = {
+            "options": options, "env": env, "notes": notes,
+            "throughput_gbps": {}}
+        self._path_stack, self._kv = path_stack, kv
+
+    def close_path(self, path):
+        self._path_stack.close()
+        self._kv = None
+
+    def size(self, path, n):
+        big = n >= self.cfg["big"]
+        repeats = self.cfg["big_repeats"] if big else self.cfg["repeats"]
+        rtt = key_rtt(self._kv, f"t{n}", n // 4, repeats)
+        self.results["paths"][path]["throughput_gbps"][n] = _gbps(n, rtt)
+        if n == 4 * MiB:
+            rtt = key_rtt(self._kv, f"f{n}", n // 4, repeats, fused=True)
+            self.results["paths"][path]["4MiB_pushpull_gbps"] = _gbps(n, rtt)
+
+    def small(self, path):
+        r = self.results["paths"][path]
+        reps = self.cfg["small_repeats"]
+        r["16f_rtt_us"] = key_rtt(self._kv, "s", SMALL_FLOATS, reps) * 1e6
+        r["16f_pushpull_us"] = key_rtt(self._kv, "sf", SMALL_FLOATS, reps,
+                                       fused=True) * 1e6
+
+    def list(self, path):
+        rtt = list_rtt(self._kv, self.cfg["list_repeats"])
+        self.results["paths"][path]["1000x1KiB_ms"] = rtt * 1e3
+
+    def pair(self, path):
+        options = self.results["paths"][path]["options"]
+        rtts = pair_rtt(path, options, self.cfg["pair_repeats"], self.logdir)
+        self.results["paths"][path]["2workers_4MiB_gbps"] = (
+            2 * _gbps(4 * MiB, max(rtts)))
+        self.results["paths"][path]["2workers_rtt_s"] = rtts
+
+
+@contextlib.contextmanager
+def _alarm(seconds, what):
+    """Bounds one in-process step: SIGALRM raises TimeoutError."""
+    def fire(signum, frame):
+        raise TimeoutError(f"{what} took longer than {seconds:.0f}s")
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(int(seconds))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_steps(run):
+    steps = run.steps()
+    with run.stack, Progress(len(steps), "bench") as bar:
+        for label, fn in steps:
+            bar.show(f"{label} ...")
+            with _alarm(STEP_TIMEOUT, label):
+                fn()
+            bar.step(label)
+
+
+# ---- the report ----------------------------------------------------------------------
+
+
+def load_mxnet(path, big):
+    """MXNet's numbers from `path` (bench/mxnet_ref.py --json), or None."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        mx = json.load(f)
+    mx["_file"] = path
+    mx["_measured"] = time.strftime("%Y-%m-%d %H:%M",
+                                    time.localtime(os.path.getmtime(path)))
+    mx["_big"] = mx.get(f"dist_sync_{big // MiB}MiB_gbps")
+    return mx
+
+
+def rows(results, mxnet, cfg):
+    """The table: one entry per (row, path) with tensorkv's value and each
+    reference (value, ratio); ratios > 1 favour tensorkv."""
+    refs, big = results["refs"], cfg["big"]
+    mx = mxnet or {}
+
+    def get(d, *keys):
+        for key in keys:
+            if not isinstance(d, dict):
+                return None
+            d = d[key] if key in d else d.get(str(key))
+        return d
+
+    specs = [
+        # id, label, unit, higher is better, tensorkv getter, references
+        ("4MiB", "push+pull 4 MiB", "GB/s", True,
+         lambda p: get(p, "throughput_gbps", 4 * MiB),
+         [("MXNet", mx.get("dist_sync_4MiB_gbps")),
+          ("TCP echo", get(refs, "tcp_echo", 4 * MiB)),
+          ("gRPC unary", get(refs, "grpc_unary_echo", 4 * MiB)),
+          ("gRPC stream", get(refs, "grpc_stream_echo", 4 * MiB))]),
+        ("4MiB_fused", "pushpull 4 MiB", "GB/s", True,
+         lambda p: get(p, "4MiB_pushpull_gbps"),
+         [("MXNet", mx.get("dist_sync_4MiB_gbps")),
+          ("TCP echo", get(refs, "tcp_echo", 4 * MiB)),
+          ("gRPC unary", get(refs, "grpc_unary_echo", 4 * MiB)),
+          ("gRPC stream", get(refs, "grpc_stream_echo", 4 * MiB))]),
+        ("big", f"push+pull {size_label(big)}", "GB/s", True,
+         lambda p: get(p, "throughput_gbps", big),
+         [("MXNet", mx.get("_big")),
+          ("TCP echo", get(refs, "tcp_echo", big)),
+          ("gRPC unary", get(refs, "grpc_unary_echo", big)),
+          ("gRPC stream", get(refs, "grpc_stream_echo", big))]),
+        ("16f", "push+pull 16 floats", "µs", False,
+         lambda p: get(p, "16f_rtt_us"),
+         [("MXNet", mx.get("dist_sync_16f_rtt_us")),
+          ("TCP echo", get(refs, "tcp_small_rtt", "rtt_us")),
+          ("gRPC unary", get(refs, "grpc_small_rtt", "rtt_us"))]),
+        ("16f_fused", "pushpull 16 floats", "µs", False,
+         lambda p: get(p, "16f_pushpull_us"),
+         [("MXNet", mx.get("dist_sync_16f_rtt_us")),
+          ("TCP echo", get(refs, "tcp_small_rtt", "rtt_us")),
+          ("gRPC unary", get(refs, "grpc_small_rtt", "rtt_us"))]),
+        ("list", "1000 x 1 KiB list", "ms", False,
+         lambda p: get(p, "1000x1KiB_ms"),
+         [("MXNet", mx.get("dist_sync_1000x1KiB_ms"))]),
+        ("pair", "2 workers 4 MiB aggr.", "GB/s", True,
+         lambda p: get(p, "2workers_4MiB_gbps"),
+         [("MXNet", mx.get("dist_sync_2workers_4MiB_gbps")),
+          ("TCP echo", get(refs, "tcp_echo", 4 * MiB))]),
+    ]
+    table = []
+    for rid, label, unit, higher, value, refs_ in specs:
+        for path in PATHS:
+            p = results["paths"].get(path)
+            table.append(_row(rid, label, unit, higher, path,
+                              value(p) if p else None, refs_))
+    table.append(_row(
+        "local", "'local' 4 MiB", "GB/s", True, "embedded",
+        get(results, "local", "4MiB_gbps"),
+        [("MXNet", mx.get("local_4MiB_gbps")),
+         ("NumPy copy", get(refs, "memcpy_4MiB", "gbps"))]))
+    return table
+
+
+def _row(rid, label, unit, higher, path, value, refs_):
+    cells = []
+    for name, ref in refs_:
+        ratio = None
+        if value is not None and ref is not None:
+            ratio = value / ref if higher else ref / value
+        cells.append({"ref": name, "value": ref, "ratio": ratio})
+    return {"id": rid, "row": label, "unit": unit, "path": path,
+            "tensorkv": value, "refs": cells}
+
+
+def goals(table, mxnet):
+    """Each goal of the issue: met, missed or not evaluated, with its ratio."""
+    by = {(r["id"], r["path"]): r for r in table}
+    out = []
+    for text, rid, path, need in GOALS:
+        row = by.get((rid, path or "embedded"))
+        ratio = None
+        if row is not None:
+            ratio = next((c["ratio"] for c in row["refs"]
+                          if c["ref"] == "MXNet"), None)
+        if row is None or row["tensorkv"] is None:
+            status = "not measured"
+        elif mxnet is None or ratio is None:
+            status = "not evaluated (MXNet not measured)"
+        else:
+            status = "met" if ratio >= need else "missed"
+        if rid == "16f" and row is not None and row["tensorkv"] is not None:
+            under = row["tensorkv"] <= SMALL_GOAL_US
+            text = f"{text}, <= {SMALL_GOAL_US:.0f} µs"
+            if status in ("met", "missed"):
+                status = "met" if status == "met" and under else "missed"
+            elif not under:
+                status = "missed"
+        out.append({"goal": text, "ratio": ratio, "needed": need,
+                    "status": status})
+    return out
+
+
+def _fmt(value, unit=""):
+    if value is None:
+        return "—"
+    if unit in ("µs", "ms"):
+        return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+    return f"{value:.3f}" if value < 10 else f"{value:.2f}"
+
+
+def format_report(table, goal_list, mxnet, results, notes):
+    names = ["MXNet", "TCP echo", "gRPC unary", "gRPC stream"]
+    lines = ["Medians on 127.0.0.1. GB/s = 2 x payload / round trip. "
+             "Ratios (x) = how many times better tensorkv is "
+             "(tensorkv/ref for GB/s, ref/tensorkv for times).", ""]
+    head = f"{'row':<24}{'unit':<6}{'path':<11}{'tensorkv':>10}"
+    for name in names:
+        head += f"{name:>12}{'x':>7}"
+    lines += [head, "-" * len(head)]
+    for r in table:
+        line = (f"{r['row']:<24}{r['unit']:<6}{r['path']:<11}"
+                f"{_fmt(r['tensorkv'], r['unit']):>10}")
+        cells = {c["ref"]: c for c in r["refs"]}
+        for name in names:
+            c = cells.get(name)
+            if c is None and name == "TCP echo" and "NumPy copy" in cells:
+                c = cells["NumPy copy"]  # the local row's raw reference
+            if c is None:
+                line += f"{'':>12}{'':>7}"
+                continue
+            ratio = "—" if c["ratio"] is None else f"{c['ratio']:.2f}x"
+            line += f"{_fmt(c['value'], r['unit']):>12}{ratio:>7}"
+        lines.append(line)
+    lines.append("")
+    lines.append("'local' row: the TCP echo column holds a NumPy copy of "
+                 "4 MiB (bytes copied / s).")
+    if mxnet is None:
+        lines.append("MXNet not measured: run make bench-mxnet")
+    else:
+        lines.append(f"MXNet {mxnet.get('mxnet_version', '?')} columns from "
+                     f"{mxnet['_file']} (measured {mxnet['_measured']} by "
+                     "make bench-mxnet, ps-lite dist_sync on 127.0.0.1).")
+    for path, p in results["paths"].items():
+        opts = ", ".join(f"{k}={v!r}" for k, v in p["options"].items())
+        lines.append(f"path {path}: create(..., {opts or 'no options'})"
+                     + (f"; env {p['env']}" if p["env"] else "")
+                     + "".join(f"; {n}" for n in p["notes"]))
+    lines += notes
+    lines += ["", "Goals (issue 4):"]
+    for g in goal_list:
+        ratio = "" if g["ratio"] is None else f" ({g['ratio']:.2f}x)"
+        lines.append(f"  [{g['status']}] {g['goal']}{ratio}")
+    return "\n".join(lines)
+
+
+def machine():
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "grpcio": _version("grpc")}
+
+
+def _version(module):
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def plot(results, mxnet, path, cfg):
+    series = {}
+    for name, p in results["paths"].items():
+        if p["throughput_gbps"]:
+            series[f"tensorkv dist_sync ({name})"] = p["throughput_gbps"]
+    labels = {"tcp_echo": "raw TCP echo", "grpc_unary_echo": "gRPC unary echo",
+              "grpc_stream_echo": "gRPC 1 MiB stream echo"}
+    for name, label in labels.items():
+        if name in results["refs"]:
+            series[label] = results["refs"][name]
+    if mxnet is not None:
+        points = {4 * MiB: mxnet.get("dist_sync_4MiB_gbps"),
+                  cfg["big"]: mxnet.get("_big")}
+        points = {n: v for n, v in points.items() if v is not None}
+        if points:
+            series[f"MXNet {mxnet.get('mxnet_version', '')} dist_sync"] = points
+    return plot_throughput(series, path)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]))
+    parser.add_argument("--quick", action="store_true",
+                        help="a fast smoke run: fewer sizes and repeats, "
+                             "16 MiB in place of 64 MiB")
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "bench-results"))
+    parser.add_argument("--mxnet-json", default=None,
+                        help="MXNet's numbers (default <out-dir>/mxnet.json)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--servers", help=argparse.SUPPRESS)
+    parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+
+    cfg = QUICK if args.quick else FULL
+    os.makedirs(args.out_dir, exist_ok=True)
+    suffix = "-quick" if args.quick else ""
+    json_path = os.path.join(args.out_dir, f"bench{suffix}.json")
+    png_path = os.path.join(args.out_dir, f"throughput{suffix}.png")
+    mxnet = load_mxnet(args.mxnet_json
+                       or os.path.join(args.out_dir, "mxnet.json"), cfg["big"])
+    command = "python " + " ".join(shlex.quote(a) for a in
+                                   [os.path.relpath(sys.argv[0], ROOT)]
+                                   + sys.argv[1:])
+    report = {"command": command, "quick": args.quick, "machine": machine(),
+              "config": cfg, "paths": PATHS, "mxnet": mxnet,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    status, error = 0, None
+    with tempfile.TemporaryDirectory(prefix="tensorkv-bench-") as logdir:
+        run = Run(cfg, logdir)
+        try:
+            run_steps(run)
+        except CheckError as err:
+            status, error = 2, f"value check failed: {err}"
+        except Exception as err:  # noqa: BLE001 - reported, then exit 1
+            status, error = 1, f"{type(err).__name__}: {err}"
+    results = run.results
+    table = rows(results, mxnet, cfg)
+    goal_list = goals(table, mxnet)
+    report.update(results=results, table=table, goals=goal_list,
+                  notes=run.notes, failed=status != 0, error=error)
+    print(format_report(table, goal_list, mxnet, results, run.notes))
+    with open(json_path, "w") as f:
+        json.dump(_jsonable(report), f, indent=2)
+        f.write("\n")
+    print(f"\nresults: {os.path.relpath(json_path)}")
+    if plot(results, mxnet, png_path, cfg):
+        print(f"plot: {os.path.relpath(png_path)}")
+    if error:
+        print(f"\nbench FAILED: {error}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
