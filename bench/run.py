@@ -27,8 +27,9 @@ Each timed round trip pushes one of two distinct patterns, alternately, and
 checks every element pulled back after the clock stops: a stale, partial,
 reordered or wrong value fails the bench (exit status 2).  Any other failure
 (a server that does not start, a worker that does not finish in time) exits 1.
-Results go to <out-dir>/bench.json and the throughput plot to
-<out-dir>/throughput.png (bench-quick.json / throughput-quick.png with
+Results go to <out-dir>/bench.json (all numbers), <out-dir>/bench.md (the
+table as Markdown) and the throughput plot to <out-dir>/throughput.png
+(bench-quick.* / throughput-quick.png with
 --quick, a fast smoke run with 16 MiB in place of 64 MiB and fewer repeats).
 """
 
@@ -673,6 +674,43 @@ def format_report(table, goal_list, mxnet, results, notes):
     return "\n".join(lines)
 
 
+def format_markdown(table, goal_list, mxnet, report):
+    """The table and the goals as Markdown, for the README."""
+    names = ["MXNet", "TCP echo", "gRPC unary", "gRPC stream"]
+    m = report["machine"]
+    lines = [f"`{report['command']}` on {m['cpus']} CPUs, {m['platform']}, "
+             f"Python {m['python']}, grpcio {m['grpcio']}, NumPy {m['numpy']}; "
+             "127.0.0.1, medians"
+             + (f"; MXNet {mxnet.get('mxnet_version')} from `make bench-mxnet`"
+                if mxnet else "; MXNet not measured") + ".", "",
+             "| row | unit | path | tensorkv | " + " | ".join(
+                 f"{n} | x" for n in names) + " |",
+             "| --- | --- | --- | ---: | " + " | ".join(
+                 "---: | ---:" for _ in names) + " |"]
+    for r in table:
+        cells = {c["ref"]: c for c in r["refs"]}
+        if "NumPy copy" in cells:
+            cells["TCP echo"] = cells["NumPy copy"]
+        line = (f"| {r['row']} | {r['unit']} | {r['path']} | "
+                f"{_fmt(r['tensorkv'], r['unit'])} |")
+        for name in names:
+            c = cells.get(name)
+            if c is None:
+                line += " | |"
+            else:
+                ratio = "—" if c["ratio"] is None else f"{c['ratio']:.2f}x"
+                line += f" {_fmt(c['value'], r['unit'])} | {ratio} |"
+        lines.append(line)
+    lines += ["", "x: how many times better tensorkv is (tensorkv/reference "
+              "for GB/s, reference/tensorkv for times). The 'local' row's "
+              "TCP echo column is a NumPy copy of 4 MiB.", "",
+              "| goal (issue 4) | ratio | status |", "| --- | ---: | --- |"]
+    for g in goal_list:
+        ratio = "—" if g["ratio"] is None else f"{g['ratio']:.2f}x"
+        lines.append(f"| {g['goal']} | {ratio} | {g['status']} |")
+    return "\n".join(lines) + "\n"
+
+
 def machine():
     return {"platform": platform.platform(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "numpy": np.__version__,
@@ -766,7 +804,10 @@ def main(argv=None):
     with open(json_path, "w") as f:
         json.dump(_jsonable(report), f, indent=2)
         f.write("\n")
-    print(f"\nresults: {os.path.relpath(json_path)}")
+    md_path = os.path.join(args.out_dir, f"bench{suffix}.md")
+    with open(md_path, "w") as f:
+        f.write(format_markdown(table, goal_list, mxnet, report))
+    print(f"\nresults: {os.path.relpath(json_path)}, {os.path.relpath(md_path)}")
     if plot(results, mxnet, png_path, cfg):
         print(f"plot: {os.path.relpath(png_path)}")
     if error:
