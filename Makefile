@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint proto clean
 
+include bench/mxnet.mk
+
 $(STAMP): pyproject.toml setup.py $(wildcard protos/tensorkv/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -26,4 +28,4 @@ proto: $(STAMP)
 	$(PY) -c 'import setup; setup.generate_protos()'
 
 clean:
-	rm -rf $(VENV) build *.egg-info client/tensorkv/v1/*_pb2*.py client/tensorkv/v1/*_pb2*.pyi
+	rm -rf $(VENV) $(MXNET_VENV) build *.egg-info client/tensorkv/v1/*_pb2*.py client/tensorkv/v1/*_pb2*.pyi

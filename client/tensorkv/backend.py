@@ -58,16 +58,20 @@ def to_host(value):
         array = np.asarray(value)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(array)
+    # np.asarray keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d).
+    return np.asarray(array, order="C")
 
 
 def to_namespace(value, xp):
     """``value`` as an array of namespace ``xp`` (NumPy or CuPy), staying on the GPU when it is there."""
     if xp is np:
         return to_host(value)
-    if type(value).__module__.startswith("torch") and value.is_cuda:
+    module = type(value).__module__
+    if module.startswith("cupy"):
+        return value
+    if module.startswith("torch") and value.is_cuda:
         return xp.from_dlpack(value)
-    return xp.asarray(value)
+    return xp.asarray(to_host(value))
 
 
 def shape_dtype(value):
@@ -79,6 +83,19 @@ def shape_dtype(value):
         return tuple(value.shape), np.dtype(value.dtype)
     array = np.asarray(value)
     return array.shape, array.dtype
+
+
+def is_array(value):
+    """Whether ``value`` is an array tensorkv accepts (not a list, which means one array per device)."""
+    return (hasattr(value, "shape") and hasattr(value, "dtype")) or hasattr(value, "__array__") \
+        or hasattr(value, "__dlpack__")
+
+
+def host_copy(array):
+    """A new NumPy array with the value of a NumPy or CuPy ``array``, sharing no memory with it."""
+    if isinstance(array, np.ndarray):
+        return array.copy()
+    return array.get()
 
 
 def _torch_dtype(torch_dtype):

@@ -51,7 +51,8 @@ def numpy_dtype(wire):
     try:
         return _TO_NUMPY[wire]
     except KeyError:
-        raise InvalidTensorError(f"unknown wire dtype {wire}") from None
+        name = "DTYPE_UNSPECIFIED" if wire == tensor_pb2.DTYPE_UNSPECIFIED else str(wire)
+        raise InvalidTensorError(f"unknown wire dtype {name}") from None
 
 
 def dtype_name(dtype):
@@ -60,11 +61,16 @@ def dtype_name(dtype):
 
 # ---- keys ---------------------------------------------------------------------------
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def check_key(key):
     """The key as a plain int or str; KeyTypeError for anything else (bool included)."""
     if isinstance(key, str):
         return key
     if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+        if not _INT64_MIN <= key <= _INT64_MAX:
+            raise KeyTypeError(f"int key {key} does not fit in 64 bits")
         return int(key)
     raise KeyTypeError(f"key {key!r} has type {type(key).__name__}; keys are int or str")
 

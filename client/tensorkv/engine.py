@@ -9,11 +9,14 @@ import ml_dtypes
 import numpy as np
 
 from .backend import shape_dtype, to_namespace
-from .codec import check_key
-from .errors import DtypeMismatchError, KeyExistsError, KeyNotFoundError, KeyTypeError, ShapeMismatchError
+from .codec import check_key, wire_dtype
+from .errors import (
+    DtypeMismatchError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError, ShapeMismatchError,
+)
 
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # Low-precision dtypes whose sums are accumulated in float32.
-_WIDENED = {np.dtype(ml_dtypes.bfloat16)}
+_WIDENED = {_BFLOAT16}
 
 
 class Stored:
@@ -31,7 +34,16 @@ class Stored:
 class Engine:
     """Values by key and the updater that merges pushes into them.
 
-    ``updater(key, merged, stored)`` updates ``stored`` in place; None means assign.
+    ``updater(key, merged, stored)`` updates ``stored`` in place; None means assign. An
+    updater with a ``check(key, stored)`` method (:class:`tensorkv.optimizer.Updater`) has it
+    called for every key of a push before any value changes.
+
+    >>> from tensorkv.codec import Item
+    >>> engine = Engine()
+    >>> engine.init([Item('w', np.zeros(2))])
+    >>> engine.push([('w', [np.ones(2), np.ones(2)])])
+    >>> print(engine.pull(['w'])[0])
+    [2. 2.]
     """
 
     def __init__(self, xp=np):
@@ -68,15 +80,23 @@ class Engine:
         return keys
 
     def check_new(self, items):
-        """Check that ``items`` (codec.Item) may be initialized: new, distinct keys of the store's kind."""
+        """Check that ``items`` (codec.Item) may be initialized: new, distinct keys of the store's
+        kind, with a dtype the wire and this engine's namespace support."""
         keys = self.check_keys([item.key for item in items])
         seen = set()
-        for key in keys:
+        for key, item in zip(keys, items):
             if key in self._values:
                 raise KeyExistsError(f"key {key!r} is already initialized")
             if key in seen:
                 raise KeyExistsError(f"key {key!r} appears twice in one init")
             seen.add(key)
+            _, dtype = shape_dtype(item.array)
+            try:
+                wire_dtype(dtype)
+            except InvalidTensorError as error:
+                raise InvalidTensorError(f"key {key!r}: {error}") from None
+            if dtype == _BFLOAT16 and self.xp is not np:
+                raise InvalidTensorError(f"key {key!r}: bfloat16 values cannot live on the GPU, CuPy has no bfloat16")
 
     def check_value(self, key, value, shape=None, slice=None, verb="pushed"):
         """Check ``value`` agrees with the stored dtype and shape (and slice) of ``key``."""
@@ -128,13 +148,28 @@ class Engine:
             self.updater(key, merged, stored)
 
     def push(self, pairs):
-        """Merge each (key, [values]) pair into its key: sum the list, then apply. All or none."""
+        """Merge each (key, [values]) pair into its key: sum the list, then apply. All or none.
+
+        A key given several times in one call is merged once, over all of its values, as
+        MXNet groups the pairs of a push by key.
+        """
         keys = self.check_keys([key for key, _ in pairs])
+        grouped = {}
         for key, (_, values) in zip(keys, pairs):
+            grouped.setdefault(key, []).extend(values)
+        check_updater = getattr(self.updater, "check", None)
+        for key, values in grouped.items():
             for value in values:
                 self.check_value(key, value)
-        for key, (_, values) in zip(keys, pairs):
+            if check_updater is not None:
+                check_updater(key, self.get(key).array)
+        for key, values in grouped.items():
             total = None
             for value in values:
                 total = self.accumulate(total, value)
             self.apply(key, total)
+
+    def pull(self, keys):
+        """The stored arrays of ``keys`` (not copies); KeyNotFoundError before any is returned."""
+        keys = self.check_keys(keys)
+        return [self.get(key).array for key in keys]

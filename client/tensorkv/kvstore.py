@@ -4,13 +4,9 @@ This module turns the many call forms of MXNet's API (one key or a list, one arr
 list per key, ``out`` or a return value) into lists of (key, [arrays]) pairs; the store
 types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
 """
-from .backend import shape_dtype, write_into
+from .backend import is_array, shape_dtype, to_host, write_into
 from .codec import Item, check_key
-from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
-
-
-def _is_array_like(value):
-    return hasattr(value, "shape") and hasattr(value, "dtype")
+from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
 
 
 def _as_list(keys, values, what):
@@ -24,26 +20,33 @@ def _as_list(keys, values, what):
 
 
 def _arrays(key, value):
-    """The list of arrays given for one key: one array, or a list (one per device)."""
+    """The list of arrays given for one key: one array, or a list (one per device).
+
+    Objects that only expose ``__array__`` or ``__dlpack__`` are converted to NumPy here.
+    """
     arrays = list(value) if isinstance(value, (list, tuple)) else [value]
     if not arrays:
         raise InvalidArgumentError(f"key {key!r}: an empty list of values")
-    for array in arrays:
-        if not _is_array_like(array):
+    for i, array in enumerate(arrays):
+        if not is_array(array):
             raise InvalidArgumentError(
                 f"key {key!r}: value of type {type(array).__name__} is not an array"
             )
+        if not (hasattr(array, "shape") and hasattr(array, "dtype")):
+            arrays[i] = to_host(array)
     return arrays
 
 
-def _check_same(key, arrays, verb):
-    shape, dtype = shape_dtype(arrays[0])
-    for other in arrays[1:]:
+def _check_same(key, arrays, verb, shape=None, dtype=None):
+    """Check every array has the same shape and dtype (those of the first, unless given)."""
+    if shape is None:
+        shape, dtype = shape_dtype(arrays[0])
+    for other in arrays:
         other_shape, other_dtype = shape_dtype(other)
         if other_dtype != dtype:
-            raise DtypeMismatchError(f"key {key!r}: {verb} values of dtypes {dtype} and {other_dtype}")
+            raise DtypeMismatchError(f"key {key!r}: {verb} dtype {other_dtype} where {dtype} is expected")
         if other_shape != shape:
-            raise ShapeMismatchError(f"key {key!r}: {verb} values of shapes {shape} and {other_shape}")
+            raise ShapeMismatchError(f"key {key!r}: {verb} shape {other_shape} where {shape} is expected")
 
 
 class KVStore:
@@ -89,17 +92,10 @@ class KVStore:
         """Initialize one key or a list of keys, once each.
 
         >>> kv.init('w', np.zeros(4, dtype=np.float32))
-        >>> kv.init([5, 7], [np.ones(2), np.ones(2)])   # doctest: +SKIP
+        >>> kv.init([5, 7], [np.ones(2), np.ones(2)])
         """
-        keys, values = _as_list(key, value, "init")
-        items = []
-        for k, v in zip(keys, values):
-            k = check_key(k)
-            arrays = _arrays(k, v)
-            if len(arrays) != 1:
-                raise InvalidArgumentError(f"key {k!r}: init takes one array per key, got {len(arrays)}")
-            items.append(Item(k, arrays[0]))
-        self._init(items)
+        self._check_open()
+        self._init(self._init_items(key, value))
 
     def push(self, key, value, priority=0):
         """Push values into one key or a list of keys.
@@ -110,6 +106,7 @@ class KVStore:
         >>> kv.push('w', np.ones(4, dtype=np.float32) * 8)
         >>> kv.push('w', [np.ones(4, dtype=np.float32)] * 4)   # stored value becomes 4
         """
+        self._check_open()
         self._push(self._push_pairs(key, value))
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
@@ -120,51 +117,90 @@ class KVStore:
 
         >>> a = np.zeros(4, dtype=np.float32)
         >>> kv.pull('w', out=a)
-        >>> kv.pull('w')   # doctest: +SKIP
+        >>> print(a)
+        [4. 4. 4. 4.]
+        >>> kv.pull('w')
         array([4., 4., 4., 4.], dtype=float32)
         """
+        self._check_open()
         keys, outs = self._pull_targets(key, out)
-        values = self._pull(keys, fresh=out is None)
+        values = self._pull(keys, fresh=outs is None)
         return self._deliver(key, keys, outs, values)
 
     def pushpull(self, key, value, out=None, priority=0):
-        """Push, then pull the same keys, in one call (one round trip on a server)."""
+        """Push, then pull the same keys, in one call (one round trip on a server).
+
+        As in MXNet, ``out=None`` pulls the result back into ``value`` itself.
+
+        >>> g = np.ones(4, dtype=np.float32)
+        >>> kv.pushpull('w', g)
+        >>> print(g)
+        [1. 1. 1. 1.]
+        """
+        self._check_open()
         pairs = self._push_pairs(key, value)
-        keys, outs = self._pull_targets(key, out)
-        values = self._pushpull(pairs, fresh=out is None)
-        return self._deliver(key, keys, outs, values)
+        keys, outs = self._pull_targets(key, value if out is None else out)
+        for (k, arrays), targets in zip(pairs, outs):
+            shape, dtype = shape_dtype(arrays[0])
+            _check_same(k, targets, "out array of", shape, dtype)
+        values = self._pushpull(pairs, fresh=False)
+        self._deliver(key, keys, outs, values)
 
     def broadcast(self, key, value, out=None, priority=0):
-        """Initialize keys with ``value``, then pull them into ``out`` (or return them)."""
-        self.init(key, value)
+        """Initialize keys with ``value``, then pull them into ``out`` (or return them).
+
+        >>> kv.broadcast('b', np.full(2, 7, dtype=np.int32))
+        array([7, 7], dtype=int32)
+        """
+        self._check_open()
+        items = self._init_items(key, value)
+        keys, outs = self._pull_targets(key, out)
+        if outs is not None:
+            for item, targets in zip(items, outs):
+                _check_same(item.key, targets, "out array of", *shape_dtype(item.array))
+        self._init(items)
         return self.pull(key, out=out)
 
     # ---- updaters -----------------------------------------------------------------------
 
     def set_updater(self, updater):
-        """Set ``updater(key, input, stored)``, which updates ``stored`` in place on push."""
+        """Set ``updater(key, input, stored)``, which updates ``stored`` in place on push.
+
+        >>> def update(key, input, stored):
+        ...     stored += input * 2
+        >>> kv.set_updater(update)
+        """
+        self._check_open()
         self._set_updater(updater)
 
     def set_optimizer(self, optimizer):
-        """Apply ``optimizer`` (see :mod:`tensorkv.optimizer`) to every push from now on."""
+        """Apply ``optimizer`` (see :mod:`tensorkv.optimizer`) to every push from now on.
+
+        >>> kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        """
+        self._check_open()
         self._set_optimizer(optimizer)
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Save the optimizer's per-key states (and, always, its hyper-parameters) to ``fname``."""
+        self._check_open()
         self._save_optimizer_states(fname)
 
     def load_optimizer_states(self, fname):
-        """Load optimizer states saved by :meth:`save_optimizer_states`."""
+        """Load optimizer states saved by :meth:`save_optimizer_states`; the optimizer set on
+        this store must be the one they were saved with."""
+        self._check_open()
         self._load_optimizer_states(fname)
 
     def barrier(self):
         """Return once every worker has called barrier()."""
+        self._check_open()
         self._barrier()
 
     # ---- life cycle -------------------------------------------------------------------
 
     def close(self):
-        """Release the store's resources; further calls are errors."""
+        """Release the store's resources; further calls raise FailedPreconditionError."""
         self._closed = True
 
     def __enter__(self):
@@ -173,7 +209,22 @@ class KVStore:
     def __exit__(self, *exc):
         self.close()
 
+    def _check_open(self):
+        if self._closed:
+            raise FailedPreconditionError(f"this {self._type!r} KVStore is closed")
+
     # ---- argument plumbing --------------------------------------------------------------
+
+    def _init_items(self, key, value):
+        keys, values = _as_list(key, value, "init")
+        items = []
+        for k, v in zip(keys, values):
+            k = check_key(k)
+            arrays = _arrays(k, v)
+            if len(arrays) != 1:
+                raise InvalidArgumentError(f"key {k!r}: init takes one array per key, got {len(arrays)}")
+            items.append(Item(k, arrays[0]))
+        return items
 
     def _push_pairs(self, key, value):
         keys, values = _as_list(key, value, "push")
@@ -186,9 +237,10 @@ class KVStore:
         return pairs
 
     def _pull_targets(self, key, out):
+        """(keys, outs): ``outs`` is None for ``out=None``, else one list of arrays per key."""
         keys = [check_key(k) for k in key] if isinstance(key, (list, tuple)) else [check_key(key)]
         if out is None:
-            return keys, [None] * len(keys)
+            return keys, None
         if isinstance(key, (list, tuple)):
             _, outs = _as_list(key, out, "pull")
         else:
@@ -198,10 +250,10 @@ class KVStore:
     def _deliver(self, key, keys, outs, values):
         """Write ``values`` into ``outs``, all checked before any is written; or return them.
 
-        ``values`` come from ``_pull(keys, fresh)``: with ``fresh=True`` (no ``out``) they are
-        new NumPy arrays the caller owns; otherwise they may alias stored memory.
+        ``values`` come from ``_pull(keys, fresh)``: with ``fresh=True`` (``outs`` is None)
+        they are new NumPy arrays the caller owns; otherwise they may alias stored memory.
         """
-        if outs[0] is None:
+        if outs is None:
             return values if isinstance(key, (list, tuple)) else values[0]
         for k, targets, value in zip(keys, outs, values):
             for target in targets:

@@ -1,0 +1,247 @@
+"""MXNet 1.9.1 KVStore reference: dist_sync over ps-lite on 127.0.0.1, and 'local'.
+
+Runs in the .venv-mxnet venv (`make bench-mxnet`):
+
+    python bench/mxnet_ref.py [--json out.json] [--quick]
+
+The launcher starts a ps-lite scheduler, one server and the workers as
+separate processes of this interpreter with the DMLC_* variables set, waits
+for each with a deadline, and stops any still running by its PID (terminate,
+then kill).  A push+pull round trip of N bytes counts 2*N bytes.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from progress import Progress
+
+MiB = 1 << 20
+REPEATS = 7
+SMALL_REPEATS = 500
+CLUSTER_TIMEOUT = 300.0  # seconds for one scheduler+server+workers run
+STOP_TIMEOUT = 5.0  # seconds to wait after terminate, then after kill
+LIST_KEYS = 1000
+LIST_FLOATS = 256  # 1 KiB per key
+
+
+def run_all(repeats=REPEATS, small_repeats=SMALL_REPEATS, big=64 * MiB):
+    """Runs every MXNet measurement with a progress bar; returns a flat dict
+    of medians whose keys carry their units."""
+    results = {"mxnet_version": _mxnet_version(),
+               "python": sys.version.split()[0]}
+    with Progress(3, "mxnet") as bar:
+        bar.show("dist_sync, 1 worker ...")
+        single, = run_cluster("single", 1, repeats, small_repeats, big)
+        results.update({
+            "dist_sync_4MiB_gbps": _gbps(4 * MiB, single["rtt_4MiB_s"]),
+            f"dist_sync_{big // MiB}MiB_gbps": _gbps(big, single["rtt_big_s"]),
+            "dist_sync_16f_rtt_us": single["rtt_16f_s"] * 1e6,
+            "dist_sync_1000x1KiB_ms": single["rtt_list_s"] * 1e3,
+        })
+        bar.step("dist_sync, 1 worker")
+        bar.show("dist_sync, 2 workers ...")
+        pair = run_cluster("pair", 2, repeats, small_repeats, big)
+        slowest = max(w["rtt_4MiB_s"] for w in pair)
+        results["dist_sync_2workers_4MiB_gbps"] = 2 * _gbps(4 * MiB, slowest)
+        bar.step("dist_sync, 2 workers")
+        bar.show("local ...")
+        results["local_4MiB_gbps"] = _gbps(4 * MiB, _local_rtt(repeats))
+        bar.step("local")
+    return results
+
+
+def run_cluster(test, workers, repeats, small_repeats, big):
+    """Starts scheduler, server and `workers` workers on 127.0.0.1; returns
+    the list of what each worker measured for `test`."""
+    env = dict(os.environ,
+               DMLC_PS_ROOT_URI="127.0.0.1",
+               DMLC_PS_ROOT_PORT=str(_free_port()),
+               DMLC_NODE_HOST="127.0.0.1",
+               DMLC_INTERFACE="lo",
+               DMLC_NUM_SERVER="1",
+               DMLC_NUM_WORKER=str(workers))
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="mxnet-ref-") as tmp:
+        try:
+            # With DMLC_ROLE set to scheduler or server, `import mxnet` runs
+            # that role until the workers finish.
+            for role in ("scheduler", "server"):
+                procs.append(_spawn([sys.executable, "-c", "import mxnet"],
+                                    env, role, tmp))
+            outs = [os.path.join(tmp, f"worker{i}.json")
+                    for i in range(workers)]
+            worker_procs = [_spawn(
+                [sys.executable, __file__, "--worker", test, "--out", out,
+                 "--repeats", str(repeats), "--small-repeats",
+                 str(small_repeats), "--big", str(big)], env, "worker", tmp)
+                for out in outs]
+            procs += worker_procs
+            deadline = time.monotonic() + CLUSTER_TIMEOUT
+            for proc in worker_procs + procs[:2]:
+                _wait(proc, deadline)
+            return [_read_json(out) for out in outs]
+        finally:
+            for proc in procs:
+                _stop(proc)
+
+
+def _spawn(cmd, env, role, logdir):
+    log = open(os.path.join(logdir, f"{role}-{time.monotonic_ns()}.log"), "w")
+    with log:
+        proc = subprocess.Popen(cmd, env=dict(env, DMLC_ROLE=role),
+                                stdout=log, stderr=subprocess.STDOUT)
+    proc.role, proc.log = role, log.name
+    return proc
+
+
+def _wait(proc, deadline):
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"MXNet {proc.role} (pid {proc.pid}) did not finish "
+                           f"within {CLUSTER_TIMEOUT:.0f}s\n{_tail(proc.log)}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"MXNet {proc.role} (pid {proc.pid}) exited with "
+                           f"{proc.returncode}\n{_tail(proc.log)}")
+
+
+def _stop(proc):
+    """Stops one process by its PID: terminate, then kill after a timeout."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(STOP_TIMEOUT)
+
+
+def _tail(path, lines=20):
+    with open(path) as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gbps(nbytes, seconds):
+    return 2 * nbytes / seconds / 1e9
+
+
+def _median_time(fn, repeats, warmup=1):
+    """Calls fn warmup+repeats times; returns the median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _mxnet_version():
+    import mxnet as mx
+    return mx.__version__
+
+
+def _kv_rtt(kv, key, nbytes, repeats):
+    """Median seconds for kv.push then kv.pull of one float32 key."""
+    import mxnet as mx
+    value = mx.nd.ones(nbytes // 4)
+    out = mx.nd.zeros(nbytes // 4)
+    kv.init(key, value)
+
+    def round_trip():
+        kv.push(key, value)
+        kv.pull(key, out=out)
+        out.wait_to_read()
+
+    return _median_time(round_trip, repeats)
+
+
+def _list_rtt(kv, repeats):
+    """Median seconds for one list push then pull of 1000 keys of 1 KiB."""
+    import mxnet as mx
+    keys = list(range(1000, 1000 + LIST_KEYS))
+    values = [mx.nd.ones(LIST_FLOATS) for _ in keys]
+    outs = [mx.nd.zeros(LIST_FLOATS) for _ in keys]
+    kv.init(keys, values)
+
+    def round_trip():
+        kv.push(keys, values)
+        kv.pull(keys, out=outs)
+        mx.nd.waitall()
+
+    return _median_time(round_trip, repeats)
+
+
+def _local_rtt(repeats):
+    """Median seconds for a 4 MiB push+pull on MXNet's in-process store."""
+    import mxnet as mx
+    return _kv_rtt(mx.kv.create("local"), 0, 4 * MiB, repeats)
+
+
+def _worker(test, repeats, small_repeats, big):
+    """Runs in a worker process: measures `test` on a dist_sync store."""
+    import mxnet as mx
+    kv = mx.kv.create("dist_sync")
+    if test == "pair":
+        return {"rtt_4MiB_s": _kv_rtt(kv, 0, 4 * MiB, repeats)}
+    return {"rtt_4MiB_s": _kv_rtt(kv, 0, 4 * MiB, repeats),
+            "rtt_big_s": _kv_rtt(kv, 1, big, repeats),
+            "rtt_16f_s": _kv_rtt(kv, 2, 64, small_repeats),
+            "rtt_list_s": _list_rtt(kv, repeats)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="16 MiB instead of 64 MiB, fewer repeats")
+    parser.add_argument("--worker", choices=("single", "pair"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--small-repeats", type=int, default=SMALL_REPEATS,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--big", type=int, default=64 * MiB,
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        result = _worker(args.worker, args.repeats, args.small_repeats,
+                         args.big)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return 0
+    if args.quick:
+        results = run_all(repeats=3, small_repeats=100, big=16 * MiB)
+    else:
+        results = run_all()
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The embedded stores 'local' and 'device': an :class:`~tensorkv.engine.Engine` in this
+process, no server, no network.
+
+'local' keeps values in host memory (NumPy); 'device' keeps them on the GPU through CuPy
+when CuPy sees one, else behaves as 'local'.
+
+>>> import numpy as np, tensorkv
+>>> with tensorkv.create('device') as kv:
+...     kv.init('w', np.zeros(3, np.float32))
+...     kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.5))
+...     kv.push('w', [np.ones(3, np.float32), np.ones(3, np.float32)])
+...     print(kv.pull('w'))
+[-1. -1. -1.]
+"""
+import threading
+
+import numpy as np
+
+from . import states_file
+from .backend import host_copy, select
+from .engine import Engine
+from .errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError
+from .kvstore import KVStore
+from .optimizer import Optimizer, Updater
+
+
+class LocalStore(KVStore):
+    """An embedded KVStore of type 'local' or 'device'; create it with :func:`tensorkv.create`.
+
+    Calls are serialized by a lock, so threads may share one store.
+    """
+
+    def __init__(self, name, **kwargs):
+        if kwargs:
+            raise InvalidArgumentError(f"a {name!r} KVStore takes no options, got {', '.join(sorted(kwargs))}")
+        super().__init__(name)
+        xp, self.device = select("auto") if name == "device" else (np, "cpu")
+        self._engine = Engine(xp)
+        self._lock = threading.RLock()
+
+    def __repr__(self):
+        return f"<LocalStore type={self.type!r} device={self.device!r} keys={len(self._engine)}>"
+
+    def _init(self, items):
+        with self._lock:
+            self._engine.init(items)
+
+    def _push(self, pairs):
+        with self._lock:
+            self._engine.push(pairs)
+
+    def _pull(self, keys, fresh):
+        with self._lock:
+            values = self._engine.pull(keys)
+            return [host_copy(value) for value in values] if fresh else values
+
+    def _pushpull(self, pairs, fresh):
+        with self._lock:
+            self._engine.push(pairs)
+            return self._pull([key for key, _ in pairs], fresh)
+
+    def _set_updater(self, updater):
+        """Set ``updater(key, input, stored)``; MXNet's name for :meth:`set_updater`."""
+        self._check_open()
+        if not callable(updater):
+            raise InvalidArgumentError(f"an updater must be callable, got {type(updater).__name__}")
+        with self._lock:
+            self._engine.updater = updater
+
+    def _set_optimizer(self, optimizer):
+        if not isinstance(optimizer, Optimizer):
+            raise InvalidArgumentError(
+                f"set_optimizer takes a tensorkv.optimizer.Optimizer, got {type(optimizer).__name__}"
+            )
+        self._set_updater(Updater(optimizer))
+
+    def _optimizer_updater(self):
+        updater = self._engine.updater
+        if not isinstance(updater, Updater):
+            raise FailedPreconditionError("optimizer states exist only after set_optimizer()")
+        return updater
+
+    def _save_optimizer_states(self, fname):
+        with self._lock:
+            updater = self._optimizer_updater()
+            states_file.save(fname, updater.optimizer, updater.get_states())
+
+    def _load_optimizer_states(self, fname):
+        with self._lock:
+            updater = self._optimizer_updater()
+            optimizer, saved = states_file.load(fname)
+            if optimizer != updater.optimizer:
+                raise InvalidArgumentError(
+                    f"{fname} holds states of {optimizer!r}, but this store's optimizer is {updater.optimizer!r}"
+                )
+            states = {}
+            for key, (num_update, arrays) in saved.items():
+                if key not in self._engine:
+                    raise KeyNotFoundError(f"{fname} holds states of key {key!r}, which has not been initialized")
+                weight = self._engine.get(key).array
+                states[key] = (num_update, updater.check_states(key, weight, arrays))
+            updater.set_states(states)
+
+    def _barrier(self):
+        """One worker: nothing to wait for."""
+
+    def close(self):
+        with self._lock:
+            self._engine = Engine(self._engine.xp)
+            super().close()

@@ -1,0 +1,459 @@
+"""Declarative optimizers with MXNet 1.9's argument names, defaults and update formulas.
+
+An optimizer is data, a name and numbers (``opt.name``, ``opt.params``), so it can
+travel to a server and be rebuilt there with :func:`create`. Its arithmetic is written
+against an array namespace ``xp`` (NumPy or CuPy), so the same code runs in an embedded
+store and on a GPU server. float16 and bfloat16 weights are updated in float32 and
+written back; optimizer states are float32 (float64 for float64 weights).
+
+>>> import numpy as np
+>>> from tensorkv import optimizer
+>>> sgd = optimizer.SGD(learning_rate=0.1, momentum=0.9)
+>>> sgd.params['momentum']
+0.9
+>>> weight, grad = np.ones(3, np.float32), np.ones(3, np.float32)
+>>> state = sgd.create_state(np, weight)
+>>> sgd.update(np, weight, grad, state, t=1)
+>>> print(weight)
+[0.9 0.9 0.9]
+"""
+import inspect
+import math
+
+import numpy as np
+
+from .backend import array_module
+from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+
+
+def _number(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"optimizer parameter {name}={value!r} is not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"optimizer parameter {name}={value!r} is not finite")
+    return value
+
+
+def _bound(name, value):
+    """A clipping bound: None (no clipping) or a positive number."""
+    if value is None:
+        return None
+    value = _number(name, value)
+    if value <= 0:
+        raise InvalidArgumentError(f"optimizer parameter {name}={value} must be positive, or None for no clipping")
+    return value
+
+
+def _compute_dtype(dtype):
+    """The dtype updates are computed and states kept in: float64 for float64, else float32."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+class Optimizer:
+    """Base class: the hyper-parameters every optimizer shares.
+
+    Parameters
+    ----------
+    learning_rate : float
+        The step size.
+    wd : float, default 0
+        Weight decay (L2 regularization) coefficient.
+    rescale_grad : float, default 1
+        The gradient is multiplied by it first, e.g. ``1.0 / batch_size``.
+    clip_gradient : float or None, default None
+        Clip the (rescaled) gradient into ``[-clip_gradient, clip_gradient]``.
+    """
+
+    name = None
+
+    def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None):
+        self.learning_rate = _number("learning_rate", learning_rate)
+        self.wd = _number("wd", wd)
+        self.rescale_grad = _number("rescale_grad", rescale_grad)
+        self.clip_gradient = _bound("clip_gradient", clip_gradient)
+
+    @classmethod
+    def parameter_names(cls):
+        """The names of the constructor's hyper-parameters."""
+        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+    @property
+    def params(self):
+        """All hyper-parameters as ``{name: float}``; bounds left at None are omitted."""
+        values = {name: getattr(self, name) for name in self.parameter_names()}
+        return {name: float(value) for name, value in values.items() if value is not None}
+
+    def __eq__(self, other):
+        return isinstance(other, Optimizer) and (self.name, self.params) == (other.name, other.params)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{type(self).__name__}({args})"
+
+    def create_state(self, xp, weight):
+        """The tuple of state arrays (zeros) for ``weight``; empty when the update needs none."""
+        return ()
+
+    def update(self, xp, weight, grad, state, t):
+        """Update ``weight`` and ``state`` in place from ``grad``; ``t`` counts this key's updates from 1."""
+        raise NotImplementedError
+
+    # ---- helpers for subclasses ---------------------------------------------------------
+
+    def _zeros(self, xp, weight, count):
+        return tuple(xp.zeros(weight.shape, _compute_dtype(weight.dtype)) for _ in range(count))
+
+    def _rescaled(self, xp, grad, dtype):
+        """A new array ``rescale_grad * grad`` in ``dtype``."""
+        return xp.multiply(grad, self.rescale_grad, dtype=dtype)
+
+    def _clip(self, xp, g):
+        """Clip ``g`` in place into ``[-clip_gradient, clip_gradient]`` when a bound is set."""
+        if self.clip_gradient is not None:
+            xp.clip(g, -self.clip_gradient, self.clip_gradient, out=g)
+
+
+def _in_compute_dtype(update):
+    """Run ``update`` on a float32 copy of a float16/bfloat16 weight and write the result back."""
+
+    def wrapper(self, xp, weight, grad, state, t):
+        dtype = _compute_dtype(weight.dtype)
+        if weight.dtype == dtype:
+            update(self, xp, weight, grad, state, t)
+        else:
+            wide = weight.astype(dtype)
+            update(self, xp, wide, grad, state, t)
+            weight[...] = wide
+
+    wrapper.__doc__ = update.__doc__
+    return wrapper
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum and weight decay (MXNet's ``sgd_update`` /
+    ``sgd_mom_update``)::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        momentum == 0:  weight = (1 - lr * wd) * weight - lr * g
+        momentum != 0:  mom = momentum * mom - lr * wd * weight - lr * g
+                        weight = weight + mom
+
+    >>> sgd = SGD(learning_rate=0.1, momentum=0.9, wd=0.0, rescale_grad=1.0)
+    >>> sgd.name, sgd.params['learning_rate']
+    ('sgd', 0.1)
+    """
+
+    name = "sgd"
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+        self.momentum = _number("momentum", momentum)
+
+    def create_state(self, xp, weight):
+        return self._zeros(xp, weight, 1) if self.momentum != 0 else ()
+
+    @_in_compute_dtype
+    def update(self, xp, weight, grad, state, t):
+        lr = self.learning_rate
+        g = self._rescaled(xp, grad, weight.dtype)
+        self._clip(xp, g)
+        g *= lr
+        if not state:
+            weight *= 1 - lr * self.wd
+            weight -= g
+            return
+        (mom,) = state
+        mom *= self.momentum
+        mom -= g
+        if self.wd:
+            xp.multiply(weight, lr * self.wd, out=g)
+            mom -= g
+        weight += mom
+
+
+class Adam(Optimizer):
+    """Adam (MXNet's ``adam_update`` with the bias correction folded into the step)::
+
+        g = clip(rescale_grad * grad + wd * weight, clip_gradient)
+        mean = beta1 * mean + (1 - beta1) * g
+        var = beta2 * var + (1 - beta2) * g**2
+        lr_t = learning_rate * sqrt(1 - beta2**t) / (1 - beta1**t)
+        weight = weight - lr_t * mean / (sqrt(var) + epsilon)
+
+    >>> Adam().params
+    {'learning_rate': 0.001, 'beta1': 0.9, 'beta2': 0.999, 'epsilon': 1e-08, 'wd': 0.0, 'rescale_grad': 1.0}
+    """
+
+    name = "adam"
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
+                 rescale_grad=1.0, clip_gradient=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+        self.beta1 = _number("beta1", beta1)
+        self.beta2 = _number("beta2", beta2)
+        self.epsilon = _number("epsilon", epsilon)
+
+    def create_state(self, xp, weight):
+        return self._zeros(xp, weight, 2)
+
+    @_in_compute_dtype
+    def update(self, xp, weight, grad, state, t):
+        mean, var = state
+        lr = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
+        g = self._rescaled(xp, grad, weight.dtype)
+        scratch = xp.multiply(weight, self.wd)
+        g += scratch
+        self._clip(xp, g)
+        xp.multiply(g, g, out=scratch)
+        scratch *= 1 - self.beta2
+        var *= self.beta2
+        var += scratch
+        g *= 1 - self.beta1
+        mean *= self.beta1
+        mean += g
+        xp.sqrt(var, out=scratch)
+        scratch += self.epsilon
+        xp.divide(mean, scratch, out=scratch)
+        scratch *= lr
+        weight -= scratch
+
+
+class AdaGrad(Optimizer):
+    """AdaGrad (MXNet's dense update)::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        history = history + g**2
+        weight = weight - lr * (g / sqrt(history + eps) + wd * weight)
+
+    MXNet calls the stability constant ``eps`` here, not ``epsilon``.
+
+    >>> AdaGrad(eps=1e-7).params['eps']
+    1e-07
+    """
+
+    name = "adagrad"
+
+    def __init__(self, learning_rate=0.01, eps=1e-7, wd=0.0, rescale_grad=1.0, clip_gradient=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+        self.eps = _number("eps", eps)
+
+    def create_state(self, xp, weight):
+        return self._zeros(xp, weight, 1)
+
+    @_in_compute_dtype
+    def update(self, xp, weight, grad, state, t):
+        (history,) = state
+        g = self._rescaled(xp, grad, weight.dtype)
+        self._clip(xp, g)
+        scratch = xp.multiply(g, g)
+        history += scratch
+        xp.add(history, self.eps, out=scratch)
+        xp.sqrt(scratch, out=scratch)
+        g /= scratch
+        if self.wd:
+            xp.multiply(weight, self.wd, out=scratch)
+            g += scratch
+        g *= self.learning_rate
+        weight -= g
+
+
+class RMSProp(Optimizer):
+    """RMSProp: Tieleman & Hinton's (``centered=False``, MXNet's ``rmsprop_update``) or
+    Graves's (``centered=True``, ``rmspropalex_update``)::
+
+        g = clip(rescale_grad * grad + wd * weight, clip_gradient)
+        n = (1 - gamma1) * g**2 + gamma1 * n
+        centered=False: weight = weight - lr * g / sqrt(n + epsilon)
+        centered=True:  s = (1 - gamma1) * g + gamma1 * s
+                        delta = gamma2 * delta - lr * g / sqrt(n - s**2 + epsilon)
+                        weight = weight + delta
+        weight = clip(weight, clip_weights)
+
+    ``centered`` travels as 1.0 / 0.0 in ``params``.
+
+    >>> RMSProp(centered=True).params['centered']
+    1.0
+    """
+
+    name = "rmsprop"
+
+    def __init__(self, learning_rate=0.001, gamma1=0.9, gamma2=0.9, epsilon=1e-8, centered=False,
+                 clip_weights=None, wd=0.0, rescale_grad=1.0, clip_gradient=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+        self.gamma1 = _number("gamma1", gamma1)
+        self.gamma2 = _number("gamma2", gamma2)
+        self.epsilon = _number("epsilon", epsilon)
+        self.centered = centered if isinstance(centered, bool) else bool(_number("centered", centered))
+        self.clip_weights = _bound("clip_weights", clip_weights)
+
+    def create_state(self, xp, weight):
+        return self._zeros(xp, weight, 3 if self.centered else 1)
+
+    @_in_compute_dtype
+    def update(self, xp, weight, grad, state, t):
+        g = self._rescaled(xp, grad, weight.dtype)
+        scratch = xp.multiply(weight, self.wd)
+        g += scratch
+        self._clip(xp, g)
+        n = state[0]
+        xp.multiply(g, g, out=scratch)
+        scratch *= 1 - self.gamma1
+        n *= self.gamma1
+        n += scratch
+        if self.centered:
+            _, mean, delta = state
+            xp.multiply(g, 1 - self.gamma1, out=scratch)
+            mean *= self.gamma1
+            mean += scratch
+            xp.multiply(mean, mean, out=scratch)
+            xp.subtract(n, scratch, out=scratch)
+        else:
+            scratch[...] = n
+        scratch += self.epsilon
+        xp.sqrt(scratch, out=scratch)
+        g /= scratch
+        g *= self.learning_rate
+        if self.centered:
+            delta *= self.gamma2
+            delta -= g
+            weight += delta
+        else:
+            weight -= g
+        if self.clip_weights is not None:
+            xp.clip(weight, -self.clip_weights, self.clip_weights, out=weight)
+
+
+class Signum(Optimizer):
+    """Signum, or signSGD when ``momentum`` is 0 (MXNet's ``signum_update`` / ``signsgd_update``)::
+
+        momentum != 0:  mom = momentum * mom - (1 - momentum) * (wd * weight + clip(rescale_grad * grad, clip_gradient))
+                        weight = (1 - lr * wd_lh) * weight + lr * sign(mom)
+        momentum == 0:  weight = (1 - lr * wd) * weight - lr * sign(grad)
+
+    As in MXNet, signSGD takes no ``wd_lh`` (and its sign ignores rescaling and clipping).
+
+    >>> Signum().params['momentum']
+    0.9
+    """
+
+    name = "signum"
+
+    def __init__(self, learning_rate=0.01, momentum=0.9, wd_lh=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+        self.momentum = _number("momentum", momentum)
+        self.wd_lh = _number("wd_lh", wd_lh)
+        if self.momentum == 0 and self.wd_lh != 0:
+            raise InvalidArgumentError("signum with momentum=0 is MXNet's signsgd_update, which has no wd_lh")
+
+    def create_state(self, xp, weight):
+        return self._zeros(xp, weight, 1) if self.momentum != 0 else ()
+
+    @_in_compute_dtype
+    def update(self, xp, weight, grad, state, t):
+        lr = self.learning_rate
+        if not state:
+            g = xp.sign(grad, dtype=weight.dtype)
+            g *= lr
+            weight *= 1 - lr * self.wd
+            weight -= g
+            return
+        (mom,) = state
+        g = self._rescaled(xp, grad, weight.dtype)
+        self._clip(xp, g)
+        g *= 1 - self.momentum
+        mom *= self.momentum
+        mom -= g
+        if self.wd:
+            xp.multiply(weight, (1 - self.momentum) * self.wd, out=g)
+            mom -= g
+        weight *= 1 - lr * self.wd_lh
+        xp.sign(mom, out=g)
+        g *= lr
+        weight += g
+
+
+OPTIMIZERS = {cls.name: cls for cls in (SGD, Adam, AdaGrad, RMSProp, Signum)}
+
+
+def create(name, **params):
+    """The optimizer called ``name`` (case-insensitive) with hyper-parameters ``params``.
+
+    This is how a server rebuilds an optimizer from ``(opt.name, opt.params)``.
+
+    >>> create('adam', learning_rate=0.01)
+    Adam(learning_rate=0.01, beta1=0.9, beta2=0.999, epsilon=1e-08, wd=0.0, rescale_grad=1.0)
+    """
+    cls = OPTIMIZERS.get(str(name).lower())
+    if cls is None:
+        raise InvalidArgumentError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+    unknown = sorted(set(params) - set(cls.parameter_names()))
+    if unknown:
+        raise InvalidArgumentError(
+            f"optimizer {cls.name!r} has no parameter {', '.join(unknown)}; "
+            f"its parameters are {', '.join(cls.parameter_names())}"
+        )
+    return cls(**params)
+
+
+class Updater:
+    """Applies an optimizer to pushed values, key by key: ``updater(key, grad, weight)``.
+
+    Holds each key's optimizer states and update count (Adam's ``t``). This is what a
+    store's engine calls when ``set_optimizer`` is used.
+
+    >>> updater = Updater(SGD(learning_rate=0.5))
+    >>> w = np.ones(2, np.float32)
+    >>> updater('w', np.ones(2, np.float32), w)
+    >>> print(w, updater.get_states()['w'][0])
+    [0.5 0.5] 1
+    """
+
+    def __init__(self, optimizer):
+        if not isinstance(optimizer, Optimizer):
+            raise InvalidArgumentError(f"expected a tensorkv.optimizer.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._states = {}
+        self._num_updates = {}
+
+    def check(self, key, weight):
+        """Raise DtypeMismatchError unless ``weight`` has a floating-point dtype the optimizer can update."""
+        if np.dtype(weight.dtype).kind != "f" and np.dtype(weight.dtype).name != "bfloat16":
+            raise DtypeMismatchError(
+                f"key {key!r}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
+            )
+
+    def __call__(self, key, grad, weight):
+        xp = array_module(weight)
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = self.optimizer.create_state(xp, weight)
+        t = self._num_updates.get(key, 0) + 1
+        self.optimizer.update(xp, weight, grad, state, t)
+        self._num_updates[key] = t
+
+    def check_states(self, key, weight, arrays):
+        """Fresh states for ``weight`` holding copies of ``arrays``; errors name any count, shape or dtype mismatch."""
+        states = self.optimizer.create_state(array_module(weight), weight)
+        if len(arrays) != len(states):
+            raise InvalidArgumentError(
+                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {len(states)} state arrays, got {len(arrays)}"
+            )
+        for state, array in zip(states, arrays):
+            if tuple(array.shape) != tuple(state.shape):
+                raise ShapeMismatchError(f"key {key!r}: state of shape {tuple(array.shape)}, expected {state.shape}")
+            if array.dtype != state.dtype:
+                raise DtypeMismatchError(f"key {key!r}: state of dtype {array.dtype}, expected {state.dtype}")
+            state[...] = array
+        return states
+
+    def get_states(self):
+        """``{key: (num_update, [state arrays])}`` for every key updated so far; the arrays are
+        the live states, not copies."""
+        return {key: (self._num_updates.get(key, 0), list(state)) for key, state in self._states.items()}
+
+    def set_states(self, states):
+        """Replace every key's states and update count by ``{key: (num_update, [state arrays])}``;
+        the updater takes the arrays over and updates them in place."""
+        self._states = {key: tuple(arrays) for key, (_, arrays) in states.items()}
+        self._num_updates = {key: int(num_update) for key, (num_update, _) in states.items()}

@@ -1,0 +1,215 @@
+"""Every optimizer against its MXNet 1.9 formula, computed here in plain Python, step by step."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tensorkv
+from tensorkv import optimizer
+from tensorkv.optimizer import SGD, AdaGrad, Adam, RMSProp, Signum, Updater
+
+WEIGHT = [0.5, -1.0, 2.0, 0.0]
+GRADS = [[0.1, -0.3, 2.5, 0.0], [-1.2, 0.4, 0.05, 3.0], [0.7, 0.7, -2.2, -0.1]]
+
+
+def clip(x, bound):
+    return x if bound is None else max(-bound, min(bound, x))
+
+
+def sign(x):
+    return (x > 0) - (x < 0)
+
+
+def run(opt, steps=GRADS, dtype=np.float64):
+    """The weights after each step, through the Updater as a store calls it."""
+    updater = Updater(opt)
+    weight = np.array(WEIGHT, dtype)
+    out = []
+    for grad in steps:
+        updater(0, np.array(grad, dtype), weight)
+        out.append(weight.astype(np.float64).tolist())
+    return out
+
+
+def expect_sgd(lr, momentum, wd, rescale, clip_at):
+    w, mom, out = list(WEIGHT), [0.0] * len(WEIGHT), []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            g = clip(rescale * g, clip_at)
+            if momentum == 0:
+                w[i] = (1 - lr * wd) * w[i] - lr * g
+            else:
+                mom[i] = momentum * mom[i] - lr * wd * w[i] - lr * g
+                w[i] += mom[i]
+        out.append(list(w))
+    return out
+
+
+def expect_adam(lr, beta1, beta2, eps, wd, rescale, clip_at):
+    w, m, v, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, []
+    for t, grad in enumerate(GRADS, start=1):
+        lr_t = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+        for i, g in enumerate(grad):
+            g = clip(rescale * g + wd * w[i], clip_at)
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            w[i] -= lr_t * m[i] / (math.sqrt(v[i]) + eps)
+        out.append(list(w))
+    return out
+
+
+def expect_adagrad(lr, eps, wd, rescale, clip_at):
+    w, h, out = list(WEIGHT), [0.0] * 4, []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            g = clip(rescale * g, clip_at)
+            h[i] += g * g
+            w[i] += (g / math.sqrt(h[i] + eps) + w[i] * wd) * -lr
+        out.append(list(w))
+    return out
+
+
+def expect_rmsprop(lr, gamma1, gamma2, eps, centered, clip_weights, wd, rescale, clip_at):
+    w, n, s, delta, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, [0.0] * 4, []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            g = clip(rescale * g + wd * w[i], clip_at)
+            n[i] = (1 - gamma1) * g * g + gamma1 * n[i]
+            if centered:
+                s[i] = (1 - gamma1) * g + gamma1 * s[i]
+                delta[i] = gamma2 * delta[i] - lr * g / math.sqrt(n[i] - s[i] * s[i] + eps)
+                w[i] += delta[i]
+            else:
+                w[i] -= lr * g / math.sqrt(n[i] + eps)
+            w[i] = clip(w[i], clip_weights)
+        out.append(list(w))
+    return out
+
+
+def expect_signum(lr, momentum, wd_lh, wd, rescale, clip_at):
+    w, mom, out = list(WEIGHT), [0.0] * 4, []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            if momentum == 0:
+                w[i] = (1 - lr * wd) * w[i] - lr * sign(g)
+            else:
+                mom[i] = momentum * mom[i] - (1 - momentum) * wd * w[i] - (1 - momentum) * clip(rescale * g, clip_at)
+                w[i] = (1 - lr * wd_lh) * w[i] + lr * sign(mom[i])
+        out.append(list(w))
+    return out
+
+
+@pytest.mark.parametrize("momentum, wd, rescale, clip_at", [
+    (0.0, 0.0, 1.0, None), (0.0, 0.1, 0.5, 1.0), (0.9, 0.0, 1.0, None), (0.9, 0.05, 2.0, 0.8),
+])
+def test_sgd(momentum, wd, rescale, clip_at):
+    opt = SGD(learning_rate=0.1, momentum=momentum, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_sgd(0.1, momentum, wd, rescale, clip_at), rtol=1e-12)
+
+
+@pytest.mark.parametrize("wd, rescale, clip_at", [(0.0, 1.0, None), (0.1, 0.5, 0.3)])
+def test_adam(wd, rescale, clip_at):
+    opt = Adam(learning_rate=0.01, beta1=0.8, beta2=0.99, epsilon=1e-6, wd=wd, rescale_grad=rescale,
+               clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_adam(0.01, 0.8, 0.99, 1e-6, wd, rescale, clip_at), rtol=1e-12)
+
+
+@pytest.mark.parametrize("wd, rescale, clip_at", [(0.0, 1.0, None), (0.2, 3.0, 1.5)])
+def test_adagrad(wd, rescale, clip_at):
+    opt = AdaGrad(learning_rate=0.1, eps=1e-5, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_adagrad(0.1, 1e-5, wd, rescale, clip_at), rtol=1e-12)
+
+
+@pytest.mark.parametrize("centered, clip_weights, wd, rescale, clip_at", [
+    (False, None, 0.0, 1.0, None), (False, 1.2, 0.1, 0.5, 0.4), (True, None, 0.0, 1.0, None), (True, 1.9, 0.05, 2.0, 1.0),
+])
+def test_rmsprop(centered, clip_weights, wd, rescale, clip_at):
+    opt = RMSProp(learning_rate=0.01, gamma1=0.85, gamma2=0.7, epsilon=1e-6, centered=centered,
+                  clip_weights=clip_weights, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    expected = expect_rmsprop(0.01, 0.85, 0.7, 1e-6, centered, clip_weights, wd, rescale, clip_at)
+    np.testing.assert_allclose(run(opt), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("momentum, wd_lh, wd, rescale, clip_at", [
+    (0.9, 0.0, 0.0, 1.0, None), (0.8, 0.1, 0.05, 2.0, 0.5), (0.0, 0.0, 0.1, 1.0, None),
+])
+def test_signum(momentum, wd_lh, wd, rescale, clip_at):
+    opt = Signum(learning_rate=0.05, momentum=momentum, wd_lh=wd_lh, wd=wd, rescale_grad=rescale,
+                 clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_signum(0.05, momentum, wd_lh, wd, rescale, clip_at), rtol=1e-12)
+
+
+def test_mxnet_defaults():
+    assert SGD().params == {"learning_rate": 0.01, "momentum": 0.0, "wd": 0.0, "rescale_grad": 1.0}
+    assert Adam().params == {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8,
+                             "wd": 0.0, "rescale_grad": 1.0}
+    assert AdaGrad().params == {"learning_rate": 0.01, "eps": 1e-7, "wd": 0.0, "rescale_grad": 1.0}
+    assert RMSProp().params == {"learning_rate": 0.001, "gamma1": 0.9, "gamma2": 0.9, "epsilon": 1e-8,
+                                "centered": 0.0, "wd": 0.0, "rescale_grad": 1.0}
+    assert Signum().params == {"learning_rate": 0.01, "momentum": 0.9, "wd_lh": 0.0, "wd": 0.0, "rescale_grad": 1.0}
+    assert SGD(clip_gradient=2).params["clip_gradient"] == 2.0
+    assert [cls().name for cls in (SGD, Adam, AdaGrad, RMSProp, Signum)] == ["sgd", "adam", "adagrad", "rmsprop", "signum"]
+
+
+@pytest.mark.parametrize("opt", [SGD(momentum=0.9, clip_gradient=1.0), Adam(wd=0.1), AdaGrad(eps=1e-6),
+                                 RMSProp(centered=True, clip_weights=3.0), Signum(wd_lh=0.01)])
+def test_create_rebuilds_from_name_and_params(opt):
+    rebuilt = optimizer.create(opt.name.upper(), **opt.params)
+    assert rebuilt == opt and type(rebuilt) is type(opt)
+    assert all(isinstance(v, float) for v in opt.params.values())
+
+
+def test_create_rejects_unknown_names_and_bad_values():
+    with pytest.raises(tensorkv.InvalidArgumentError, match="unknown optimizer 'lamb'"):
+        optimizer.create("lamb")
+    with pytest.raises(tensorkv.InvalidArgumentError, match="no parameter epsilon"):
+        optimizer.create("adagrad", epsilon=1e-7)
+    with pytest.raises(tensorkv.InvalidArgumentError, match="learning_rate='fast'"):
+        SGD(learning_rate="fast")
+    with pytest.raises(tensorkv.InvalidArgumentError, match="clip_gradient"):
+        SGD(clip_gradient=-1)
+    with pytest.raises(tensorkv.InvalidArgumentError, match="wd_lh"):
+        Signum(momentum=0.0, wd_lh=0.1)
+    with pytest.raises(tensorkv.InvalidArgumentError):
+        Updater(lambda key, grad, weight: None)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_low_precision_weights_are_updated_in_float32(dtype):
+    opt = Adam(learning_rate=0.1, wd=0.01)
+    weight = np.array(WEIGHT, dtype)
+    state = opt.create_state(np, weight)
+    assert all(s.dtype == np.float32 for s in state)
+    wide = weight.astype(np.float32)
+    wide_state = opt.create_state(np, wide)
+    grad = np.array(GRADS[0], dtype)
+    opt.update(np, weight, grad, state, 1)
+    opt.update(np, wide, grad.astype(np.float32), wide_state, 1)
+    assert weight.dtype == dtype
+    np.testing.assert_array_equal(weight, wide.astype(dtype))
+
+
+def test_float32_matches_float64_formula():
+    np.testing.assert_allclose(run(Adam(learning_rate=0.01), dtype=np.float32),
+                               expect_adam(0.01, 0.9, 0.999, 1e-8, 0.0, 1.0, None), rtol=1e-5)
+
+
+def test_updater_counts_and_states_round_trip():
+    updater = Updater(Adam())
+    weight = np.array(WEIGHT)
+    for grad in GRADS:
+        updater("w", np.array(grad), weight)
+    num_update, arrays = updater.get_states()["w"]
+    assert num_update == 3 and len(arrays) == 2
+    other = Updater(Adam())
+    other.set_states({k: (n, [a.copy() for a in arrays]) for k, (n, arrays) in updater.get_states().items()})
+    w1, w2 = weight.copy(), weight.copy()
+    updater("w", np.ones(4), w1)
+    other("w", np.ones(4), w2)
+    np.testing.assert_array_equal(w1, w2)
+
+
+def test_updater_rejects_integer_weights():
+    with pytest.raises(tensorkv.DtypeMismatchError, match="int32"):
+        Updater(SGD()).check(1, np.zeros(2, np.int32))
