@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import states
+from . import optimizer as optimizers, states_file, states_wire
 from .backend import shape_dtype, to_host
 from .codec import FrameDecoder, Item, encode_frames, set_key
 from .engine import Engine
@@ -89,23 +89,26 @@ class DistStore(KVStore):
         return self._num_workers
 
     def _register(self, rank, num_workers, connect_timeout):
-        """Join every server: the first assigns the rank when none is given."""
+        """Check every server's mode and size, then join them: the first assigns the rank
+        when none is given."""
         for index, address in enumerate(self._addresses):
-            request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
             try:
-                reply = self._call(index, lambda stub: stub.Register(
-                    request, timeout=connect_timeout, wait_for_ready=True))
+                info = self._call(index, lambda stub: stub.Info(
+                    kvstore_pb2.InfoRequest(), timeout=connect_timeout, wait_for_ready=True))
             except DeadlineExceededError:
                 raise ServerUnavailableError(
                     f"server {address} is unreachable: no answer within {connect_timeout:g} s") from None
-            if reply.mode != _MODES[self.type]:
+            if info.mode != _MODES[self.type]:
                 raise FailedPreconditionError(
-                    f"server {address} runs in {kvstore_pb2.Mode.Name(reply.mode)}; "
+                    f"server {address} runs in {kvstore_pb2.Mode.Name(info.mode)}; "
                     f"a '{self.type}' store needs {kvstore_pb2.Mode.Name(_MODES[self.type])}")
-            if num_workers is not None and reply.num_workers != num_workers:
+            if num_workers is not None and info.num_workers != num_workers:
                 raise FailedPreconditionError(
-                    f"server {address} expects {reply.num_workers} workers, this worker was told {num_workers}")
-            rank, num_workers = reply.rank, reply.num_workers
+                    f"server {address} expects {info.num_workers} workers, this worker was told {num_workers}")
+            num_workers = info.num_workers
+        for index in range(len(self._addresses)):
+            request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
+            rank = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout)).rank
         self._rank, self._num_workers = rank, num_workers
 
     # ---- RPC plumbing -----------------------------------------------------------------
@@ -119,8 +122,6 @@ class DistStore(KVStore):
 
     def _each(self, calls):
         """Run {server index: call(stub)} on all those servers at once; {index: result}."""
-        if self._closed:
-            raise FailedPreconditionError("this store is closed")
         if len(calls) <= 1 or self._pool is None:
             return {index: self._call(index, call) for index, call in calls.items()}
         futures = {index: self._pool.submit(self._call, index, call) for index, call in calls.items()}
@@ -246,11 +247,7 @@ class DistStore(KVStore):
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
         values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results), fresh)))
-        out, seen = [], set()
-        for key, _ in pairs:
-            out.append(values[key].copy() if fresh and key in seen else values[key])
-            seen.add(key)
-        return out
+        return [values[key] for key, _ in pairs]
 
     def _pull(self, keys, fresh):
         _MERGE.check_keys(keys)
@@ -300,12 +297,12 @@ class DistStore(KVStore):
 
     def _send_optimizer(self, name, params, by_server):
         """SetUpdater on every server, with that server's states {index: {key: (n, [Item])}}."""
-        self._each({index: lambda stub, index=index: stub.SetUpdater(states.to_messages(
+        self._each({index: lambda stub, index=index: stub.SetUpdater(states_wire.to_messages(
             kvstore_pb2.SetUpdaterRequest, name, params, by_server.get(index, {})), timeout=self._timeout)
             for index in range(len(self._stubs))})
 
     def _save_optimizer_states(self, fname):
-        results = self._each({index: lambda stub: states.from_messages(stub.GetOptimizerStates(
+        results = self._each({index: lambda stub: states_wire.from_messages(stub.GetOptimizerStates(
             kvstore_pb2.GetOptimizerStatesRequest(), timeout=self._timeout)) for index in range(len(self._stubs))})
         name, params, merged = "", {}, {}
         for index in sorted(results):
@@ -316,10 +313,10 @@ class DistStore(KVStore):
                 self._assemble(arrays, {0: list(enumerate(items))}, {0: items})
         if not name:
             raise FailedPreconditionError("no optimizer is set on the servers: call kv.set_optimizer(...) first")
-        states.save(fname, name, params, merged)
+        states_file.save(fname, optimizers.create(name, **params), merged)
 
     def _load_optimizer_states(self, fname):
-        name, params, key_states = states.load(fname)
+        optimizer, key_states = states_file.load(fname)
         by_server = {}
         for key, (num_update, arrays) in key_states.items():
             parts = [self._split(key, array) for array in arrays]
@@ -327,7 +324,7 @@ class DistStore(KVStore):
                 for index, item in split:
                     entry = by_server.setdefault(index, {}).setdefault(key, (num_update, [None] * len(arrays)))
                     entry[1][j] = item
-        self._send_optimizer(name, params, by_server)
+        self._send_optimizer(optimizer.name, optimizer.params, by_server)
 
     # ---- the rest ---------------------------------------------------------------------
 

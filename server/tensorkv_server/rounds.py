@@ -12,11 +12,11 @@ import logging
 import numpy as np
 
 from tensorkv import optimizer as optimizers
-from tensorkv.backend import to_host, to_namespace
+from tensorkv.backend import to_host
 from tensorkv.codec import Item
 from tensorkv.errors import (
     FailedPreconditionError, InvalidArgumentError, KeyExistsError, RoundAbortedError,
-    ServerUnavailableError,
+    ServerUnavailableError, ShapeMismatchError,
 )
 
 log = logging.getLogger(__name__)
@@ -149,8 +149,11 @@ class Coordinator:
         into each key's current round, applied when all workers have pushed."""
         self._check_rank(rank)
         self._check_distinct(items, "push")
+        check_updater = getattr(self.engine.updater, "check", None)
         for item in items:
             self.engine.check_value(item.key, item.array, item.shape, item.slice)
+            if check_updater is not None:
+                check_updater(item.key, self.engine.get(item.key).array)
         if self.mode == ASYNC:
             for item in items:
                 self.engine.apply(item.key, self.engine.accumulate(None, item.array))
@@ -278,18 +281,19 @@ class Coordinator:
         states, keeps the installed one and its states.
         """
         optimizer = optimizers.create(name, **params)
-        if not states and self.optimizer is not None and (
-                (self.optimizer.name, self.optimizer.params) == (optimizer.name, optimizer.params)):
+        if not states and optimizer == self.optimizer:
             return
-        for key, (_, items) in states.items():
-            for item in items:
-                self.engine.check_value(key, item.array, item.shape, item.slice, verb="optimizer state")
         updater = optimizers.Updater(optimizer)
-        xp = self.engine.xp
-        updater.set_states({
-            key: (num_update, [xp.array(to_namespace(item.array, xp), copy=True) for item in items])
-            for key, (num_update, items) in states.items()
-        })
+        checked = {}
+        for key, (num_update, items) in states.items():
+            stored = self.engine.get(key)
+            for item in items:
+                if item.shape != stored.shape or item.slice != stored.slice:
+                    raise ShapeMismatchError(
+                        f"key {key!r}: optimizer state for shape {item.shape} (slice {item.slice}) does not match "
+                        f"the stored shape {stored.shape} (slice {stored.slice})")
+            checked[key] = (num_update, updater.check_states(key, stored.array, [item.array for item in items]))
+        updater.set_states(checked)
         self.engine.updater = updater
         self.optimizer = optimizer
         log.info("optimizer %s %s installed with states for %d keys", optimizer.name, optimizer.params, len(states))

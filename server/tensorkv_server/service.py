@@ -1,6 +1,6 @@
 """The KVStoreService handlers: decode the request, call the :class:`~.rounds.Coordinator`,
 encode the answer. Errors become statuses in :func:`tensorkv.rpc.translate_errors`."""
-from tensorkv import __version__, codec, states
+from tensorkv import __version__, codec, states_wire
 from tensorkv.rpc import translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -68,7 +68,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def SetUpdater(self, request_iterator, context):
-        name, params, key_states = states.from_messages([r async for r in request_iterator])
+        name, params, key_states = states_wire.from_messages([r async for r in request_iterator])
         self.coordinator.set_optimizer(name, params, key_states)
         return kvstore_pb2.SetUpdaterResponse()
 
@@ -76,7 +76,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def GetOptimizerStates(self, request, context):
         optimizer, key_states = self.coordinator.optimizer_states()
         name, params = (optimizer.name, optimizer.params) if optimizer else ("", {})
-        for message in states.to_messages(kvstore_pb2.GetOptimizerStatesResponse, name, params, key_states):
+        for message in states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse, name, params, key_states):
             yield message
 
     @translate_errors
