@@ -1,6 +1,8 @@
 """tensorkv servers and workers as real processes on 127.0.0.1 (see cluster.py)."""
 import json
 import signal
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -11,7 +13,7 @@ import tensorkv
 from tensorkv import states_file
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
-from cluster import Cluster, check_workers, health, stop
+from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, health, stop
 
 SERVICE = "tensorkv.v1.KVStoreService"
 
@@ -230,3 +232,12 @@ def test_sigterm_stops_cleanly_and_fails_waits_with_unavailable(tmp_path):
         cluster.stop()
     log = (tmp_path / "server0.log").read_text()
     assert "stopped" in log and "Traceback" not in log
+
+
+def test_tutorial_against_a_server(tmp_path):
+    expected = (ROOT / "tests" / "data" / "tutorial_expected.txt").read_text().splitlines(keepends=True)
+    with Cluster(num_workers=1, tmp_path=tmp_path) as cluster:
+        result = subprocess.run([sys.executable, str(ROOT / "examples" / "tutorial_dist.py")], env=cluster.env,
+                                capture_output=True, text=True, timeout=WORKER_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(line for line in expected if not line.startswith("update on key"))
