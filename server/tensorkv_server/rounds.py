@@ -159,7 +159,7 @@ class Coordinator:
                 self.engine.apply(item.key, self.engine.accumulate(None, item.array))
             return
         # A rank that already pushed a key in its current round joins the next round.
-        while await self._settle(rank, [item.key for item in items], lambda r: rank in r.ranks):
+        while await self._settle(rank, [item.key for item in items]):
             pass
         for item in items:
             self._add_to_round(rank, item)
@@ -172,7 +172,7 @@ class Coordinator:
         for key in keys:
             self.engine.get(key)
         if self.mode == SYNC:
-            await self._settle(rank, keys, lambda r: rank in r.ranks)
+            await self._settle(rank, keys)
         return [self._snapshot(key) for key in keys]
 
     async def pushpull(self, rank, items):
@@ -209,9 +209,9 @@ class Coordinator:
             rounds.aborted[rank] = error
         _fail(round_.done, error)
 
-    async def _settle(self, rank, keys, must_wait):
-        """Report aborted rounds of ``keys`` to ``rank``, and wait for the current round of
-        each key where ``must_wait(round)``; True if it waited."""
+    async def _settle(self, rank, keys):
+        """Report to ``rank`` the aborted rounds of ``keys`` it pushed to, and wait for the
+        current round of each key it has pushed to; True if it waited."""
         errors, futures = [], {}
         for key in dict.fromkeys(keys):
             rounds = self._rounds.get(key)
@@ -219,7 +219,7 @@ class Coordinator:
                 continue
             if rank in rounds.aborted:
                 errors.append(rounds.aborted.pop(rank))
-            elif must_wait(rounds.current):
+            elif rank in rounds.current.ranks:
                 futures[key] = rounds.current.done
         if futures and not errors:
             self._check_open()
