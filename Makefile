@@ -30,6 +30,25 @@ proto: $(STAMP)
 clean:
 	rm -rf $(VENV) $(MXNET_VENV) build *.egg-info client/tensorkv/v1/*_pb2*.py client/tensorkv/v1/*_pb2*.pyi
 
+# ---- the server ----------------------------------------------------------------------
+# `make server` runs one server in the foreground (PORT, SERVER_ARGS); `make run-dist`
+# starts a one-worker server on a free loopback port, runs the tutorial against it
+# through TENSORKV_SERVERS, then stops that server by its PID.
+PORT ?= 50051
+SERVER_ARGS ?= --num-workers 1 --mode sync
+FREE_PORT := import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])
+
+.PHONY: server run-dist
+
+server: $(STAMP)
+	$(PY) -m tensorkv_server --port $(PORT) $(SERVER_ARGS)
+
+run-dist: $(STAMP)
+	@port=$$($(PY) -c '$(FREE_PORT)'); \
+	$(PY) -m tensorkv_server --port $$port --num-workers 1 --mode sync --log-level WARNING & pid=$$!; \
+	trap 'kill $$pid; wait $$pid' EXIT; \
+	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py
+
 # `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
 # has written bench-results/mxnet.json) MXNet 1.9.1, measured on 127.0.0.1;
 # writes bench-results/bench.json and bench-results/throughput.png.

@@ -1,0 +1,340 @@
+"""The remote store (``dist_sync``, ``dist_async``): a client of one or more tensorkv servers.
+
+Keys are spread over the servers by a stable hash of the key; a value of more than
+``bigarray_bound`` elements is split into contiguous slices, one per server, and put
+back together on pull. A call over a list of keys makes one RPC per server involved, to
+all of them at once, each with a deadline.
+"""
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from . import optimizer as optimizers, states_file, states_wire
+from .backend import shape_dtype, to_host
+from .codec import FrameDecoder, Item, encode_frames, set_key
+from .engine import Engine
+from .errors import (
+    DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InvalidArgumentError,
+    ServerUnavailableError, ShapeMismatchError,
+)
+from .kvstore import KVStore
+from .rpc import CHANNEL_OPTIONS, error_from_rpc
+from .v1 import kvstore_pb2, kvstore_pb2_grpc
+
+DEFAULT_TIMEOUT = 120.0
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_BIGARRAY_BOUND = 1_000_000
+_MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
+# Merges the list of arrays pushed for one key (one per device) as the server merges workers.
+_MERGE = Engine()
+
+
+def parse_servers(servers):
+    """A list of 'host:port' from a comma-separated string, a list, or TENSORKV_SERVERS."""
+    if servers is None:
+        servers = os.environ.get("TENSORKV_SERVERS", "")
+    if isinstance(servers, str):
+        servers = servers.split(",")
+    servers = [s.strip() for s in servers if s.strip()]
+    if not servers:
+        raise InvalidArgumentError("no servers given: pass servers='host:port,...' or set TENSORKV_SERVERS")
+    return servers
+
+
+def home(key, num_servers):
+    """The server index of ``key``: a hash that is the same in every process and run."""
+    return zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
+
+
+def _env_int(name, value):
+    if value is not None:
+        return int(value)
+    text = os.environ.get(name)
+    return int(text) if text else None
+
+
+class DistStore(KVStore):
+    """A client of tensorkv servers; see :func:`tensorkv.create`.
+
+    ``timeout`` bounds every call (seconds; a sync pull waits for the other workers within
+    it), ``connect_timeout`` the first contact with each server.
+    """
+
+    def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
+                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None):
+        super().__init__(name)
+        self._addresses = parse_servers(servers)
+        self._timeout = timeout
+        self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
+        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses]
+        self._stubs = [kvstore_pb2_grpc.KVStoreServiceStub(c) for c in self._channels]
+        self._pool = ThreadPoolExecutor(len(self._stubs)) if len(self._stubs) > 1 else None
+        self._meta = {}  # key -> (full shape, dtype), from init, push and pull
+        try:
+            self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
+                           connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def num_workers(self):
+        return self._num_workers
+
+    def _register(self, rank, num_workers, connect_timeout):
+        """Check every server's mode and size, then join them: the first assigns the rank
+        when none is given."""
+        for index, address in enumerate(self._addresses):
+            try:
+                info = self._call(index, lambda stub: stub.Info(
+                    kvstore_pb2.InfoRequest(), timeout=connect_timeout, wait_for_ready=True))
+            except DeadlineExceededError:
+                raise ServerUnavailableError(
+                    f"server {address} is unreachable: no answer within {connect_timeout:g} s") from None
+            if info.mode != _MODES[self.type]:
+                raise FailedPreconditionError(
+                    f"server {address} runs in {kvstore_pb2.Mode.Name(info.mode)}; "
+                    f"a '{self.type}' store needs {kvstore_pb2.Mode.Name(_MODES[self.type])}")
+            if num_workers is not None and info.num_workers != num_workers:
+                raise FailedPreconditionError(
+                    f"server {address} expects {info.num_workers} workers, this worker was told {num_workers}")
+            num_workers = info.num_workers
+        for index in range(len(self._addresses)):
+            request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
+            rank = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout)).rank
+        self._rank, self._num_workers = rank, num_workers
+
+    # ---- RPC plumbing -----------------------------------------------------------------
+
+    def _call(self, index, call):
+        """``call(stub)`` on server ``index``, with gRPC errors raised as KVStoreError."""
+        try:
+            return call(self._stubs[index])
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self._addresses[index]) from None
+
+    def _each(self, calls):
+        """Run {server index: call(stub)} on all those servers at once; {index: result}."""
+        if len(calls) <= 1 or self._pool is None:
+            return {index: self._call(index, call) for index, call in calls.items()}
+        futures = {index: self._pool.submit(self._call, index, call) for index, call in calls.items()}
+        errors = [f.exception() for f in futures.values() if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return {index: f.result() for index, f in futures.items()}
+
+    def _frames(self, message_type, items, **fields):
+        for frame in encode_frames(items, with_data=not fields.get("wait_only", False)):
+            yield message_type(rank=self._rank, frame=frame, **fields)
+
+    @staticmethod
+    def _decode(responses):
+        decoder, items = FrameDecoder(), []
+        for response in responses:
+            items.extend(decoder.feed(response.frame))
+        decoder.finish()
+        return items
+
+    # ---- layout -----------------------------------------------------------------------
+
+    def _placement(self, key, size):
+        """[(server index, slice or None)] of a value of ``size`` elements."""
+        count = len(self._stubs)
+        if count == 1 or size <= self._bound:
+            return [(home(key, count), None)]
+        bounds = [size * i // count for i in range(count + 1)]
+        return [(i, (bounds[i], bounds[i + 1])) for i in range(count)]
+
+    def _split(self, key, array, shape=None):
+        """[(server index, Item)] that carry ``array`` (a whole value, or its shape with no data)."""
+        shape = tuple(array.shape) if shape is None else shape
+        flat = array.reshape(-1)
+        return [(index, Item(key, array if where is None else flat[where[0]:where[1]], shape, where))
+                for index, where in self._placement(key, flat.size)]
+
+    def _check_known(self, key, shape, dtype, verb):
+        """Check against what this worker knows of ``key``, so that a call spread over several
+        servers fails before any of them changes."""
+        known = self._meta.get(key)
+        if known is None:
+            return
+        if dtype != known[1]:
+            raise DtypeMismatchError(f"key {key!r}: {verb} dtype {dtype} does not match the stored dtype {known[1]}")
+        if shape != known[0]:
+            raise ShapeMismatchError(f"key {key!r}: {verb} shape {shape} does not match the stored shape {known[0]}")
+
+    def _merged(self, pairs):
+        """{key: one host array}: the arrays pushed for each key, summed (a repeated key too)."""
+        grouped = {}
+        for key, arrays in pairs:
+            grouped.setdefault(key, []).extend(arrays)
+        _MERGE.check_keys(list(grouped))
+        merged = {}
+        for key, arrays in grouped.items():
+            shape, dtype = shape_dtype(arrays[0])
+            self._check_known(key, shape, dtype, "pushed")
+            if len(arrays) == 1:
+                merged[key] = to_host(arrays[0])
+                continue
+            total = None
+            for array in arrays:
+                total = _MERGE.accumulate(total, array)
+            merged[key] = total.astype(dtype, copy=False)
+        return merged
+
+    def _by_server(self, split):
+        """{server index: [(position, Item)]} from [(position, [(server index, Item)])]."""
+        plan = {}
+        for position, parts in split:
+            for index, item in parts:
+                plan.setdefault(index, []).append((position, item))
+        return plan
+
+    def _assemble(self, values, plan, results):
+        """Fill ``values`` (by position) from each server's answer, in the order of ``plan``."""
+        for index, answered in results.items():
+            for (position, _), item in zip(plan[index], answered):
+                if item.slice is None:
+                    values[position] = item.array
+                    continue
+                if values[position] is None:
+                    values[position] = np.empty(item.shape, item.array.dtype)
+                values[position].reshape(-1)[item.slice[0]:item.slice[1]] = item.array
+        return values
+
+    @staticmethod
+    def _owned(values, fresh):
+        """With ``fresh``, values the caller may write to (decoded ones are read-only views)."""
+        return [v if not fresh or v.flags.writeable else v.copy() for v in values]
+
+    # ---- the store --------------------------------------------------------------------
+
+    def _init(self, items):
+        _MERGE.check_keys([item.key for item in items])
+        wait_only = self._rank != 0
+        split = []
+        for position, item in enumerate(items):
+            array = to_host(item.array)
+            split.append((position, self._split(item.key, array)))
+        plan = self._by_server(split)
+        self._each({index: lambda stub, part=[item for _, item in part]: stub.Init(
+            self._frames(kvstore_pb2.InitRequest, part, wait_only=wait_only), timeout=self._timeout)
+            for index, part in plan.items()})
+        for item in items:
+            self._meta[item.key] = shape_dtype(item.array)
+
+    def _push(self, pairs):
+        merged = self._merged(pairs)
+        plan = self._by_server((key, self._split(key, value)) for key, value in merged.items())
+        self._each({index: lambda stub, part=[item for _, item in part]: stub.Push(
+            self._frames(kvstore_pb2.PushRequest, part), timeout=self._timeout)
+            for index, part in plan.items()})
+        self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
+
+    def _pushpull(self, pairs, fresh):
+        merged = self._merged(pairs)
+        order = list(merged)
+        plan = self._by_server((position, self._split(key, merged[key])) for position, key in enumerate(order))
+        results = self._each({index: lambda stub, part=[item for _, item in part]: self._decode(stub.PushPull(
+            self._frames(kvstore_pb2.PushPullRequest, part), timeout=self._timeout))
+            for index, part in plan.items()})
+        self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
+        values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results), fresh)))
+        return [values[key] for key, _ in pairs]
+
+    def _pull(self, keys, fresh):
+        _MERGE.check_keys(keys)
+        count = len(self._stubs)
+        # A key this worker has not seen yet is asked of its home server; when that answers
+        # with one slice of a large value, the other slices are asked of the other servers.
+        unknown = [p for p, key in enumerate(keys) if key not in self._meta]
+        targets = {p: [home(key, count)] if p in unknown else
+                   [i for i, _ in self._placement(key, int(np.prod(self._meta[key][0])))]
+                   for p, key in enumerate(keys)}
+        values = self._pull_into([None] * len(keys), keys, targets)
+        rest = {p: [i for i in range(count) if i != home(keys[p], count)]
+                for p in unknown if len(self._placement(keys[p], values[p].size)) > 1}
+        if rest:
+            values = self._pull_into(values, keys, rest)
+        return self._owned(values, fresh)
+
+    def _pull_into(self, values, keys, targets):
+        """Pull the keys at positions ``targets`` {position: [server index]} into ``values``."""
+        plan = {}
+        for position, indexes in targets.items():
+            for index in indexes:
+                plan.setdefault(index, []).append((position, keys[position]))
+        results = self._each({index: lambda stub, part=part: self._decode(stub.Pull(
+            self._pull_request(key for _, key in part), timeout=self._timeout))
+            for index, part in plan.items()})
+        for items in results.values():
+            self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
+        return self._assemble(values, plan, results)
+
+    def _pull_request(self, keys):
+        request = kvstore_pb2.PullRequest(rank=self._rank)
+        for key in keys:
+            set_key(request.keys.add(), key)
+        return request
+
+    # ---- optimizer --------------------------------------------------------------------
+
+    def _set_updater(self, updater):
+        raise FailedPreconditionError(
+            f"a Python updater cannot run on a tensorkv server ('{self.type}'): code does not travel. "
+            "Use kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=..., momentum=...)) or another "
+            "declarative optimizer of tensorkv.optimizer, which runs on the servers")
+
+    def _set_optimizer(self, optimizer):
+        self._send_optimizer(optimizer.name, optimizer.params, {})
+
+    def _send_optimizer(self, name, params, by_server):
+        """SetUpdater on every server, with that server's states {index: {key: (n, [Item])}}."""
+        self._each({index: lambda stub, index=index: stub.SetUpdater(states_wire.to_messages(
+            kvstore_pb2.SetUpdaterRequest, name, params, by_server.get(index, {})), timeout=self._timeout)
+            for index in range(len(self._stubs))})
+
+    def _save_optimizer_states(self, fname):
+        results = self._each({index: lambda stub: states_wire.from_messages(stub.GetOptimizerStates(
+            kvstore_pb2.GetOptimizerStatesRequest(), timeout=self._timeout)) for index in range(len(self._stubs))})
+        name, params, merged = "", {}, {}
+        for index in sorted(results):
+            server_name, server_params, key_states = results[index]
+            name, params = (server_name, server_params) if server_name else (name, params)
+            for key, (num_update, items) in key_states.items():
+                arrays = merged.setdefault(key, (num_update, [None] * len(items)))[1]
+                self._assemble(arrays, {0: list(enumerate(items))}, {0: items})
+        if not name:
+            raise FailedPreconditionError("no optimizer is set on the servers: call kv.set_optimizer(...) first")
+        states_file.save(fname, optimizers.create(name, **params), merged)
+
+    def _load_optimizer_states(self, fname):
+        optimizer, key_states = states_file.load(fname)
+        by_server = {}
+        for key, (num_update, arrays) in key_states.items():
+            parts = [self._split(key, array) for array in arrays]
+            for j, split in enumerate(parts):
+                for index, item in split:
+                    entry = by_server.setdefault(index, {}).setdefault(key, (num_update, [None] * len(arrays)))
+                    entry[1][j] = item
+        self._send_optimizer(optimizer.name, optimizer.params, by_server)
+
+    # ---- the rest ---------------------------------------------------------------------
+
+    def _barrier(self):
+        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(rank=self._rank), timeout=self._timeout)})
+
+    def close(self):
+        if not self._closed:
+            for channel in self._channels:
+                channel.close()
+            if self._pool is not None:
+                self._pool.shutdown()
+        super().close()

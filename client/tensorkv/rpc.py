@@ -1,0 +1,90 @@
+"""The one place where tensorkv errors meet gRPC statuses, on both sides of the wire.
+
+A server handler raises a :class:`~tensorkv.errors.KVStoreError`; :func:`translate_errors`
+sends its ``code`` as the status, its message as the details and its class name in the
+trailing metadata entry ``tensorkv-error``. A client turns a ``grpc.RpcError`` back into
+the same class with :func:`error_from_rpc`.
+"""
+import functools
+import inspect
+import logging
+
+import grpc
+
+from .errors import (
+    ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError,
+    error_from_status,
+)
+
+log = logging.getLogger(__name__)
+
+# Large tensors travel as chunked streams, so no message limit is needed; keepalive pings
+# find dead peers during long waits for sync rounds.
+_COMMON_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+CHANNEL_OPTIONS = _COMMON_OPTIONS + [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = _COMMON_OPTIONS + [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    ("grpc.http2.max_ping_strikes", 5),
+]
+
+
+# ---- server side ----------------------------------------------------------------------
+
+async def _abort(context, error):
+    if not isinstance(error, KVStoreError):
+        log.exception("unexpected error in %s", context)
+        error = InternalError(f"{type(error).__name__}: {error}")
+    await context.abort(
+        grpc.StatusCode[error.code], str(error),
+        trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
+    )
+
+
+def translate_errors(method):
+    """Decorate an async servicer method (coroutine or async generator) so that any error it
+    raises reaches the client as a status: a KVStoreError as its own code, anything else as
+    INTERNAL (and logged with its traceback)."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as error:
+                await _abort(context, error)
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:
+            await _abort(context, error)
+    return unary
+
+
+# ---- client side ----------------------------------------------------------------------
+
+def error_from_rpc(error, address):
+    """The KVStoreError to raise for the ``grpc.RpcError`` a call to ``address`` raised."""
+    code, details = error.code(), error.details()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return ServerUnavailableError(f"server {address} is unavailable: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"server {address} did not answer within the deadline: {details}")
+    class_name = dict(error.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
+    return error_from_status(code.name, details, class_name)

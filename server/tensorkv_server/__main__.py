@@ -1,0 +1,46 @@
+"""``tensorkv-server`` (also ``python -m tensorkv_server``): one parameter server."""
+import argparse
+import asyncio
+import logging
+
+from tensorkv.backend import select
+from tensorkv.engine import Engine
+
+from .rounds import ASYNC, SYNC, Coordinator
+from .server import serve
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="tensorkv-server", description="tensorkv parameter server (MXNet's KVStore over gRPC).")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    parser.add_argument("--port", type=int, default=50051, help="port to listen on (default %(default)s)")
+    parser.add_argument("--num-workers", type=int, default=1, help="number of workers (default %(default)s)")
+    parser.add_argument("--mode", choices=(SYNC, ASYNC), default=SYNC,
+                        help="sync: merge the pushes of all workers per round; async: apply each push")
+    parser.add_argument("--round-timeout", type=float, default=60.0,
+                        help="seconds a sync round, barrier or init waits for every worker before it is "
+                             "aborted (default %(default)s)")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds calls in flight get to finish on SIGTERM/SIGINT (default %(default)s)")
+    parser.add_argument("--device", default="auto",
+                        help="where values live: cpu, cuda, cuda:N or auto (GPU when CuPy sees one)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    args = parser.parse_args(argv)
+    if args.num_workers < 1:
+        parser.error("--num-workers must be at least 1")
+    if args.round_timeout <= 0:
+        parser.error("--round-timeout must be positive")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    xp, device = select(args.device)
+    coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
+    asyncio.run(serve(coordinator, args.host, args.port, args.grace))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""The server's state: membership, init, sync rounds, barriers and the optimizer, over one
+:class:`tensorkv.engine.Engine`, which stays the only place values change.
+
+Everything runs on the server's event loop, so there are no locks: each method validates
+its whole input, then changes state without awaiting in between, so a call that fails
+changes nothing. Waits (for a round, a barrier, an init by rank 0) are bounded by
+``round_timeout``; one that does not complete is aborted with RoundAbortedError.
+"""
+import asyncio
+import logging
+
+import numpy as np
+
+from tensorkv import optimizer as optimizers
+from tensorkv.backend import to_host
+from tensorkv.codec import Item
+from tensorkv.errors import (
+    FailedPreconditionError, InvalidArgumentError, KeyExistsError, RoundAbortedError,
+    ServerUnavailableError, ShapeMismatchError,
+)
+
+log = logging.getLogger(__name__)
+
+SYNC, ASYNC = "sync", "async"
+
+
+class _Wait:
+    """Something workers wait on (one round of one key, or one barrier): the ranks that
+    arrived, a future done when all have, and the timer that aborts it."""
+
+    __slots__ = ("number", "ranks", "total", "done", "timer")
+
+    def __init__(self, number):
+        self.number = number
+        self.ranks = set()
+        self.total = None  # a round's running sum of pushes
+        self.done = asyncio.get_running_loop().create_future()
+        self.timer = None
+
+
+def _fail(future, error):
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # retrieved here: waiters, if any, get it from their own await
+
+
+def _host_copy(array):
+    """A NumPy copy of a NumPy or CuPy array, which later updates cannot change."""
+    return array.copy() if isinstance(array, np.ndarray) else to_host(array)
+
+
+class _KeyRounds:
+    """The sync rounds of one key: the current round, and the ranks whose pushes an aborted
+    round discarded, with the error their next call on the key reports."""
+
+    __slots__ = ("current", "aborted")
+
+    def __init__(self):
+        self.current = _Wait(1)
+        self.aborted = {}
+
+
+class Coordinator:
+    """The state of one server for ``num_workers`` workers in ``mode`` 'sync' or 'async'."""
+
+    def __init__(self, engine, num_workers, mode, round_timeout, device="cpu"):
+        self.engine = engine
+        self.num_workers = num_workers
+        self.mode = mode
+        self.round_timeout = round_timeout
+        self.device = device
+        self.ranks = set()
+        self.optimizer = None
+        self._rounds = {}  # key -> _KeyRounds
+        self._initialized = {}  # key -> ranks that have called init on it
+        self._init_waiters = {}  # key -> future done when rank 0 has stored it
+        self._barrier = None
+        self._barriers_done = 0
+        self._closing = False
+
+    # ---- membership -------------------------------------------------------------------
+
+    def register(self, rank=None):
+        """Give a worker ``rank``, or the lowest free rank; FailedPreconditionError if taken."""
+        if rank is None:
+            free = [r for r in range(self.num_workers) if r not in self.ranks]
+            if not free:
+                raise FailedPreconditionError(f"all {self.num_workers} ranks are taken")
+            rank = free[0]
+        self._check_rank(rank)
+        if rank in self.ranks:
+            raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
+        self.ranks.add(rank)
+        log.info("worker registered with rank %d (%d of %d)", rank, len(self.ranks), self.num_workers)
+        return rank
+
+    def _check_rank(self, rank):
+        if not 0 <= rank < self.num_workers:
+            raise FailedPreconditionError(
+                f"rank {rank} is out of range: this server expects {self.num_workers} workers "
+                f"(ranks 0 to {self.num_workers - 1})"
+            )
+
+    # ---- init -------------------------------------------------------------------------
+
+    async def init(self, rank, items, wait_only):
+        """Rank 0 stores ``items``; every other rank (or a wait_only call) waits until the keys
+        exist, then checks its dtypes and shapes against them."""
+        self._check_rank(rank)
+        keys = self._check_distinct(items, "init")
+        for key in keys:
+            if rank in self._initialized.get(key, ()):
+                raise KeyExistsError(f"key {key!r} is already initialized (rank {rank} called init on it before)")
+        if rank == 0 and not wait_only:
+            self.engine.init(items)
+            for key in keys:
+                waiter = self._init_waiters.pop(key, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+        else:
+            await self._wait_for_keys(keys)
+            for item in items:
+                self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
+        for key in keys:
+            self._initialized.setdefault(key, set()).add(rank)
+
+    async def _wait_for_keys(self, keys):
+        loop = asyncio.get_running_loop()
+        missing = [key for key in keys if key not in self.engine]
+        if not missing:
+            return
+        self._check_open()
+        waiters = [self._init_waiters.setdefault(key, loop.create_future()) for key in missing]
+        done, pending = await asyncio.wait(waiters, timeout=self.round_timeout)
+        for future in done:
+            if future.exception() is not None:
+                raise future.exception()
+        if pending:
+            still = [key for key in missing if key not in self.engine]
+            raise RoundAbortedError(
+                f"init of keys {still!r} aborted after {self.round_timeout:g} s: "
+                "rank 0 has not initialized them (missing rank: [0])"
+            )
+
+    # ---- push and pull ----------------------------------------------------------------
+
+    async def push(self, rank, items):
+        """Merge ``items`` (codec.Item) into their keys: in async mode at once, in sync mode
+        into each key's current round, applied when all workers have pushed."""
+        self._check_rank(rank)
+        self._check_distinct(items, "push")
+        check_updater = getattr(self.engine.updater, "check", None)
+        for item in items:
+            self.engine.check_value(item.key, item.array, item.shape, item.slice)
+            if check_updater is not None:
+                check_updater(item.key, self.engine.get(item.key).array)
+        if self.mode == ASYNC:
+            for item in items:
+                self.engine.apply(item.key, self.engine.accumulate(None, item.array))
+            return
+        # A rank that already pushed a key in its current round joins the next round.
+        while await self._settle(rank, [item.key for item in items]):
+            pass
+        for item in items:
+            self._add_to_round(rank, item)
+
+    async def pull(self, rank, keys):
+        """Copies of the values of ``keys``, after the current round of each key this rank
+        has pushed to (sync mode)."""
+        self._check_rank(rank)
+        keys = self.engine.check_keys(keys)
+        for key in keys:
+            self.engine.get(key)
+        if self.mode == SYNC:
+            await self._settle(rank, keys)
+        return [self._snapshot(key) for key in keys]
+
+    async def pushpull(self, rank, items):
+        await self.push(rank, items)
+        return await self.pull(rank, [item.key for item in items])
+
+    def _add_to_round(self, rank, item):
+        rounds = self._rounds.setdefault(item.key, _KeyRounds())
+        current = rounds.current
+        current.total = self.engine.accumulate(current.total, item.array)
+        current.ranks.add(rank)
+        if len(current.ranks) == 1:
+            loop = asyncio.get_running_loop()
+            current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
+        if len(current.ranks) == self.num_workers:
+            self.engine.apply(item.key, current.total)
+            current.timer.cancel()
+            rounds.current = _Wait(current.number + 1)
+            current.done.set_result(None)
+
+    def _abort_round(self, key, round_, why=None, error_class=RoundAbortedError):
+        rounds = self._rounds[key]
+        missing = sorted(set(range(self.num_workers)) - round_.ranks)
+        why = why or f"aborted after {self.round_timeout:g} s"
+        error = error_class(
+            f"key {key!r}: round {round_.number} {why}; missing ranks {missing} "
+            f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded)"
+        )
+        log.warning("%s", error)
+        if round_.timer is not None:
+            round_.timer.cancel()
+        rounds.current = _Wait(round_.number)
+        for rank in round_.ranks:
+            rounds.aborted[rank] = error
+        _fail(round_.done, error)
+
+    async def _settle(self, rank, keys):
+        """Report to ``rank`` the aborted rounds of ``keys`` it pushed to, and wait for the
+        current round of each key it has pushed to; True if it waited."""
+        errors, futures = [], {}
+        for key in dict.fromkeys(keys):
+            rounds = self._rounds.get(key)
+            if rounds is None:
+                continue
+            if rank in rounds.aborted:
+                errors.append(rounds.aborted.pop(rank))
+            elif rank in rounds.current.ranks:
+                futures[key] = rounds.current.done
+        if futures and not errors:
+            self._check_open()
+            await asyncio.wait(futures.values())
+            for key, future in futures.items():
+                if future.exception() is not None:
+                    errors.append(future.exception())
+                    self._rounds[key].aborted.pop(rank, None)
+        if errors:
+            more = f" (and {len(errors) - 1} more keys)" if len(errors) > 1 else ""
+            raise type(errors[0])(f"{errors[0]}{more}")
+        return bool(futures)
+
+    def _snapshot(self, key):
+        stored = self.engine.get(key)
+        return Item(key, _host_copy(stored.array), stored.shape, stored.slice)
+
+    def _check_distinct(self, items, verb):
+        keys = self.engine.check_keys([item.key for item in items])
+        if len(set(keys)) != len(keys):
+            twice = sorted({k for k in keys if keys.count(k) > 1}, key=repr)
+            raise InvalidArgumentError(f"keys {twice!r} appear more than once in one {verb}")
+        return keys
+
+    # ---- barrier ----------------------------------------------------------------------
+
+    async def barrier(self, rank):
+        """Return once every rank has entered the barrier."""
+        self._check_rank(rank)
+        self._check_open()
+        barrier = self._barrier
+        if barrier is None:
+            barrier = self._barrier = _Wait(self._barriers_done + 1)
+            loop = asyncio.get_running_loop()
+            barrier.timer = loop.call_later(self.round_timeout, self._abort_barrier, barrier)
+        barrier.ranks.add(rank)
+        if len(barrier.ranks) == self.num_workers:
+            barrier.timer.cancel()
+            self._barrier = None
+            self._barriers_done += 1
+            barrier.done.set_result(None)
+        await asyncio.shield(barrier.done)
+
+    def _abort_barrier(self, barrier, why=None, error_class=RoundAbortedError):
+        missing = sorted(set(range(self.num_workers)) - barrier.ranks)
+        why = why or f"aborted after {self.round_timeout:g} s"
+        error = error_class(f"barrier {barrier.number} {why}; missing ranks {missing}")
+        log.warning("%s", error)
+        barrier.timer.cancel()
+        self._barrier = None
+        _fail(barrier.done, error)
+
+    # ---- optimizer --------------------------------------------------------------------
+
+    def set_optimizer(self, name, params, states):
+        """Install the optimizer ``name(**params)`` with ``states`` {key: (num_update, [Item])}.
+
+        Every worker sends the same optimizer: one equal to the installed one, without
+        states, keeps the installed one and its states.
+        """
+        optimizer = optimizers.create(name, **params)
+        if not states and optimizer == self.optimizer:
+            return
+        updater = optimizers.Updater(optimizer)
+        checked = {}
+        for key, (num_update, items) in states.items():
+            stored = self.engine.get(key)
+            for item in items:
+                if item.shape != stored.shape or item.slice != stored.slice:
+                    raise ShapeMismatchError(
+                        f"key {key!r}: optimizer state for shape {item.shape} (slice {item.slice}) does not match "
+                        f"the stored shape {stored.shape} (slice {stored.slice})")
+            checked[key] = (num_update, updater.check_states(key, stored.array, [item.array for item in items]))
+        updater.set_states(checked)
+        self.engine.updater = updater
+        self.optimizer = optimizer
+        log.info("optimizer %s %s installed with states for %d keys", optimizer.name, optimizer.params, len(states))
+
+    def optimizer_states(self):
+        """(optimizer or None, {key: (num_update, [Item])}) with copies of the states."""
+        if self.optimizer is None:
+            return None, {}
+        states = {}
+        for key, (num_update, arrays) in self.engine.updater.get_states().items():
+            stored = self.engine.get(key)
+            states[key] = (num_update, [Item(key, _host_copy(a), stored.shape, stored.slice) for a in arrays])
+        return self.optimizer, states
+
+    # ---- life cycle -------------------------------------------------------------------
+
+    def info(self):
+        return {
+            "mode": self.mode, "num_workers": self.num_workers, "registered_ranks": sorted(self.ranks),
+            "num_keys": len(self.engine), "device": self.device,
+            "optimizer": self.optimizer.name if self.optimizer else "",
+        }
+
+    def _check_open(self):
+        if self._closing:
+            raise ServerUnavailableError("the server is shutting down")
+
+    def shutdown(self):
+        """Fail every wait in progress, and every later one, with ServerUnavailableError."""
+        self._closing = True
+        why = "aborted: the server is shutting down"
+        for key, rounds in self._rounds.items():
+            if rounds.current.ranks:
+                self._abort_round(key, rounds.current, why, ServerUnavailableError)
+        if self._barrier is not None:
+            self._abort_barrier(self._barrier, why, ServerUnavailableError)
+        for waiter in self._init_waiters.values():
+            _fail(waiter, ServerUnavailableError("the server is shutting down"))

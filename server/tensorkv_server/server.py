@@ -1,0 +1,49 @@
+"""Wiring of the grpc.aio server: the KVStoreService, health, reflection, and a clean stop
+on SIGTERM/SIGINT."""
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tensorkv.rpc import SERVER_OPTIONS
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+from .service import KVStoreService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
+
+
+async def serve(coordinator, host, port, grace):
+    """Serve ``coordinator`` on host:port until SIGTERM or SIGINT, then stop: waits in
+    progress fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server(KVStoreService(coordinator), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s: %d workers, %s mode, values on %s, round timeout %g s",
+             SERVICE_NAME, address, coordinator.num_workers, coordinator.mode, coordinator.device,
+             coordinator.round_timeout)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace)
+    await health_servicer.enter_graceful_shutdown()
+    coordinator.shutdown()
+    await server.stop(grace)
+    log.info("stopped")

@@ -1,0 +1,131 @@
+"""Real processes on 127.0.0.1, the way ps-lite's ``tests/local.sh S W`` runs them: S
+``python -m tensorkv_server`` processes on free ports and W worker processes, every wait
+bounded, each process stopped by its own PID (SIGTERM, then SIGKILL)."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+START_TIMEOUT = 30.0  # seconds a server gets to start serving
+STOP_TIMEOUT = 15.0  # seconds a process gets to exit after SIGTERM
+WORKER_TIMEOUT = 90.0  # seconds a worker gets to finish
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop(process, timeout=STOP_TIMEOUT):
+    """SIGTERM ``process`` (by its PID), SIGKILL it if still alive after ``timeout``; its return code."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+    return process.returncode
+
+
+def health(address, service="tensorkv.v1.KVStoreService", timeout=5.0):
+    """The health status name of ``service`` on ``address``."""
+    with grpc.insecure_channel(address) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class Cluster:
+    """S servers for ``num_workers`` workers; ``addresses`` and ``env`` (TENSORKV_SERVERS) for
+    workers. Use as a context manager, or call :meth:`stop`."""
+
+    def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None):
+        self.num_workers = num_workers
+        self.addresses, self.processes, self.logs = [], [], []
+        log_dir = Path(tmp_path) if tmp_path else None
+        try:
+            for i in range(servers):
+                port = free_port()
+                log = open(log_dir / f"server{i}.log", "w+") if log_dir else subprocess.DEVNULL
+                self.logs.append(log)
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers",
+                     str(num_workers), "--mode", mode, "--round-timeout", str(round_timeout),
+                     "--device", "cpu", "--grace", "2"],
+                    stdout=log, stderr=subprocess.STDOUT))
+                self.addresses.append(f"127.0.0.1:{port}")
+            for address, process in zip(self.addresses, self.processes):
+                self._wait_serving(address, process)
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _wait_serving(address, process):
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server {address} exited with {process.returncode}")
+            try:
+                if health(address, timeout=1.0) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT} s")
+            time.sleep(0.05)
+
+    @property
+    def env(self):
+        return {**os.environ, "TENSORKV_SERVERS": ",".join(self.addresses), "PYTHONUNBUFFERED": "1"}
+
+    def start_worker(self, script, *args, env=None):
+        """Start ``tests/workers/<script>.py args...`` as a worker process."""
+        return subprocess.Popen([sys.executable, str(WORKERS / f"{script}.py"), *map(str, args)],
+                                env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def run_workers(self, script, *args, count=None, timeout=WORKER_TIMEOUT):
+        """Run ``count`` (default num_workers) workers at once; [(returncode, stdout, stderr)]."""
+        workers = [self.start_worker(script, *args) for _ in range(count or self.num_workers)]
+        deadline = time.monotonic() + timeout
+        results = []
+        for worker in workers:
+            try:
+                out, err = worker.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stop(worker)
+                out, err = worker.communicate()
+                err += f"\n[worker killed after {timeout} s]"
+            results.append((worker.returncode, out, err))
+        return results
+
+    def stop(self):
+        """Stop every server; their return codes."""
+        codes = [stop(process) for process in self.processes]
+        for log in self.logs:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        return codes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def check_workers(results):
+    """Assert every worker exited 0, showing their output otherwise; their stdouts."""
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"worker {rank} exited {code}\nstdout:\n{out}\nstderr:\n{err}"
+    return [out for _, out, _ in results]

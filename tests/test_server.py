@@ -1,0 +1,243 @@
+"""tensorkv servers and workers as real processes on 127.0.0.1 (see cluster.py)."""
+import json
+import signal
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import tensorkv
+from tensorkv import states_file
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
+
+from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, health, stop
+
+SERVICE = "tensorkv.v1.KVStoreService"
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_sync_rounds(workers, tmp_path):
+    with Cluster(num_workers=workers, tmp_path=tmp_path) as cluster:
+        outs = check_workers(cluster.run_workers("sync_rounds", 4))
+    assert sorted(outs) == [f"ok {rank}\n" for rank in range(workers)]
+
+
+def _sgd_momentum(rounds, workers, weight, lr=0.1, momentum=0.9, wd=0.01, rescale_grad=0.5):
+    """MXNet's sgd_mom_update, once per round on the sum of the workers' gradients."""
+    weight, mom, history = np.array(weight, np.float64), 0.0, []
+    base = np.array([1, -1, 2, 0.5])
+    for t in range(1, rounds + 1):
+        grad = sum(base * (rank + t) for rank in range(workers))
+        mom = momentum * mom - lr * (rescale_grad * grad + wd * weight)
+        weight = weight + mom
+        history.append(weight)
+    return history, mom
+
+
+def test_optimizer_one_step_per_round_on_sliced_keys(tmp_path):
+    path = tmp_path / "states.npz"
+    with Cluster(servers=2, num_workers=2, tmp_path=tmp_path) as cluster:
+        cluster_env = {"TENSORKV_BIGARRAY_BOUND": "2"}  # the 4-element weight is split over both servers
+        workers = [cluster.start_worker("sgd_rounds", 3, path, env=cluster_env) for _ in range(2)]
+        outs = [w.communicate(timeout=90) for w in workers]
+        for worker, (out, err) in zip(workers, outs):
+            assert worker.returncode == 0, err
+        expected, mom = _sgd_momentum(3, 2, [1, 2, 3, 4])
+        for out, _ in outs:
+            np.testing.assert_allclose(json.loads(out), expected, rtol=1e-5)
+        for address in cluster.addresses:
+            with grpc.insecure_channel(address) as channel:
+                info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+                assert info.optimizer == "sgd" and info.num_keys == 1
+    optimizer, states = states_file.load(path)
+    assert optimizer == tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, rescale_grad=0.5)
+    num_update, (saved_mom,) = states["w"]
+    assert num_update == 3
+    np.testing.assert_allclose(saved_mom, mom, rtol=1e-5)
+
+
+def test_async_applies_each_push(tmp_path):
+    with Cluster(num_workers=2, mode="async", tmp_path=tmp_path) as cluster:
+        outs = check_workers(cluster.run_workers("async_pushes"))
+    assert sorted(outs) == ["ok 0\n", "ok 1\n"]
+
+
+def test_two_servers_many_keys_and_a_sliced_array(tmp_path):
+    with Cluster(servers=2, num_workers=2, tmp_path=tmp_path) as cluster:
+        check_workers(cluster.run_workers("big"))
+        counts = []
+        for address in cluster.addresses:
+            with grpc.insecure_channel(address) as channel:
+                counts.append(kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(
+                    kvstore_pb2.InfoRequest(), timeout=5).num_keys)
+    # The 200 small keys are spread over both servers; the big one is on each (a slice).
+    assert sum(counts) == 202 and min(counts) > 1
+
+
+def test_a_worker_that_never_pushes_aborts_the_round(tmp_path):
+    with Cluster(num_workers=2, round_timeout=2, tmp_path=tmp_path) as cluster:
+        results = cluster.run_workers("abort")
+        outs = check_workers(results)
+        assert health(cluster.addresses[0]) == "SERVING"
+        with grpc.insecure_channel(cluster.addresses[0]) as channel:
+            info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+            assert info.num_keys == 1 and list(info.registered_ranks) == [0, 1]
+    rank0 = next(out for out in outs if out.endswith("ok 0\n"))
+    assert "aborted: key 'x': round 1 aborted after 2 s; missing ranks [1]" in rank0
+    assert "barrier: barrier 1 aborted after 2 s; missing ranks [1]" in rank0
+
+
+def test_health_and_reflection(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        assert health(address) == "SERVING"
+        assert health(address, service="") == "SERVING"
+        with grpc.insecure_channel(address) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            reply = next(stub.ServerReflectionInfo(iter([request]), timeout=5))
+            names = [service.name for service in reply.list_services_response.service]
+            assert SERVICE in names and "grpc.health.v1.Health" in names
+            request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE)
+            reply = next(stub.ServerReflectionInfo(iter([request]), timeout=5))
+            assert reply.file_descriptor_response.file_descriptor_proto
+
+
+# ---- malformed requests from any client: the raw generated stub -------------------------------
+
+def _push(stub, entries, rank=0):
+    frame = tensor_pb2.TensorFrame(entries=entries)
+    return stub.Push(iter([kvstore_pb2.PushRequest(rank=rank, frame=frame)]), timeout=5)
+
+
+def _entry(key, data, dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,)):
+    entry = tensor_pb2.Entry(tensor=tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data))
+    if isinstance(key, str):
+        entry.key.str_key = key
+    elif key is not None:
+        entry.key.int_key = key
+    return entry
+
+
+def _pull(stub, key):
+    request = kvstore_pb2.PullRequest(rank=0, keys=[tensor_pb2.Key(int_key=key)])
+    frames = [reply.frame for reply in stub.Pull(request, timeout=5)]
+    return np.frombuffer(b"".join(f.entries[0].tensor.data for f in frames[:1]), np.float32)
+
+
+@pytest.fixture
+def raw_stub(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster, grpc.insecure_channel(cluster.addresses[0]) as channel:
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        frame = tensor_pb2.TensorFrame(entries=[_entry(1, np.ones(2, np.float32).tobytes())])
+        stub.Init(iter([kvstore_pb2.InitRequest(rank=0, frame=frame)]), timeout=5)
+        yield stub
+        assert stub.Info(kvstore_pb2.InfoRequest(), timeout=5).num_keys == 1  # nothing was created
+        assert _pull(stub, 1).tolist() == [1, 1]  # nor changed
+
+
+@pytest.mark.parametrize("entries, code, error, words", [
+    ([_entry(1, b"\0" * 7)], "INVALID_ARGUMENT", "InvalidTensorError", "key 1: stream ended after 7 of 8 bytes"),
+    ([_entry(1, b"\0" * 9)], "INVALID_ARGUMENT", "InvalidTensorError", "needs 8 bytes, got 9"),
+    ([_entry(1, b"\0" * 8, dtype=99)], "INVALID_ARGUMENT", "InvalidTensorError", "unknown wire dtype 99"),
+    ([_entry(1, b"\0" * 8, dtype=tensor_pb2.DTYPE_FLOAT64, shape=(1,))], "INVALID_ARGUMENT",
+     "DtypeMismatchError", "pushed dtype float64 does not match the stored dtype float32"),
+    ([_entry(1, b"\0" * 12, shape=(3,))], "INVALID_ARGUMENT", "ShapeMismatchError", "shape (3,)"),
+    ([_entry(42, b"\0" * 8)], "NOT_FOUND", "KeyNotFoundError", "key 42 has not been initialized"),
+    ([_entry(1, b"\0" * 8), _entry("w", b"\0" * 8)], "INVALID_ARGUMENT", "KeyTypeError",
+     "int and str keys cannot be mixed"),
+    ([_entry(1, b"\0" * 8), _entry(42, b"\0" * 8)], "NOT_FOUND", "KeyNotFoundError", "key 42"),
+    ([_entry(None, b"\0" * 8)], "INVALID_ARGUMENT", "KeyTypeError", "neither int_key nor str_key"),
+    ([_entry(1, b"\0" * 8, shape=(-2,))], "INVALID_ARGUMENT", "InvalidTensorError", "negative dimension"),
+])
+def test_malformed_push_is_rejected_and_changes_nothing(raw_stub, entries, code, error, words):
+    with pytest.raises(grpc.RpcError) as caught:
+        _push(raw_stub, entries)
+    assert caught.value.code().name == code
+    assert words in caught.value.details()
+    assert dict(caught.value.trailing_metadata())["tensorkv-error"] == error
+
+
+def test_malformed_calls_of_other_kinds(raw_stub):
+    cases = [
+        (lambda: _pull(raw_stub, 42), "NOT_FOUND", "key 42 has not been initialized"),
+        (lambda: _push(raw_stub, [_entry(1, b"\0" * 8)], rank=5), "FAILED_PRECONDITION", "rank 5 is out of range"),
+        (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
+            optimizer=kvstore_pb2.Optimizer(name="nadam"))]), timeout=5), "INVALID_ARGUMENT", "unknown optimizer"),
+        (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
+            optimizer=kvstore_pb2.Optimizer(name="sgd", params={"lr": 1}))]), timeout=5),
+         "INVALID_ARGUMENT", "has no parameter lr"),
+        (lambda: raw_stub.Push(iter([
+            kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(entries=[_entry(1, b"\0" * 4)])),
+            kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(more=b"\0" * 8))]), timeout=5),
+         "INVALID_ARGUMENT", "12 bytes sent for a tensor of 8 bytes"),
+    ]
+    for call, code, words in cases:
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert (caught.value.code().name, words in caught.value.details()) == (code, True), caught.value.details()
+    assert raw_stub.Info(kvstore_pb2.InfoRequest(), timeout=5).optimizer == ""
+
+
+# ---- the client against servers in this process's view ----------------------------------------
+
+def test_unreachable_server_is_named(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        kv = tensorkv.create("dist_sync", servers=address, timeout=10)
+        kv.init(1, np.ones(2))
+        cluster.stop()
+        with pytest.raises(tensorkv.ServerUnavailableError, match=address):
+            kv.pull(1)
+        kv.close()
+    with pytest.raises(tensorkv.ServerUnavailableError, match=f"server {address} is unreachable"):
+        tensorkv.create("dist_sync", servers=[address], connect_timeout=1)
+
+
+def test_init_twice_and_other_client_errors(tmp_path):
+    with Cluster(num_workers=1, tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, num_workers=1) as kv:
+            assert (kv.type, kv.rank, kv.num_workers) == ("dist_sync", 0, 1)
+            kv.init("a", np.ones(2))
+            with pytest.raises(tensorkv.KeyExistsError, match="key 'a' is already initialized"):
+                kv.init("a", np.ones(2))
+            with pytest.raises(tensorkv.KeyTypeError):
+                kv.push(3, np.ones(2))
+            with pytest.raises(tensorkv.FailedPreconditionError, match="set_optimizer"):
+                kv.set_updater(lambda key, grad, weight: None)
+            with pytest.raises(tensorkv.FailedPreconditionError, match="no optimizer"):
+                kv.save_optimizer_states(str(tmp_path / "none"))
+            assert kv.pull("a").tolist() == [1, 1]
+        with pytest.raises(tensorkv.FailedPreconditionError, match="all 1 ranks are taken"):
+            tensorkv.create("dist_sync", servers=cluster.addresses)
+        with pytest.raises(tensorkv.FailedPreconditionError, match="MODE_SYNC"):
+            tensorkv.create("dist_async", servers=cluster.addresses)
+
+
+def test_sigterm_stops_cleanly_and_fails_waits_with_unavailable(tmp_path):
+    cluster = Cluster(num_workers=2, tmp_path=tmp_path)
+    try:
+        worker = cluster.start_worker("wait_in_pull")
+        assert worker.stdout.readline() == "pushed\n"
+        cluster.processes[0].send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=60)
+        assert cluster.processes[0].wait(timeout=30) == 0
+        assert worker.returncode == 0, err
+        assert out.startswith(f"unavailable: server {cluster.addresses[0]} is unavailable")
+    finally:
+        stop(worker)
+        cluster.stop()
+    log = (tmp_path / "server0.log").read_text()
+    assert "stopped" in log and "Traceback" not in log
+
+
+def test_tutorial_against_a_server(tmp_path):
+    expected = (ROOT / "tests" / "data" / "tutorial_expected.txt").read_text().splitlines(keepends=True)
+    with Cluster(num_workers=1, tmp_path=tmp_path) as cluster:
+        result = subprocess.run([sys.executable, str(ROOT / "examples" / "tutorial_dist.py")], env=cluster.env,
+                                capture_output=True, text=True, timeout=WORKER_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(line for line in expected if not line.startswith("update on key"))
