@@ -132,3 +132,112 @@ def test_unsupported_dtypes_are_rejected():
     for dtype in (np.bool_, np.complex64, np.uint16, np.object_):
         with pytest.raises(InvalidTensorError, match="not supported"):
             codec.wire_dtype(dtype)
+
+
+# ---- the hand-made messages of the hot paths --------------------------------------------
+
+from tensorkv.v1 import kvstore_pb2  # noqa: E402
+
+STREAM_ITEMS = [
+    Item(3, sample(np.float32, (10, 10))), Item(-4, sample(np.int8, (0,))), Item(0, sample(ml_dtypes.bfloat16, ())),
+    Item("name", sample(np.float64, (6,))[2:5], shape=(6,), slice=(2, 5)), Item(1 << 40, sample(np.int64, (300,))),
+    Item("émoji", sample(np.uint8, (2, 3))), Item(-(1 << 63), sample(np.float16, (4, 2))), Item(7, sample(np.float32, (0,)),
+                                                                                                shape=(9,), slice=(0, 0)),
+]
+
+
+def stream_decode(message_class, messages, **kwargs):
+    decoder = codec.StreamDecoder(message_class, "frame", **kwargs)
+    for message in messages:
+        decoder.feed(message)
+    return decoder.first, decoder.finish()
+
+
+def assert_same_items(got, sent):
+    assert [(i.key, i.shape, i.slice) for i in got] == [(i.key, i.shape, i.slice) for i in sent]
+    for g, s in zip(got, sent):
+        assert g.array.dtype == s.array.dtype
+        np.testing.assert_array_equal(g.array, s.array)
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 1000, 1 << 20])
+def test_fast_encoder_output_parses_with_generated_classes(chunk_bytes):
+    messages = codec.encode_stream(kvstore_pb2.PushRequest, STREAM_ITEMS, {"rank": 3}, chunk_bytes=chunk_bytes)
+    parsed = [kvstore_pb2.PushRequest.FromString(m) for m in messages]
+    assert parsed[0].rank == 3 and all(p.rank == 0 for p in parsed[1:])
+    for p in parsed:  # each message's data, entries and continuations alike, is at most one chunk
+        assert sum(len(e.tensor.data) for e in p.frame.entries) + len(p.frame.more) <= chunk_bytes
+        # a tensor larger than a chunk starts as a metadata-only entry, then continues in `more` frames
+        assert not (p.frame.more and p.frame.entries)
+        for e in p.frame.entries[:-1]:  # only the last entry of a frame may be incomplete
+            assert len(e.tensor.data) == np.prod(e.tensor.shape if not e.HasField("slice") else
+                                                 [e.slice.end - e.slice.begin]) * codec.numpy_dtype(e.tensor.dtype).itemsize
+    if chunk_bytes == 16:
+        big = [e for p in parsed for e in p.frame.entries if e.key.int_key == 3][0]
+        assert big.tensor.data == b"" and list(big.tensor.shape) == [10, 10]
+        assert any(p.frame.more for p in parsed)
+    # the generated classes' frames through the FrameDecoder: the same items
+    assert_same_items(decode([p.frame for p in parsed]), STREAM_ITEMS)
+    # and re-serialized by protobuf itself, through the fast decoder
+    _, items = stream_decode(kvstore_pb2.PushRequest, [p.SerializeToString() for p in parsed])
+    assert_same_items(items, STREAM_ITEMS)
+
+
+def test_fast_encoder_entry_bytes_equal_protobuf_serialization():
+    item = Item("w", sample(np.float32, (2, 3)))
+    message = kvstore_pb2.PullResponse.FromString(codec.encode_stream(kvstore_pb2.PullResponse, [item])[0])
+    entry = message.frame.entries[0]
+    assert entry.key.str_key == "w" and entry.tensor.dtype == tensor_pb2.DTYPE_FLOAT32
+    assert not entry.HasField("slice")
+    assert entry.tensor.data == item.array.tobytes()
+    wait_only = kvstore_pb2.InitRequest.FromString(codec.encode_stream(
+        kvstore_pb2.InitRequest, [item], {"rank": 1, "wait_only": True}, with_data=False)[0])
+    assert wait_only.wait_only and wait_only.frame.entries[0].tensor.data == b""
+
+
+@pytest.mark.parametrize("chunk_bytes", [7, 64, 1 << 20])
+def test_plain_protobuf_streams_decode_with_the_fast_decoder(chunk_bytes):
+    """What another language's generated client sends: rank in every message, entries with
+    partial data, `more` frames."""
+    messages = [kvstore_pb2.PushPullRequest(rank=1, frame=frame).SerializeToString()
+                for frame in encode_frames(STREAM_ITEMS, chunk_bytes)]
+    first, items = stream_decode(kvstore_pb2.PushPullRequest, messages)
+    assert first.rank == 1
+    assert_same_items(items, STREAM_ITEMS)
+    init = [kvstore_pb2.InitRequest(rank=2, wait_only=True, frame=frame).SerializeToString()
+            for frame in encode_frames(STREAM_ITEMS, chunk_bytes, with_data=False)]
+    first, items = stream_decode(kvstore_pb2.InitRequest, init, with_data=lambda f: not f.wait_only)
+    assert first.wait_only and [i.key for i in items] == [i.key for i in STREAM_ITEMS]
+
+
+def test_fast_decoder_writes_into_the_destination():
+    value = sample(np.float32, (64, 8))
+    messages = codec.encode_stream(kvstore_pb2.PullResponse, [Item("w", value)], chunk_bytes=100)
+    out = np.zeros_like(value)
+    _, items = stream_decode(kvstore_pb2.PullResponse, messages,
+                             destination=lambda index, key, dtype, shape, slice: out)
+    np.testing.assert_array_equal(out, value)
+    assert np.shares_memory(items[0].array, out) and not items[0].owned
+    _, items = stream_decode(kvstore_pb2.PullResponse, messages)
+    assert items[0].owned and items[0].array.flags.writeable
+
+
+def _continuation(more, frame_field=2):
+    body = b"\x12" + codec._varint(len(more)) + more
+    return codec._tag(frame_field, 2) + codec._varint(len(body)) + body
+
+
+@pytest.mark.parametrize("tail, message", [
+    ([_continuation(b"x" * 500)], "bytes sent for a tensor of 400 bytes"),   # too many bytes
+    ([_continuation(b"x" * 100)], "stream ended after 100 of 400 bytes"),    # too few
+    ([_continuation(b"x" * 400), _continuation(b"y")], "no incomplete entry"),  # bytes after the end
+    ([_continuation(b"x" * 100)[:-5]], "malformed PushRequest"),              # truncated
+    ([b"\x12\x05\x12\x10abc"], "malformed PushRequest"),                       # length past the end
+    ([b"\xff\xff\xff"], "malformed PushRequest"),                              # garbage
+])
+def test_malformed_hand_encoded_frames_are_rejected(tail, message):
+    head = codec.encode_stream(kvstore_pb2.PushRequest, [Item(1, sample(np.float32, (10, 10)))], {"rank": 0},
+                               chunk_bytes=64)[0]
+    assert kvstore_pb2.PushRequest.FromString(head).frame.entries[0].tensor.data == b""
+    with pytest.raises(InvalidTensorError, match=message):
+        stream_decode(kvstore_pb2.PushRequest, [head] + tail)

@@ -1,7 +1,14 @@
 """The wire codec: arrays <-> ``tensorkv.v1`` Tensor, Key and TensorFrame messages.
 
-This is the only place that knows how a tensor is laid out on the wire. Client and
-server both encode with :func:`encode_frames` and decode with :class:`FrameDecoder`.
+This is the only place that knows how a tensor is laid out on the wire. The hot paths
+(Init, Push, Pull, PushPull on both sides) use :func:`encode_messages` and
+:class:`StreamDecoder`, which write and read the serialized request and response messages
+by hand: the tensor bytes are copied once into each outgoing message and once out of each
+incoming one, straight into their destination, never through protobuf objects. The
+messages are exactly what the generated classes would produce and parse, so clients in
+other languages use plain generated stubs. :func:`encode_frames` and :class:`FrameDecoder`
+work on ``TensorFrame`` objects (optimizer states, and the fallback for frames that are
+not hand-decodable).
 """
 import math
 
@@ -10,6 +17,8 @@ import numpy as np
 
 from .backend import to_host
 from .errors import InvalidTensorError, KeyTypeError
+from google.protobuf.message import DecodeError
+
 from .v1 import tensor_pb2
 
 # One entry per wire dtype: (enum value, little-endian NumPy dtype).
@@ -31,7 +40,8 @@ SUPPORTED_DTYPES = tuple(dt for _, dt in _WIRE_DTYPES)
 MAX_RANK = 32
 # Bound on one decoded tensor; a server may lower it to what its memory holds.
 MAX_TENSOR_BYTES = 1 << 40
-# Payload bytes per stream message; chosen by measurement (see bench/).
+# Payload bytes per stream message; chosen by measurement (tools/wirebench.py, see
+# docs/transport.md).
 CHUNK_BYTES = 1 << 20
 
 
@@ -136,13 +146,15 @@ class Item:
     elements as a 1-D array when ``slice`` is set.
     """
 
-    __slots__ = ("key", "array", "shape", "slice")
+    __slots__ = ("key", "array", "shape", "slice", "owned")
 
-    def __init__(self, key, array, shape=None, slice=None):
+    def __init__(self, key, array, shape=None, slice=None, owned=False):
         self.key = key
         self.array = array
         self.shape = tuple(array.shape) if shape is None else tuple(shape)
         self.slice = slice
+        # True for a receive buffer the decoder allocated: its holder may keep and modify it.
+        self.owned = owned
 
     def __repr__(self):
         return f"Item(key={self.key!r}, shape={self.shape}, dtype={self.array.dtype}, slice={self.slice})"
@@ -189,9 +201,14 @@ class FrameDecoder:
     raises InvalidTensorError before anything is stored.
     """
 
-    def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True):
+    def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None):
         self.max_bytes = max_bytes
         self.with_data = with_data
+        # destination(index, key, dtype, shape, slice) for the index-th entry of the stream: a
+        # writable C-contiguous array of that dtype that holds exactly the entry's elements
+        # (the whole value, or the slice's), to receive its bytes; or None for a new array.
+        self.destination = destination
+        self._count = 0  # entries seen
         self._pending = None  # (item, buffer, bytes filled)
 
     def feed(self, frame):
@@ -200,21 +217,22 @@ class FrameDecoder:
             done.extend(self._continue(frame.more))
         for i, entry in enumerate(frame.entries):
             if self._pending is not None:
-                header, _, filled = self._pending
+                header, _, filled, _ = self._pending
                 raise InvalidTensorError(
                     f"key {header.key!r}: a new entry arrived after {filled} of {header.nbytes} bytes "
                     "of the previous one"
                 )
             header = _Header(entry, self.max_bytes)
+            index, self._count = self._count, self._count + 1
             data = entry.tensor.data
             if not self.with_data:
                 done.append(header.item(np.empty(header.data_shape, header.dtype)))
             elif len(data) == header.nbytes:
                 done.append(header.item(np.frombuffer(data, dtype=header.dtype)))
             elif len(data) < header.nbytes and i == len(frame.entries) - 1:
-                buffer = np.empty(header.nbytes, dtype=np.uint8)
+                buffer, owned = self._buffer(index, header)
                 buffer[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-                self._pending = (header, buffer, len(data))
+                self._pending = (header, buffer, len(data), owned)
             else:
                 raise InvalidTensorError(
                     f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} "
@@ -222,9 +240,22 @@ class FrameDecoder:
                 )
         return done
 
+    def feed_more(self, more):
+        """The items completed by continuation bytes ``more`` (a frame with only ``more`` set)."""
+        return self._continue(more)
+
+    def _buffer(self, index, header):
+        """The uint8 view of the array that receives an entry's bytes, chunk after chunk."""
+        array = None
+        if self.destination is not None:
+            array = self.destination(index, header.key, header.dtype, header.shape, header.slice)
+        if array is None:
+            return np.empty(header.nbytes, dtype=np.uint8), True
+        return array.reshape(-1).view(np.uint8), False
+
     def finish(self):
         if self._pending is not None:
-            header, _, filled = self._pending
+            header, _, filled, _ = self._pending
             raise InvalidTensorError(
                 f"key {header.key!r}: stream ended after {filled} of {header.nbytes} bytes"
             )
@@ -232,16 +263,236 @@ class FrameDecoder:
     def _continue(self, more):
         if self._pending is None:
             raise InvalidTensorError(f"{len(more)} continuation bytes arrived with no incomplete entry")
-        header, buffer, filled = self._pending
+        header, buffer, filled, owned = self._pending
         end = filled + len(more)
         if end > header.nbytes:
             raise InvalidTensorError(f"key {header.key!r}: {end} bytes sent for a tensor of {header.nbytes} bytes")
         buffer[filled:end] = np.frombuffer(more, dtype=np.uint8)
         if end < header.nbytes:
-            self._pending = (header, buffer, end)
+            self._pending = (header, buffer, end, owned)
             return []
         self._pending = None
-        return [header.item(buffer.view(header.dtype))]
+        return [header.item(buffer.view(header.dtype), owned)]
+
+
+# ---- hand-made messages ---------------------------------------------------------------
+#
+# Every streamed message of the service is `<scalar fields> <frame field: TensorFrame>`;
+# TensorFrame is `entries = 1` (Entry) and `more = 2` (bytes). The encoder writes an Entry
+# as key (1), slice (3), tensor (2) with the tensor's data last, so that the bytes before
+# the data depend only on (key, dtype, shape, slice, byte count) and are cached. Field order
+# is free in protobuf: the generated parsers read these messages as they read their own.
+
+_LEN, _VARINT = 2, 0
+_SMALL_VARINTS = []
+
+
+def _varint(value):
+    """The protobuf varint of an int64 (negative values as 10-byte two's complement)."""
+    if 0 <= value < len(_SMALL_VARINTS):
+        return _SMALL_VARINTS[value]
+    if value < 0:
+        value += 1 << 64
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL_VARINTS.extend(_varint(i) for i in range(1 << 14))
+
+
+def _tag(field, wire_type):
+    return _varint(field << 3 | wire_type)
+
+
+def _field(field, body):
+    """A length-delimited field: tag, length, body."""
+    return _tag(field, _LEN) + _varint(len(body)) + body
+
+
+_ENTRY_PREFIXES = {}
+_MAX_CACHED_PREFIXES = 1 << 16
+
+
+def _entry_prefix(key, wire, shape, slice, data_len):
+    """The bytes of a frame's ``entries`` field up to the tensor's data (``data_len`` bytes follow)."""
+    cache_key = (type(key), key, wire, shape, slice, data_len)
+    prefix = _ENTRY_PREFIXES.get(cache_key)
+    if prefix is not None:
+        return prefix
+    if isinstance(key, str):
+        key_body = _field(2, key.encode())
+    else:
+        key_body = _tag(1, _VARINT) + _varint(key)
+    slice_part = b""
+    if slice is not None:
+        begin, end = slice
+        slice_part = _field(3, (_tag(1, _VARINT) + _varint(begin) if begin else b"")
+                            + (_tag(2, _VARINT) + _varint(end) if end else b""))
+    tensor = _tag(1, _VARINT) + _varint(wire)
+    if shape:
+        tensor += _field(2, b"".join(_varint(d) for d in shape))
+    if data_len:
+        tensor += _tag(3, _LEN) + _varint(data_len)
+    before_data = _field(1, key_body) + slice_part + _tag(2, _LEN) + _varint(len(tensor) + data_len) + tensor
+    prefix = _tag(1, _LEN) + _varint(len(before_data) + data_len) + before_data
+    if len(_ENTRY_PREFIXES) >= _MAX_CACHED_PREFIXES:
+        _ENTRY_PREFIXES.clear()
+    _ENTRY_PREFIXES[cache_key] = prefix
+    return prefix
+
+
+def _message(head, frame_field, pieces, size):
+    """One serialized message: ``head`` (its other fields), then the frame of ``pieces``."""
+    return b"".join([head, _tag(frame_field, _LEN), _varint(size), *pieces])
+
+
+_MORE_TAG = _tag(2, _LEN)
+
+
+def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_data=True):
+    """The serialized messages (bytes) of a stream that carries ``items`` (:class:`Item`).
+
+    Every message is ``head`` (the serialized scalar fields of the first message, e.g.
+    ``PushRequest(rank=r).SerializeToString()``; later messages leave them unset) followed by
+    field ``frame_field`` holding one TensorFrame. Tensors that fit share a frame, up to
+    ``chunk_bytes`` of data; a larger one travels as a metadata-only Entry (data empty) at the
+    end of a frame, then in continuation frames that carry ``chunk_bytes`` each in ``more``.
+    Each byte of tensor data is copied once, into the message that carries it. With
+    ``with_data=False`` only keys, dtypes and shapes travel (Init's wait_only).
+    """
+    messages, pieces, size, budget = [], [], 0, chunk_bytes
+    for item in items:
+        wire = wire_dtype(item.array.dtype)
+        if not with_data:
+            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0)
+            pieces.append(prefix)
+            size += len(prefix)
+            continue
+        data = to_host(item.array).reshape(-1).view(np.uint8)
+        nbytes = len(data)
+        if nbytes <= chunk_bytes:
+            if nbytes > budget and pieces:
+                messages.append(_message(head, frame_field, pieces, size))
+                head, pieces, size, budget = b"", [], 0, chunk_bytes
+            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, nbytes)
+            pieces += (prefix, data)
+            size += len(prefix) + nbytes
+            budget -= nbytes
+            continue
+        prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0)
+        pieces.append(prefix)
+        messages.append(_message(head, frame_field, pieces, size + len(prefix)))
+        head, pieces, size, budget = b"", [], 0, chunk_bytes
+        frame_tag = _tag(frame_field, _LEN)
+        for start in range(0, nbytes, chunk_bytes):
+            chunk = data[start:start + chunk_bytes]
+            more = _MORE_TAG + _varint(len(chunk))
+            messages.append(b"".join([frame_tag, _varint(len(more) + len(chunk)), more, chunk]))
+    if pieces or not messages:
+        messages.append(_message(head, frame_field, pieces, size))
+    return messages
+
+
+def encode_stream(message_class, items, fields=None, chunk_bytes=CHUNK_BYTES, with_data=True):
+    """The serialized ``message_class`` messages (Init, Push or PushPull requests, Pull or
+    PushPull responses) that carry ``items``, with the scalar ``fields`` set in the first."""
+    head = message_class(**fields).SerializeToString() if fields else b""
+    frame_field = message_class.DESCRIPTOR.fields_by_name["frame"].number
+    return encode_messages(items, frame_field, head, chunk_bytes, with_data)
+
+
+def _read_varint(data, pos):
+    result = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise IndexError
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def continuation(data, frame_field):
+    """A memoryview of the ``more`` bytes when the serialized message ``data`` is a pure
+    continuation (scalar fields, and a frame with ``more`` only); None otherwise, for the
+    caller to parse it with the generated class."""
+    try:
+        pos, end, frame = 0, len(data), None
+        while pos < end:
+            tag, pos = _read_varint(data, pos)
+            if tag & 7 == _VARINT:
+                _, pos = _read_varint(data, pos)
+            elif tag == frame_field << 3 | _LEN and frame is None:
+                length, pos = _read_varint(data, pos)
+                frame, pos = (pos, pos + length), pos + length
+            else:
+                return None
+        if frame is None or pos != end:
+            return None
+        tag, pos = _read_varint(data, frame[0])
+        if tag != 2 << 3 | _LEN:
+            return None
+        length, pos = _read_varint(data, pos)
+        if pos + length != frame[1] or length == 0:
+            return None
+        return memoryview(data)[pos:pos + length]
+    except IndexError:
+        return None
+
+
+def parse(message_class, data):
+    """``message_class.FromString(data)``, with a malformed message as InvalidTensorError."""
+    try:
+        return message_class.FromString(data)
+    except DecodeError as error:
+        raise InvalidTensorError(f"malformed {message_class.__name__}: {error}") from None
+
+
+class StreamDecoder:
+    """Decodes the serialized messages (bytes) of a stream of ``message_class``, whose field
+    ``frame_field`` (a name) is a TensorFrame, into :class:`Item` values.
+
+    The first message is parsed with the generated class (:attr:`first` holds it, for its
+    scalar fields); later pure continuations are read by hand and their bytes written
+    straight into the receiving array (``destination``, see :class:`FrameDecoder`). Anything
+    else a conforming sender may produce is parsed with the generated class.
+    ``with_data(first)`` says whether the stream carries data (Init's wait_only does not).
+    """
+
+    def __init__(self, message_class, frame_field, max_bytes=MAX_TENSOR_BYTES, destination=None,
+                 with_data=None):
+        self.message_class = message_class
+        self.frame_name = frame_field
+        self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
+        self.first = None
+        self.items = []
+        self._with_data = with_data
+        self.frames = FrameDecoder(max_bytes, destination=destination)
+
+    def feed(self, data):
+        """Decode one message; the items it completed are appended to :attr:`items`."""
+        if self.first is not None:
+            more = continuation(data, self.frame_number)
+            if more is not None:
+                self.items += self.frames.feed_more(more)
+                return
+        message = parse(self.message_class, data)
+        if self.first is None:
+            self.first = message
+            if self._with_data is not None:
+                self.frames.with_data = self._with_data(message)
+        self.items += self.frames.feed(getattr(message, self.frame_name))
+
+    def finish(self):
+        """The items of the whole stream; InvalidTensorError if one was left incomplete."""
+        self.frames.finish()
+        return self.items
 
 
 class _Header:
@@ -268,5 +519,5 @@ class _Header:
                 f"the limit is {max_bytes}"
             )
 
-    def item(self, flat):
-        return Item(self.key, flat.reshape(self.data_shape), self.shape, self.slice)
+    def item(self, flat, owned=False):
+        return Item(self.key, flat.reshape(self.data_shape), self.shape, self.slice, owned)

@@ -14,15 +14,15 @@ import numpy as np
 
 from . import optimizer as optimizers, states_file, states_wire
 from .backend import shape_dtype, to_host
-from .codec import FrameDecoder, Item, encode_frames, set_key
+from .codec import Item, StreamDecoder, encode_stream, set_key
 from .engine import Engine
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InvalidArgumentError,
     ServerUnavailableError, ShapeMismatchError,
 )
 from .kvstore import KVStore
-from .rpc import CHANNEL_OPTIONS, error_from_rpc
-from .v1 import kvstore_pb2, kvstore_pb2_grpc
+from .rpc import CHANNEL_OPTIONS, Stub, error_from_rpc
+from .v1 import kvstore_pb2
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -56,6 +56,13 @@ def _env_int(name, value):
     return int(text) if text else None
 
 
+def _receivable(target, dtype, shape):
+    """Whether the pulled value of ``dtype`` and full ``shape`` may be decoded straight into
+    ``target``, the caller's out array."""
+    return type(target) is np.ndarray and target.dtype == dtype and target.shape == tuple(shape) \
+        and target.flags.c_contiguous and target.flags.writeable
+
+
 class DistStore(KVStore):
     """A client of tensorkv servers; see :func:`tensorkv.create`.
 
@@ -70,7 +77,7 @@ class DistStore(KVStore):
         self._timeout = timeout
         self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
         self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses]
-        self._stubs = [kvstore_pb2_grpc.KVStoreServiceStub(c) for c in self._channels]
+        self._stubs = [Stub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(len(self._stubs)) if len(self._stubs) > 1 else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         try:
@@ -131,16 +138,30 @@ class DistStore(KVStore):
         return {index: f.result() for index, f in futures.items()}
 
     def _frames(self, message_type, items, **fields):
-        for frame in encode_frames(items, with_data=not fields.get("wait_only", False)):
-            yield message_type(rank=self._rank, frame=frame, **fields)
+        """The serialized request messages that carry ``items``."""
+        return encode_stream(message_type, items, dict(rank=self._rank, **fields),
+                             with_data=not fields.get("wait_only", False))
 
     @staticmethod
-    def _decode(responses):
-        decoder, items = FrameDecoder(), []
-        for response in responses:
-            items.extend(decoder.feed(response.frame))
-        decoder.finish()
-        return items
+    def _decode(message_type, responses, part=None, outs=None):
+        """The items of a stream of serialized responses. The values of ``part`` [(position,
+        Item or key)] go straight into their ``outs[position][0]`` where that is a NumPy array
+        of the right dtype and shape (the others are decoded into new arrays)."""
+        destination = None
+        if outs is not None:
+            def destination(index, key, dtype, shape, slice):
+                if index >= len(part):
+                    return None
+                position, asked = part[index]
+                asked = asked.key if isinstance(asked, Item) else asked
+                target = outs[position][0]
+                if asked != key or not _receivable(target, dtype, shape):
+                    return None
+                return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
+        decoder = StreamDecoder(message_type, "frame", destination=destination)
+        for data in responses:
+            decoder.feed(data)
+        return decoder.finish()
 
     # ---- layout -----------------------------------------------------------------------
 
@@ -197,10 +218,16 @@ class DistStore(KVStore):
                 plan.setdefault(index, []).append((position, item))
         return plan
 
-    def _assemble(self, values, plan, results):
-        """Fill ``values`` (by position) from each server's answer, in the order of ``plan``."""
+    def _assemble(self, values, plan, results, outs=None):
+        """Fill ``values`` (by position) from each server's answer, in the order of ``plan``.
+        A value that was decoded straight into its out array (see :meth:`_decode`) is that
+        array."""
         for index, answered in results.items():
             for (position, _), item in zip(plan[index], answered):
+                if outs is not None and _receivable(outs[position][0], item.array.dtype, item.shape) \
+                        and np.may_share_memory(outs[position][0], item.array):
+                    values[position] = outs[position][0]
+                    continue
                 if item.slice is None:
                     values[position] = item.array
                     continue
@@ -224,7 +251,7 @@ class DistStore(KVStore):
             array = to_host(item.array)
             split.append((position, self._split(item.key, array)))
         plan = self._by_server(split)
-        self._each({index: lambda stub, part=[item for _, item in part]: stub.Init(
+        self._each({index: lambda stub, part=[item for _, item in part]: stub.init_raw(
             self._frames(kvstore_pb2.InitRequest, part, wait_only=wait_only), timeout=self._timeout)
             for index, part in plan.items()})
         for item in items:
@@ -233,23 +260,32 @@ class DistStore(KVStore):
     def _push(self, pairs):
         merged = self._merged(pairs)
         plan = self._by_server((key, self._split(key, value)) for key, value in merged.items())
-        self._each({index: lambda stub, part=[item for _, item in part]: stub.Push(
+        self._each({index: lambda stub, part=[item for _, item in part]: stub.push_raw(
             self._frames(kvstore_pb2.PushRequest, part), timeout=self._timeout)
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
-    def _pushpull(self, pairs, fresh):
+    def _pushpull(self, pairs, fresh, outs=None):
         merged = self._merged(pairs)
         order = list(merged)
+        # A key pushed twice in one call is pulled once, into the first out of its first pair.
+        first_outs = None
+        if outs is not None:
+            by_key = {}
+            for (key, _), targets in zip(pairs, outs):
+                by_key.setdefault(key, targets)
+            first_outs = [by_key[key] for key in order]
         plan = self._by_server((position, self._split(key, merged[key])) for position, key in enumerate(order))
-        results = self._each({index: lambda stub, part=[item for _, item in part]: self._decode(stub.PushPull(
-            self._frames(kvstore_pb2.PushPullRequest, part), timeout=self._timeout))
+        results = self._each({index: lambda stub, part=part: self._decode(
+            kvstore_pb2.PushPullResponse,
+            stub.pushpull_raw(self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part]),
+                              timeout=self._timeout), part, first_outs)
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
-        values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results), fresh)))
+        values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results, first_outs), fresh)))
         return [values[key] for key, _ in pairs]
 
-    def _pull(self, keys, fresh):
+    def _pull(self, keys, fresh, outs=None):
         _MERGE.check_keys(keys)
         count = len(self._stubs)
         # A key this worker has not seen yet is asked of its home server; when that answers
@@ -258,25 +294,26 @@ class DistStore(KVStore):
         targets = {p: [home(key, count)] if p in unknown else
                    [i for i, _ in self._placement(key, int(np.prod(self._meta[key][0])))]
                    for p, key in enumerate(keys)}
-        values = self._pull_into([None] * len(keys), keys, targets)
+        values = self._pull_into([None] * len(keys), keys, targets, outs)
         rest = {p: [i for i in range(count) if i != home(keys[p], count)]
                 for p in unknown if len(self._placement(keys[p], values[p].size)) > 1}
         if rest:
-            values = self._pull_into(values, keys, rest)
+            values = self._pull_into(values, keys, rest, outs)
         return self._owned(values, fresh)
 
-    def _pull_into(self, values, keys, targets):
+    def _pull_into(self, values, keys, targets, outs=None):
         """Pull the keys at positions ``targets`` {position: [server index]} into ``values``."""
         plan = {}
         for position, indexes in targets.items():
             for index in indexes:
                 plan.setdefault(index, []).append((position, keys[position]))
-        results = self._each({index: lambda stub, part=part: self._decode(stub.Pull(
-            self._pull_request(key for _, key in part), timeout=self._timeout))
+        results = self._each({index: lambda stub, part=part: self._decode(
+            kvstore_pb2.PullResponse,
+            stub.pull_raw(self._pull_request(key for _, key in part), timeout=self._timeout), part, outs)
             for index, part in plan.items()})
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
-        return self._assemble(values, plan, results)
+        return self._assemble(values, plan, results, outs)
 
     def _pull_request(self, keys):
         request = kvstore_pb2.PullRequest(rank=self._rank)

@@ -124,13 +124,17 @@ class Engine:
             self._values[check_key(item.key)] = Stored(array, item.shape, item.slice)
             self._key_type = type(check_key(item.key))
 
-    def accumulate(self, total, value):
+    def accumulate(self, total, value, owned=False):
         """``total + value`` for merging pushes, in place when ``total`` is not None.
 
         The first value is copied (widened to float32 for bfloat16), so the caller's
-        arrays are never modified.
+        arrays are never modified; an ``owned`` value (a receive buffer nobody else holds)
+        becomes the total itself when no copy is needed.
         """
         value = to_namespace(value, self.xp)
+        if total is None and owned and value.dtype not in _WIDENED and type(value) is np.ndarray \
+                and self.xp is np and value.flags.writeable and value.flags.c_contiguous:
+            return value
         if total is None:
             dtype = np.float32 if value.dtype in _WIDENED else value.dtype
             return self.xp.array(value, dtype=dtype, copy=True)

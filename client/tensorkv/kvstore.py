@@ -124,7 +124,7 @@ class KVStore:
         """
         self._check_open()
         keys, outs = self._pull_targets(key, out)
-        values = self._pull(keys, fresh=outs is None)
+        values = self._pull(keys, fresh=outs is None, outs=outs)
         return self._deliver(key, keys, outs, values)
 
     def pushpull(self, key, value, out=None, priority=0):
@@ -143,7 +143,7 @@ class KVStore:
         for (k, arrays), targets in zip(pairs, outs):
             shape, dtype = shape_dtype(arrays[0])
             _check_same(k, targets, "out array of", shape, dtype)
-        values = self._pushpull(pairs, fresh=False)
+        values = self._pushpull(pairs, fresh=False, outs=outs)
         self._deliver(key, keys, outs, values)
 
     def broadcast(self, key, value, out=None, priority=0):
@@ -268,5 +268,6 @@ class KVStore:
                     )
         for targets, value in zip(outs, values):
             for target in targets:
-                write_into(target, value)
+                if target is not value:  # a store may have written the value into it already
+                    write_into(target, value)
         return None

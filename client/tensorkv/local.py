@@ -49,12 +49,12 @@ class LocalStore(KVStore):
         with self._lock:
             self._engine.push(pairs)
 
-    def _pull(self, keys, fresh):
+    def _pull(self, keys, fresh, outs=None):
         with self._lock:
             values = self._engine.pull(keys)
             return [host_copy(value) for value in values] if fresh else values
 
-    def _pushpull(self, pairs, fresh):
+    def _pushpull(self, pairs, fresh, outs=None):
         with self._lock:
             self._engine.push(pairs)
             return self._pull([key for key, _ in pairs], fresh)

@@ -156,7 +156,7 @@ class Coordinator:
                 check_updater(item.key, self.engine.get(item.key).array)
         if self.mode == ASYNC:
             for item in items:
-                self.engine.apply(item.key, self.engine.accumulate(None, item.array))
+                self.engine.apply(item.key, self.engine.accumulate(None, item.array, item.owned))
             return
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settle(rank, [item.key for item in items]):
@@ -165,8 +165,9 @@ class Coordinator:
             self._add_to_round(rank, item)
 
     async def pull(self, rank, keys):
-        """Copies of the values of ``keys``, after the current round of each key this rank
-        has pushed to (sync mode)."""
+        """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
+        until the caller next awaits), after the current round of each key this rank has
+        pushed to (sync mode)."""
         self._check_rank(rank)
         keys = self.engine.check_keys(keys)
         for key in keys:
@@ -182,7 +183,7 @@ class Coordinator:
     def _add_to_round(self, rank, item):
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
         current = rounds.current
-        current.total = self.engine.accumulate(current.total, item.array)
+        current.total = self.engine.accumulate(current.total, item.array, item.owned)
         current.ranks.add(rank)
         if len(current.ranks) == 1:
             loop = asyncio.get_running_loop()
@@ -235,7 +236,7 @@ class Coordinator:
 
     def _snapshot(self, key):
         stored = self.engine.get(key)
-        return Item(key, _host_copy(stored.array), stored.shape, stored.slice)
+        return Item(key, stored.array, stored.shape, stored.slice)
 
     def _check_distinct(self, items, verb):
         keys = self.engine.check_keys([item.key for item in items])

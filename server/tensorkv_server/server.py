@@ -9,9 +9,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tensorkv.rpc import SERVER_OPTIONS
-from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tensorkv.v1 import kvstore_pb2
 
-from .service import KVStoreService
+from .service import KVStoreService, add_to_server
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ async def serve(coordinator, host, port, grace):
     """Serve ``coordinator`` on host:port until SIGTERM or SIGINT, then stop: waits in
     progress fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server(KVStoreService(coordinator), server)
+    add_to_server(KVStoreService(coordinator), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,26 +1,60 @@
 """The KVStoreService handlers: decode the request, call the :class:`~.rounds.Coordinator`,
-encode the answer. Errors become statuses in :func:`tensorkv.rpc.translate_errors`."""
+encode the answer. Errors become statuses in :func:`tensorkv.rpc.translate_errors`.
+
+The streams of tensors (Init, Push and PushPull requests, Pull and PushPull responses)
+reach and leave the handlers as serialized bytes, decoded and encoded by
+:mod:`tensorkv.codec` without protobuf objects for the tensor bytes; :func:`add_to_server`
+registers the handlers with those (de)serializers. The wire is the proto's either way.
+"""
+import grpc
+
 from tensorkv import __version__, codec, states_wire
 from tensorkv.rpc import translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
+_SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
+# Methods whose requests, or responses, the handlers see as bytes.
+RAW_REQUESTS = {"Init", "Push", "PushPull"}
+RAW_RESPONSES = {"Pull", "PushPull"}
 
 
-async def _read(requests, with_data=None):
-    """(first request or None, [codec.Item]) of a request stream of frames.
+async def _read(requests, message_class, with_data=None):
+    """(first request or None, [codec.Item]) of a stream of serialized ``message_class``.
 
     ``with_data(first)`` says whether the frames carry data (Init's wait_only does not).
     """
-    first, decoder, items = None, None, []
-    async for request in requests:
-        if first is None:
-            first = request
-            decoder = codec.FrameDecoder(with_data=with_data(first) if with_data else True)
-        items.extend(decoder.feed(request.frame))
-    if decoder is not None:
-        decoder.finish()
-    return first, items
+    decoder = codec.StreamDecoder(message_class, "frame", with_data=with_data)
+    async for data in requests:
+        decoder.feed(data)
+    return decoder.first, decoder.finish()
+
+
+def _responses(items):
+    """The serialized PullResponse (= PushPullResponse) messages of ``items``, all encoded
+    before the caller's next await, so that they hold the values of this moment."""
+    return codec.encode_messages(items, kvstore_pb2.PullResponse.DESCRIPTOR.fields_by_name["frame"].number)
+
+
+def add_to_server(service, server):
+    """Register ``service`` on ``server`` as the generated code would, except that the
+    tensor streams travel as bytes (RAW_REQUESTS, RAW_RESPONSES)."""
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in _SERVICE.methods:
+        request = getattr(kvstore_pb2, method.input_type.name)
+        response = getattr(kvstore_pb2, method.output_type.name)
+        handlers[method.name] = factories[method.client_streaming, method.server_streaming](
+            getattr(service, method.name),
+            request_deserializer=None if method.name in RAW_REQUESTS else request.FromString,
+            response_serializer=None if method.name in RAW_RESPONSES else response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
@@ -41,14 +75,15 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def Init(self, request_iterator, context):
-        first, items = await _read(request_iterator, with_data=lambda first: not first.wait_only)
+        first, items = await _read(request_iterator, kvstore_pb2.InitRequest,
+                                   with_data=lambda first: not first.wait_only)
         if first is not None:
             await self.coordinator.init(first.rank, items, first.wait_only)
         return kvstore_pb2.InitResponse()
 
     @translate_errors
     async def Push(self, request_iterator, context):
-        first, items = await _read(request_iterator)
+        first, items = await _read(request_iterator, kvstore_pb2.PushRequest)
         if first is not None:
             await self.coordinator.push(first.rank, items)
         return kvstore_pb2.PushResponse()
@@ -56,15 +91,15 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     @translate_errors
     async def Pull(self, request, context):
         keys = [codec.get_key(key) for key in request.keys]
-        for frame in codec.encode_frames(await self.coordinator.pull(request.rank, keys)):
-            yield kvstore_pb2.PullResponse(frame=frame)
+        for message in _responses(await self.coordinator.pull(request.rank, keys)):
+            yield message
 
     @translate_errors
     async def PushPull(self, request_iterator, context):
-        first, items = await _read(request_iterator)
+        first, items = await _read(request_iterator, kvstore_pb2.PushPullRequest)
         if first is not None:
-            for frame in codec.encode_frames(await self.coordinator.pushpull(first.rank, items)):
-                yield kvstore_pb2.PushPullResponse(frame=frame)
+            for message in _responses(await self.coordinator.pushpull(first.rank, items)):
+                yield message
 
     @translate_errors
     async def SetUpdater(self, request_iterator, context):
