@@ -241,3 +241,16 @@ def test_malformed_hand_encoded_frames_are_rejected(tail, message):
     assert kvstore_pb2.PushRequest.FromString(head).frame.entries[0].tensor.data == b""
     with pytest.raises(InvalidTensorError, match=message):
         stream_decode(kvstore_pb2.PushRequest, [head] + tail)
+
+
+def test_frame_with_entries_before_the_more_that_completes_the_previous_entry():
+    """Protobuf serializes `entries` (1) before `more` (2); `more` still completes the earlier entry."""
+    a, b = sample(np.float32, (4,)), sample(np.int16, (3,))
+    frames = [tensor_pb2.TensorFrame(entries=[tensor_pb2.Entry(key=tensor_pb2.Key(int_key=1), tensor=to_tensor(a))]),
+              tensor_pb2.TensorFrame(more=a.tobytes()[10:], entries=[
+                  tensor_pb2.Entry(key=tensor_pb2.Key(int_key=2), tensor=to_tensor(b))])]
+    frames[0].entries[0].tensor.data = a.tobytes()[:10]
+    messages = [kvstore_pb2.PushRequest(rank=1, frame=f).SerializeToString() for f in frames]
+    assert messages[1].index(b"\x12", 2) < len(messages[1]) - len(a.tobytes()[10:]) - 2  # entries come first
+    _, items = stream_decode(kvstore_pb2.PushRequest, messages)
+    assert_same_items(items, [Item(1, a), Item(2, b)])

@@ -11,11 +11,12 @@ work on ``TensorFrame`` objects (optimizer states, and the fallback for frames t
 not hand-decodable).
 """
 import math
+import os
 
 import ml_dtypes
 import numpy as np
 
-from .backend import to_host
+from .backend import shape_dtype, to_host
 from .errors import InvalidTensorError, KeyTypeError
 from google.protobuf.message import DecodeError
 
@@ -42,7 +43,7 @@ MAX_RANK = 32
 MAX_TENSOR_BYTES = 1 << 40
 # Payload bytes per stream message; chosen by measurement (tools/wirebench.py, see
 # docs/transport.md).
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = int(os.environ.get("TENSORKV_CHUNK_BYTES", 1 << 20))
 
 
 def wire_dtype(dtype):
@@ -240,6 +241,69 @@ class FrameDecoder:
                 )
         return done
 
+    def feed_bytes(self, data, start, end):
+        """The items completed by the serialized TensorFrame ``data[start:end]``, read by hand;
+        None (and nothing changed) when the frame is laid out in a way that needs the
+        generated class: then call :meth:`feed` with the parsed frame."""
+        if start == end:
+            return []
+        tag, pos = _read_varint(data, start)
+        if tag == 2 << 3 | _LEN:
+            length, pos = _read_varint(data, pos)
+            if pos + length != end or length == 0:
+                return None
+            return self._continue(memoryview(data)[pos:end])
+        if self._pending is not None:
+            return None
+        done, pos, count, with_data = [], start, self._count, self.with_data
+        known = _KNOWN_ENTRIES
+        while pos < end:
+            entry_start = pos
+            if data[pos] != _ENTRY_TAG:
+                return None
+            length, body = _read_varint(data, pos + 1)
+            entry_end = body + length
+            if entry_end > end or body >= entry_end or data[body] != 1 << 3 | _LEN:
+                return None
+            key_length, key_start = _read_varint(data, body + 1)
+            found = known.get(data[entry_start:key_start + key_length])
+            if found is not None and data.startswith(found[0], entry_start):
+                prefix, header, data_len = found
+                source, data_start = data, entry_start + len(prefix)
+            else:
+                entry = _parse_entry(data[body:entry_end])
+                header = _Header(entry, self.max_bytes)
+                source, data_start = entry.tensor.data, 0
+                data_len = len(source)
+                prefix = _entry_prefix(header.key, entry.tensor.dtype, header.shape, header.slice, data_len)
+                if entry_start + len(prefix) + data_len == entry_end and data.startswith(prefix, entry_start):
+                    if len(known) >= _MAX_CACHED_PREFIXES:
+                        known.clear()
+                    known[data[entry_start:key_start + key_length]] = (prefix, header, data_len)
+            if header.nbytes > self.max_bytes:
+                raise InvalidTensorError(
+                    f"key {header.key!r}: shape {header.shape} of {header.dtype} needs {header.nbytes} bytes; "
+                    f"the limit is {self.max_bytes}")
+            pos = entry_end
+            if not with_data:
+                done.append(header.item(np.empty(header.data_shape, header.dtype)))
+            elif data_len == header.nbytes:
+                done.append(header.item(np.frombuffer(source, header.dtype, header.nbytes // header.dtype.itemsize,
+                                                      data_start)))
+            elif data_len < header.nbytes and pos == end:
+                buffer, owned = self._buffer(count, header)
+                buffer[:data_len] = np.frombuffer(source, np.uint8, data_len, data_start)
+                self._pending = (header, buffer, data_len, owned)
+            elif data_len < header.nbytes and _only_more_follows(data, pos, end):
+                return None
+            else:
+                raise InvalidTensorError(
+                    f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} "
+                    f"needs {header.nbytes} bytes, got {data_len}")
+            count += 1
+        self._count = count
+        return done
+
     def feed_more(self, more):
         """The items completed by continuation bytes ``more`` (a frame with only ``more`` set)."""
         return self._continue(more)
@@ -366,23 +430,28 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
     """
     messages, pieces, size, budget = [], [], 0, chunk_bytes
     for item in items:
-        wire = wire_dtype(item.array.dtype)
+        wire = _TO_WIRE.get(item.array.dtype) if type(item.array) is np.ndarray else None
+        if wire is None:
+            wire = wire_dtype(shape_dtype(item.array)[1])
         if not with_data:
             prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0)
             pieces.append(prefix)
             size += len(prefix)
             continue
-        data = to_host(item.array).reshape(-1).view(np.uint8)
-        nbytes = len(data)
+        array = item.array
+        if type(array) is not np.ndarray or not array.flags.c_contiguous or array.dtype.byteorder == ">":
+            array = to_host(array)
+        nbytes = array.nbytes
         if nbytes <= chunk_bytes:
             if nbytes > budget and pieces:
                 messages.append(_message(head, frame_field, pieces, size))
                 head, pieces, size, budget = b"", [], 0, chunk_bytes
             prefix = _entry_prefix(item.key, wire, item.shape, item.slice, nbytes)
-            pieces += (prefix, data)
+            pieces += (prefix, array.reshape(-1).view(np.uint8) if array.ndim != 1 else array.view(np.uint8))
             size += len(prefix) + nbytes
             budget -= nbytes
             continue
+        data = array.reshape(-1).view(np.uint8)
         prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0)
         pieces.append(prefix)
         messages.append(_message(head, frame_field, pieces, size + len(prefix)))
@@ -454,6 +523,38 @@ def parse(message_class, data):
         raise InvalidTensorError(f"malformed {message_class.__name__}: {error}") from None
 
 
+def _split_message(data, frame_number):
+    """(bytes of the scalar fields, start, end of the frame's body) of a serialized message
+    with one frame field and scalar (varint) fields; None for any other layout."""
+    try:
+        pos, end, frame, head = 0, len(data), None, []
+        while pos < end:
+            start = pos
+            tag, pos = _read_varint(data, pos)
+            if tag & 7 == _VARINT:
+                _, pos = _read_varint(data, pos)
+                head.append(data[start:pos])
+            elif tag == frame_number << 3 | _LEN and frame is None:
+                length, pos = _read_varint(data, pos)
+                frame, pos = (pos, pos + length), pos + length
+            else:
+                return None
+        if pos != end:
+            return None
+        if frame is None:
+            frame = (end, end)
+        return b"".join(head), frame[0], frame[1]
+    except IndexError:
+        return None
+
+
+# (bytes of an entry up to the end of its key) -> (its bytes up to its data, _Header,
+# data bytes), learned from entries that were parsed and validated by the generated class
+# and laid out as _entry_prefix lays them out.
+_KNOWN_ENTRIES = {}
+_ENTRY_TAG = 1 << 3 | _LEN
+
+
 class StreamDecoder:
     """Decodes the serialized messages (bytes) of a stream of ``message_class``, whose field
     ``frame_field`` (a name) is a TensorFrame, into :class:`Item` values.
@@ -477,10 +578,18 @@ class StreamDecoder:
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""
-        if self.first is not None:
-            more = continuation(data, self.frame_number)
-            if more is not None:
-                self.items += self.frames.feed_more(more)
+        split = _split_message(data, self.frame_number)
+        if split is not None:
+            head, start, end = split
+            first = self.first
+            if first is None:
+                first = parse(self.message_class, head)
+                if self._with_data is not None:
+                    self.frames.with_data = self._with_data(first)
+            done = self.frames.feed_bytes(data, start, end)
+            if done is not None:
+                self.first = first
+                self.items += done
                 return
         message = parse(self.message_class, data)
         if self.first is None:
@@ -493,6 +602,23 @@ class StreamDecoder:
         """The items of the whole stream; InvalidTensorError if one was left incomplete."""
         self.frames.finish()
         return self.items
+
+
+def _parse_entry(data):
+    try:
+        return tensor_pb2.Entry.FromString(data)
+    except DecodeError as error:
+        raise InvalidTensorError(f"malformed Entry: {error}") from None
+
+
+def _only_more_follows(data, pos, end):
+    """Whether data[pos:end] is one ``more`` field (a frame serialized entries first)."""
+    try:
+        tag, pos = _read_varint(data, pos)
+        length, pos = _read_varint(data, pos)
+        return tag == 2 << 3 | _LEN and pos + length == end
+    except IndexError:
+        return False
 
 
 class _Header:
