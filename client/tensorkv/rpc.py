@@ -26,6 +26,8 @@ _COMMON_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
 ]
 CHANNEL_OPTIONS = _COMMON_OPTIONS + [
+    # unary-stream calls (Pull, and PushPull of one message) without a thread per call
+    ("SingleThreadedUnaryStream", 1),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),

@@ -28,14 +28,20 @@ class _Wait:
     """Something workers wait on (one round of one key, or one barrier): the ranks that
     arrived, a future done when all have, and the timer that aborts it."""
 
-    __slots__ = ("number", "ranks", "total", "done", "timer")
+    __slots__ = ("number", "ranks", "total", "_done", "timer")
 
     def __init__(self, number):
         self.number = number
         self.ranks = set()
         self.total = None  # a round's running sum of pushes
-        self.done = asyncio.get_running_loop().create_future()
+        self._done = None  # created when first needed: most rounds of one worker never wait
         self.timer = None
+
+    @property
+    def done(self):
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+        return self._done
 
 
 def _fail(future, error):
@@ -185,14 +191,16 @@ class Coordinator:
         current = rounds.current
         current.total = self.engine.accumulate(current.total, item.array, item.owned)
         current.ranks.add(rank)
-        if len(current.ranks) == 1:
-            loop = asyncio.get_running_loop()
-            current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
         if len(current.ranks) == self.num_workers:
             self.engine.apply(item.key, current.total)
-            current.timer.cancel()
+            if current.timer is not None:
+                current.timer.cancel()
             rounds.current = _Wait(current.number + 1)
-            current.done.set_result(None)
+            if current._done is not None:
+                current._done.set_result(None)
+        elif len(current.ranks) == 1:
+            loop = asyncio.get_running_loop()
+            current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
 
     def _abort_round(self, key, round_, why=None, error_class=RoundAbortedError):
         rounds = self._rounds[key]
