@@ -1,5 +1,7 @@
 """tensorkv servers and workers as real processes on 127.0.0.1 (see cluster.py)."""
 import json
+import os
+import platform
 import signal
 import subprocess
 import sys
@@ -13,7 +15,8 @@ import tensorkv
 from tensorkv import states_file
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
-from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, health, stop
+from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop
+from tensorkv_server.__main__ import MALLOC_TUNABLES
 
 SERVICE = "tensorkv.v1.KVStoreService"
 
@@ -241,3 +244,25 @@ def test_tutorial_against_a_server(tmp_path):
                                 capture_output=True, text=True, timeout=WORKER_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join(line for line in expected if not line.startswith("update on key"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.parametrize("env, expected", [
+    ({}, MALLOC_TUNABLES),
+    ({"TENSORKV_NO_MALLOC_TUNING": "1"}, None),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, "glibc.malloc.arena_max=4"),
+])
+def test_server_process_runs_with_malloc_tunables(env, expected):
+    """The server re-execs itself once, keeping its PID, with GLIBC_TUNABLES set, unless told not to."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "TENSORKV_NO_MALLOC_TUNING")}
+    process = subprocess.Popen([sys.executable, "-m", "tensorkv_server", "--port", str(port), "--device", "cpu"],
+                               env={**base, **env}, stderr=subprocess.PIPE, text=True)
+    pid = process.pid
+    try:
+        Cluster._wait_serving(f"127.0.0.1:{port}", process)
+        assert process.pid == pid
+    finally:
+        assert stop(process) == 0
+    log = process.stderr.read()
+    assert f"GLIBC_TUNABLES={expected or '(unset)'}\n" in log
