@@ -5,6 +5,7 @@ Keys are spread over the servers by a stable hash of the key; a value of more th
 back together on pull. A call over a list of keys makes one RPC per server involved, to
 all of them at once, each with a deadline.
 """
+import math
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -14,19 +15,22 @@ import numpy as np
 
 from . import optimizer as optimizers, states_file, states_wire
 from .backend import shape_dtype, to_host
-from .codec import Item, StreamDecoder, encode_stream, set_key
+from .codec import CHUNK_BYTES, Item, StreamDecoder, encode_stream, set_key
 from .engine import Engine
 from .errors import (
-    DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InvalidArgumentError,
+    DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError, InvalidArgumentError,
     ServerUnavailableError, ShapeMismatchError,
 )
 from .kvstore import KVStore
-from .rpc import CHANNEL_OPTIONS, Stub, error_from_rpc
+from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_BIGARRAY_BOUND = 1_000_000
+# Calls whose values (per server) take at most this many bytes use the Session stream.
+SESSION_MAX_BYTES = CHUNK_BYTES
+_ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
 _MERGE = Engine()
@@ -71,7 +75,7 @@ class DistStore(KVStore):
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
-                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None):
+                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None):
         super().__init__(name)
         self._addresses = parse_servers(servers)
         self._timeout = timeout
@@ -79,6 +83,11 @@ class DistStore(KVStore):
         self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses]
         self._stubs = [Stub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(len(self._stubs)) if len(self._stubs) > 1 else None
+        # Small calls go over one long-lived Session stream per server (off with session=False
+        # or TENSORKV_NO_SESSION=1).
+        if session is None:
+            session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
+        self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         try:
             self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
@@ -137,6 +146,41 @@ class DistStore(KVStore):
             raise errors[0]
         return {index: f.result() for index, f in futures.items()}
 
+    def _session(self, index, op, part, message_type=None, outs=None, keys=None):
+        """Make the call ``op`` on server ``index``'s Session stream: the items (or keys) it
+        returns; None when the call is not for a session (too large, sessions off, or the
+        session busy with another thread's call), for the caller to make a plain RPC."""
+        if self._sessions is None:
+            return None
+        if keys is None:
+            items = [item for _, item in part]
+            if sum(item.array.nbytes for item in items) > SESSION_MAX_BYTES:
+                return None
+
+            def build(call_id, timeout_ms):
+                return encode_stream(kvstore_pb2.SessionRequest, items, dict(
+                    id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms), chunk_bytes=_ONE_MESSAGE)[0]
+        else:
+            def build(call_id, timeout_ms):
+                request = kvstore_pb2.SessionRequest(id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms)
+                for key in keys:
+                    set_key(request.keys.add(), key)
+                return request.SerializeToString()
+        answer = self._sessions[index].call(build, self._timeout)
+        if answer is None:
+            return None
+        call_id, data = answer
+        decoder = self._decoder(kvstore_pb2.SessionResponse, part, outs)
+        decoder.feed(data)
+        response = decoder.first
+        if response.code:
+            raise error_from_code(status_code(response.code), response.message, response.error_class or None,
+                                  self._addresses[index])
+        if response.id != call_id:
+            raise InternalError(f"server {self._addresses[index]} answered session call {response.id}, "
+                                f"not {call_id}")
+        return decoder.finish()
+
     def _frames(self, message_type, items, **fields):
         """The serialized request messages that carry ``items``."""
         return encode_stream(message_type, items, dict(rank=self._rank, **fields),
@@ -147,6 +191,13 @@ class DistStore(KVStore):
         """The items of a stream of serialized responses. The values of ``part`` [(position,
         Item or key)] go straight into their ``outs[position][0]`` where that is a NumPy array
         of the right dtype and shape (the others are decoded into new arrays)."""
+        decoder = DistStore._decoder(message_type, part, outs)
+        for data in responses:
+            decoder.feed(data)
+        return decoder.finish()
+
+    @staticmethod
+    def _decoder(message_type, part, outs):
         destination = None
         if outs is not None:
             def destination(index, key, dtype, shape, slice):
@@ -158,10 +209,7 @@ class DistStore(KVStore):
                 if asked != key or not _receivable(target, dtype, shape):
                     return None
                 return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
-        decoder = StreamDecoder(message_type, "frame", destination=destination)
-        for data in responses:
-            decoder.feed(data)
-        return decoder.finish()
+        return StreamDecoder(message_type, "frame", destination=destination)
 
     # ---- layout -----------------------------------------------------------------------
 
@@ -260,8 +308,9 @@ class DistStore(KVStore):
     def _push(self, pairs):
         merged = self._merged(pairs)
         plan = self._by_server((key, self._split(key, value)) for key, value in merged.items())
-        self._each({index: lambda stub, part=[item for _, item in part]: stub.push_raw(
-            self._frames(kvstore_pb2.PushRequest, part), timeout=self._timeout)
+        self._each({index: lambda stub, index=index, part=part: self._session(
+            index, kvstore_pb2.SESSION_OP_PUSH, part) is not None or stub.push_raw(
+            self._frames(kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
@@ -276,10 +325,11 @@ class DistStore(KVStore):
                 by_key.setdefault(key, targets)
             first_outs = [by_key[key] for key in order]
         plan = self._by_server((position, self._split(key, merged[key])) for position, key in enumerate(order))
-        results = self._each({index: lambda stub, part=part: self._decode(
+        results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
+            index, kvstore_pb2.SESSION_OP_PUSH_PULL, part, outs=first_outs), lambda: self._decode(
             kvstore_pb2.PushPullResponse,
             stub.pushpull_raw(self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part]),
-                              timeout=self._timeout), part, first_outs)
+                              timeout=self._timeout), part, first_outs))
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
         values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results, first_outs), fresh)))
@@ -307,13 +357,30 @@ class DistStore(KVStore):
         for position, indexes in targets.items():
             for index in indexes:
                 plan.setdefault(index, []).append((position, keys[position]))
-        results = self._each({index: lambda stub, part=part: self._decode(
-            kvstore_pb2.PullResponse,
-            stub.pull_raw(self._pull_request(key for _, key in part), timeout=self._timeout), part, outs)
+        results = self._each({index: lambda stub, index=index, part=part: self._or(
+            self._session(index, kvstore_pb2.SESSION_OP_PULL, part, outs=outs, keys=[key for _, key in part])
+            if self._known_bytes([key for _, key in part]) <= SESSION_MAX_BYTES else None,
+            lambda: self._decode(kvstore_pb2.PullResponse, stub.pull_raw(
+                self._pull_request(key for _, key in part), timeout=self._timeout), part, outs))
             for index, part in plan.items()})
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
         return self._assemble(values, plan, results, outs)
+
+    @staticmethod
+    def _or(result, otherwise):
+        return otherwise() if result is None else result
+
+    def _known_bytes(self, keys):
+        """The bytes of the whole values of ``keys`` (an upper bound for slices); infinite
+        when one of them is not known yet."""
+        total = 0
+        for key in keys:
+            known = self._meta.get(key)
+            if known is None:
+                return float("inf")
+            total += math.prod(known[0]) * known[1].itemsize
+        return total
 
     def _pull_request(self, keys):
         request = kvstore_pb2.PullRequest(rank=self._rank)
@@ -370,6 +437,8 @@ class DistStore(KVStore):
 
     def close(self):
         if not self._closed:
+            for session in self._sessions or ():
+                session.close()
             for channel in self._channels:
                 channel.close()
             if self._pool is not None:

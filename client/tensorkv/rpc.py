@@ -7,7 +7,11 @@ the same class with :func:`error_from_rpc`.
 """
 import functools
 import inspect
+import itertools
 import logging
+import queue
+import threading
+import time
 
 import grpc
 
@@ -84,13 +88,35 @@ def translate_errors(method):
 
 def error_from_rpc(error, address):
     """The KVStoreError to raise for the ``grpc.RpcError`` a call to ``address`` raised."""
-    code, details = error.code(), error.details()
+    class_name = dict(error.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
+    return error_from_code(error.code(), error.details(), class_name, address)
+
+
+def error_from_code(code, details, class_name, address):
+    """The KVStoreError for status ``code`` (a grpc.StatusCode) with ``details`` and the
+    error class name the server sent (None if none)."""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return ServerUnavailableError(f"server {address} is unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(f"server {address} did not answer within the deadline: {details}")
-    class_name = dict(error.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
     return error_from_status(code.name, details, class_name)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number):
+    """The grpc.StatusCode of a status number (UNKNOWN for one it does not know)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def error_status(error):
+    """(status number, message, class name) that a server sends for ``error``; anything but
+    a KVStoreError is INTERNAL (and logged with its traceback)."""
+    if not isinstance(error, KVStoreError):
+        log.exception("unexpected error in a session call")
+        error = InternalError(f"{type(error).__name__}: {error}")
+    return grpc.StatusCode[error.code].value[0], str(error), type(error).__name__
 
 
 class Stub(kvstore_pb2_grpc.KVStoreServiceStub):
@@ -126,3 +152,100 @@ class Stub(kvstore_pb2_grpc.KVStoreServiceStub):
     def pushpull_raw(self, messages, timeout):
         """The serialized PushPullResponse messages, as an iterator."""
         return self._send(self._pushpull, messages, timeout)
+
+
+# Seconds past a session call's own timeout (which the server enforces) after which the
+# client gives up on a server that does not answer at all.
+SESSION_GRACE = 2.0
+
+
+class Session:
+    """One long-lived Session stream to a server, for small calls: a call sends one
+    serialized SessionRequest and reads its SessionResponse, saving the setup of an RPC.
+
+    One call at a time: :meth:`call` returns None when another thread is using the session
+    (the caller then makes a plain RPC). A broken stream is reopened on the next call; a
+    call on it fails as the plain RPC would (UNAVAILABLE: ServerUnavailableError). A
+    watchdog thread cancels a call that outlives its timeout by SESSION_GRACE (a server
+    that does not answer at all): DeadlineExceededError.
+    """
+
+    def __init__(self, channel, address):
+        self._method = channel.stream_stream(Stub._PATH + "Session")
+        self._address = address
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._queue = self._call = None
+        self._deadline = None
+        self._expired = False
+        self._stop = threading.Event()
+        self._watchdog = None
+
+    def call(self, build, timeout):
+        """(id, serialized SessionResponse) for the request ``build(id, timeout_ms)``; None
+        when the session is busy or closed."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._stop.is_set():
+                return None
+            if self._call is None:
+                self._open()
+            call_id = next(self._ids)
+            request = build(call_id, max(1, int(timeout * 1000)))
+            self._expired = False
+            self._deadline = time.monotonic() + timeout + SESSION_GRACE
+            self._queue.put(request)
+            try:
+                data = next(self._call)
+            except grpc.RpcError as error:
+                self._reset()
+                if self._expired:
+                    raise DeadlineExceededError(
+                        f"server {self._address} did not answer within {timeout:g} s") from None
+                raise error_from_rpc(error, self._address) from None
+            except StopIteration:
+                self._reset()
+                raise ServerUnavailableError(f"server {self._address} closed the session") from None
+            finally:
+                self._deadline = None
+            if self._expired:  # the watchdog fired just as the answer came: start afresh
+                self._reset()
+            return call_id, data
+        finally:
+            self._lock.release()
+
+    def _open(self):
+        requests = queue.SimpleQueue()
+
+        def stream():
+            while True:
+                request = requests.get()
+                if request is None:
+                    return
+                yield request
+
+        self._queue, self._call = requests, self._method(stream())
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="tensorkv-session-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self):
+        while not self._stop.wait(0.25):
+            deadline, call = self._deadline, self._call
+            if deadline is not None and call is not None and time.monotonic() > deadline:
+                self._expired = True
+                call.cancel()
+
+    def _reset(self):
+        if self._call is not None:
+            self._queue.put(None)
+            self._call.cancel()
+        self._queue = self._call = None
+
+    def close(self):
+        self._stop.set()
+        with self._lock:
+            self._reset()
+        if self._watchdog is not None:
+            self._watchdog.join(1.0)

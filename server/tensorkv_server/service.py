@@ -6,17 +6,22 @@ reach and leave the handlers as serialized bytes, decoded and encoded by
 :mod:`tensorkv.codec` without protobuf objects for the tensor bytes; :func:`add_to_server`
 registers the handlers with those (de)serializers. The wire is the proto's either way.
 """
+import asyncio
+
 import grpc
 
 from tensorkv import __version__, codec, states_wire
-from tensorkv.rpc import translate_errors
+from tensorkv.errors import DeadlineExceededError, InvalidArgumentError
+from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 # Methods whose requests, or responses, the handlers see as bytes.
-RAW_REQUESTS = {"Init", "Push", "PushPull"}
-RAW_RESPONSES = {"Pull", "PushPull"}
+RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
+RAW_RESPONSES = {"Pull", "PushPull", "Session"}
+# A session's answer is one message, however large.
+_ONE_MESSAGE = 1 << 62
 
 
 async def _read(requests, message_class, with_data=None):
@@ -100,6 +105,45 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if first is not None:
             for message in _responses(await self.coordinator.pushpull(first.rank, items)):
                 yield message
+
+    @translate_errors
+    async def Session(self, request_iterator, context):
+        async for data in request_iterator:
+            yield await self._session_call(data)
+
+    async def _session_call(self, data):
+        """The serialized SessionResponse to one serialized SessionRequest."""
+        decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame")
+        call_id = 0
+        try:
+            decoder.feed(data)
+            items = decoder.finish()
+            request = decoder.first
+            call_id = request.id
+            work = self._session_work(request, items)
+            if request.timeout_ms:
+                try:
+                    items = await asyncio.wait_for(work, request.timeout_ms / 1000)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceededError(f"the call took longer than its {request.timeout_ms} ms") from None
+            else:
+                items = await work
+            return codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
+                                       chunk_bytes=_ONE_MESSAGE)[0]
+        except Exception as error:
+            code, message, error_class = error_status(error)
+            return kvstore_pb2.SessionResponse(
+                id=call_id, code=code, message=message, error_class=error_class).SerializeToString()
+
+    async def _session_work(self, request, items):
+        if request.op == kvstore_pb2.SESSION_OP_PUSH:
+            await self.coordinator.push(request.rank, items)
+            return []
+        if request.op == kvstore_pb2.SESSION_OP_PULL:
+            return await self.coordinator.pull(request.rank, [codec.get_key(key) for key in request.keys])
+        if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
+            return await self.coordinator.pushpull(request.rank, items)
+        raise InvalidArgumentError(f"unknown session op {request.op}")
 
     @translate_errors
     async def SetUpdater(self, request_iterator, context):
