@@ -5,6 +5,7 @@ import platform
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -266,3 +267,32 @@ def test_server_process_runs_with_malloc_tunables(env, expected):
         assert stop(process) == 0
     log = process.stderr.read()
     assert f"GLIBC_TUNABLES={expected or '(unset)'}\n" in log
+
+
+@pytest.mark.parametrize("session", [True, False])
+def test_session_and_plain_calls_agree_on_values_errors_and_deadlines(tmp_path, session):
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
+        kv = tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, num_workers=2, timeout=1.0,
+                             session=session)
+        other = tensorkv.create("dist_sync", servers=cluster.addresses, rank=1, num_workers=2, session=session)
+        assert (kv._sessions is not None) == session
+        kv.init(["a", "b"], [np.zeros(4, np.float32), np.zeros(3, np.int64)])
+        other.init(["a", "b"], [np.zeros(4, np.float32), np.zeros(3, np.int64)])
+        with pytest.raises(tensorkv.KeyNotFoundError, match="'zz'"):
+            kv.pull("zz", out=np.zeros(1))
+        with pytest.raises(tensorkv.DtypeMismatchError, match="float64"):
+            kv.push("a", np.ones(4))
+        # rank 1 never pushes: rank 0's pull waits for the round past its 1 s timeout
+        kv.push("a", np.ones(4, np.float32))
+        with pytest.raises(tensorkv.DeadlineExceededError):
+            kv.pull("a", out=np.zeros(4, np.float32))
+        other.push("a", np.full(4, 2, np.float32))
+        out = np.zeros(4, np.float32)
+        kv.pull("a", out=out)
+        np.testing.assert_array_equal(out, 3)
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda s: s.pushpull("b", np.full(3, 5, np.int64)) or s.pull("b"), (kv, other)))
+        for result in results:
+            np.testing.assert_array_equal(result, 10)
+        kv.close()
+        other.close()
