@@ -64,3 +64,18 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+# The server image; ENGINE=docker works too.
+ENGINE ?= podman
+IMAGE ?= tensorkv:dev
+.PHONY: image image-smoke
+
+image:
+	$(ENGINE) build --network=host -t $(IMAGE) .
+
+image-smoke: image $(STAMP)
+	@port=$$($(PY) -c '$(FREE_PORT)'); \
+	name=tensorkv-smoke-$$port; \
+	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --port $$port --num-workers 1 >/dev/null; \
+	trap '$(ENGINE) stop -t 10 $$name >/dev/null' EXIT; \
+	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py

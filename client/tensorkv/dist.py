@@ -249,13 +249,7 @@ class DistStore(KVStore):
         for key, arrays in grouped.items():
             shape, dtype = shape_dtype(arrays[0])
             self._check_known(key, shape, dtype, "pushed")
-            if len(arrays) == 1:
-                merged[key] = to_host(arrays[0])
-                continue
-            total = None
-            for array in arrays:
-                total = _MERGE.accumulate(total, array)
-            merged[key] = total.astype(dtype, copy=False)
+            merged[key] = _MERGE.merge(arrays).astype(dtype, copy=False)
         return merged
 
     def _by_server(self, split):

@@ -168,10 +168,16 @@ class Engine:
             if check_updater is not None:
                 check_updater(key, self.get(key).array)
         for key, values in grouped.items():
-            total = None
-            for value in values:
-                total = self.accumulate(total, value)
-            self.apply(key, total)
+            self.apply(key, self.merge(values))
+
+    def merge(self, values):
+        """The sum of ``values``; a single value is passed through without a copy."""
+        if len(values) == 1:
+            return to_namespace(values[0], self.xp)
+        total = None
+        for value in values:
+            total = self.accumulate(total, value)
+        return total
 
     def pull(self, keys):
         """The stored arrays of ``keys`` (not copies); KeyNotFoundError before any is returned."""

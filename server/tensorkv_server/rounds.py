@@ -162,7 +162,7 @@ class Coordinator:
                 check_updater(item.key, self.engine.get(item.key).array)
         if self.mode == ASYNC:
             for item in items:
-                self.engine.apply(item.key, self.engine.accumulate(None, item.array, item.owned))
+                self.engine.apply(item.key, self.engine.merge([item.array]))
             return
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settle(rank, [item.key for item in items]):
