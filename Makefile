@@ -62,7 +62,9 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
+# MXNet's columns are measured in the same run once `make bench-mxnet` has made its venv.
 bench: $(BENCH_STAMP)
+	@if [ -x $(MXNET_VENV)/bin/python ]; then $(MAKE) --no-print-directory bench-mxnet; fi
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too.
