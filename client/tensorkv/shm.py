@@ -38,6 +38,7 @@ def region_size(nbytes):
 
 
 def _release(shm, state):
+    state["buffer"] = None  # the array over the mapping goes first, so that it can be unmapped
     try:
         shm.close()
     except BufferError:  # a view is still alive somewhere: the mapping goes with it
@@ -59,11 +60,15 @@ class Region:
         self.size = size
         self.id = None
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=size)
-        self._state = {"linked": True}
+        self._state = {"linked": True, "buffer": np.frombuffer(self._shm.buf, np.uint8)}
         self._finalizer = weakref.finalize(self, _release, self._shm, self._state)
-        self.buffer = np.frombuffer(self._shm.buf, np.uint8)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.buffer[:TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
+
+    @property
+    def buffer(self):
+        """A uint8 array over the whole segment (None once closed)."""
+        return self._state["buffer"]
 
     def unlink(self):
         """Remove the segment's name (the server has attached it, or will not): the mapping
@@ -85,5 +90,4 @@ class Region:
 
     def close(self):
         """Unmap the segment (and unlink it if still named)."""
-        self.buffer = None
         self._finalizer()
