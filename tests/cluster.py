@@ -48,7 +48,7 @@ class Cluster:
     """S servers for ``num_workers`` workers; ``addresses`` and ``env`` (TENSORKV_SERVERS) for
     workers. Use as a context manager, or call :meth:`stop`."""
 
-    def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None):
+    def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=()):
         self.num_workers = num_workers
         self.addresses, self.processes, self.logs = [], [], []
         log_dir = Path(tmp_path) if tmp_path else None
@@ -60,7 +60,7 @@ class Cluster:
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers",
                      str(num_workers), "--mode", mode, "--round-timeout", str(round_timeout),
-                     "--device", "cpu", "--grace", "2"],
+                     "--device", "cpu", "--grace", "2", *server_args],
                     stdout=log, stderr=subprocess.STDOUT))
                 self.addresses.append(f"127.0.0.1:{port}")
             for address, process in zip(self.addresses, self.processes):

@@ -9,6 +9,12 @@ messages are exactly what the generated classes would produce and parse, so clie
 other languages use plain generated stubs. :func:`encode_frames` and :class:`FrameDecoder`
 work on ``TensorFrame`` objects (optimizer states, and the fallback for frames that are
 not hand-decodable).
+
+Shared memory: an Entry may carry a ``shm`` reference (region id, offset, length) in
+place of its data; the bytes at that place of a registered region are laid out exactly as
+``tensor.data`` would be. :class:`Placement` writes arrays into a region (one copy) and
+returns items that carry such references; the decoders resolve references through a
+``resolve(region_id, offset, length)`` callable that bounds-checks them.
 """
 import math
 import os
@@ -147,15 +153,18 @@ class Item:
     elements as a 1-D array when ``slice`` is set.
     """
 
-    __slots__ = ("key", "array", "shape", "slice", "owned")
+    __slots__ = ("key", "array", "shape", "slice", "owned", "ref")
 
-    def __init__(self, key, array, shape=None, slice=None, owned=False):
+    def __init__(self, key, array, shape=None, slice=None, owned=False, ref=None):
         self.key = key
         self.array = array
         self.shape = tuple(array.shape) if shape is None else tuple(shape)
         self.slice = slice
         # True for a receive buffer the decoder allocated: its holder may keep and modify it.
         self.owned = owned
+        # (region id, offset, length) when the bytes travel in shared memory: the encoder
+        # then sends the reference instead of the data (see Placement).
+        self.ref = ref
 
     def __repr__(self):
         return f"Item(key={self.key!r}, shape={self.shape}, dtype={self.array.dtype}, slice={self.slice})"
@@ -202,9 +211,16 @@ class FrameDecoder:
     raises InvalidTensorError before anything is stored.
     """
 
-    def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None):
+    def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None, resolve=None,
+                 copy_refs=False):
         self.max_bytes = max_bytes
         self.with_data = with_data
+        # resolve(region_id, offset, length): the uint8 array of a shared-memory reference,
+        # bounds-checked (InvalidTensorError otherwise); None: references are rejected.
+        self.resolve = resolve
+        # True: referenced bytes are copied out (into the destination or a new array), for
+        # a region that is reused by the next call; False: items are views of the region.
+        self.copy_refs = copy_refs
         # destination(index, key, dtype, shape, slice) for the index-th entry of the stream: a
         # writable C-contiguous array of that dtype that holds exactly the entry's elements
         # (the whole value, or the slice's), to receive its bytes; or None for a new array.
@@ -226,7 +242,9 @@ class FrameDecoder:
             header = _Header(entry, self.max_bytes)
             index, self._count = self._count, self._count + 1
             data = entry.tensor.data
-            if not self.with_data:
+            if header.ref is not None:
+                done.append(self._referenced(index, header, len(data)))
+            elif not self.with_data:
                 done.append(header.item(np.empty(header.data_shape, header.dtype)))
             elif len(data) == header.nbytes:
                 done.append(header.item(np.frombuffer(data, dtype=header.dtype)))
@@ -275,7 +293,8 @@ class FrameDecoder:
                 header = _Header(entry, self.max_bytes)
                 source, data_start = entry.tensor.data, 0
                 data_len = len(source)
-                prefix = _entry_prefix(header.key, entry.tensor.dtype, header.shape, header.slice, data_len)
+                prefix = _entry_prefix(header.key, entry.tensor.dtype, header.shape, header.slice, data_len,
+                                       header.ref)
                 if entry_start + len(prefix) + data_len == entry_end and data.startswith(prefix, entry_start):
                     if len(known) >= _MAX_CACHED_PREFIXES:
                         known.clear()
@@ -285,7 +304,9 @@ class FrameDecoder:
                     f"key {header.key!r}: shape {header.shape} of {header.dtype} needs {header.nbytes} bytes; "
                     f"the limit is {self.max_bytes}")
             pos = entry_end
-            if not with_data:
+            if header.ref is not None:
+                done.append(self._referenced(count, header, data_len))
+            elif not with_data:
                 done.append(header.item(np.empty(header.data_shape, header.dtype)))
             elif data_len == header.nbytes:
                 done.append(header.item(np.frombuffer(source, header.dtype, header.nbytes // header.dtype.itemsize,
@@ -303,6 +324,26 @@ class FrameDecoder:
             count += 1
         self._count = count
         return done
+
+    def _referenced(self, index, header, data_len):
+        """The item of an entry whose bytes are in shared memory (``header.ref``)."""
+        if data_len:
+            raise InvalidTensorError(f"key {header.key!r}: an entry with a shared-memory reference carries "
+                                     f"{data_len} bytes of data too")
+        region_id, offset, length = header.ref
+        if length != header.nbytes:
+            raise InvalidTensorError(
+                f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} needs "
+                f"{header.nbytes} bytes, the shared-memory reference has {length}")
+        if self.resolve is None:
+            raise InvalidTensorError(f"key {header.key!r}: shared-memory references are only valid on the "
+                                     "Session stream that registered the region")
+        source = self.resolve(region_id, offset, length)
+        if not self.copy_refs:
+            return header.item(source.view(header.dtype))
+        buffer, owned = self._buffer(index, header)
+        buffer[:] = source
+        return header.item(buffer.view(header.dtype), owned)
 
     def feed_more(self, more):
         """The items completed by continuation bytes ``more`` (a frame with only ``more`` set)."""
@@ -381,9 +422,10 @@ _ENTRY_PREFIXES = {}
 _MAX_CACHED_PREFIXES = 1 << 16
 
 
-def _entry_prefix(key, wire, shape, slice, data_len):
-    """The bytes of a frame's ``entries`` field up to the tensor's data (``data_len`` bytes follow)."""
-    cache_key = (type(key), key, wire, shape, slice, data_len)
+def _entry_prefix(key, wire, shape, slice, data_len, ref=None):
+    """The bytes of a frame's ``entries`` field up to the tensor's data (``data_len`` bytes
+    follow), with the shared-memory reference ``ref`` (region id, offset, length) if any."""
+    cache_key = (type(key), key, wire, shape, slice, data_len, ref)
     prefix = _ENTRY_PREFIXES.get(cache_key)
     if prefix is not None:
         return prefix
@@ -396,6 +438,8 @@ def _entry_prefix(key, wire, shape, slice, data_len):
         begin, end = slice
         slice_part = _field(3, (_tag(1, _VARINT) + _varint(begin) if begin else b"")
                             + (_tag(2, _VARINT) + _varint(end) if end else b""))
+    if ref is not None:
+        slice_part += _field(4, b"".join(_tag(n, _VARINT) + _varint(v) for n, v in zip((1, 2, 3), ref) if v))
     tensor = _tag(1, _VARINT) + _varint(wire)
     if shape:
         tensor += _field(2, b"".join(_varint(d) for d in shape))
@@ -433,8 +477,8 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
         wire = _TO_WIRE.get(item.array.dtype) if type(item.array) is np.ndarray else None
         if wire is None:
             wire = wire_dtype(shape_dtype(item.array)[1])
-        if not with_data:
-            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0)
+        if not with_data or item.ref is not None:
+            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, item.ref if with_data else None)
             pieces.append(prefix)
             size += len(prefix)
             continue
@@ -567,14 +611,14 @@ class StreamDecoder:
     """
 
     def __init__(self, message_class, frame_field, max_bytes=MAX_TENSOR_BYTES, destination=None,
-                 with_data=None):
+                 with_data=None, resolve=None, copy_refs=False):
         self.message_class = message_class
         self.frame_name = frame_field
         self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
         self.first = None
         self.items = []
         self._with_data = with_data
-        self.frames = FrameDecoder(max_bytes, destination=destination)
+        self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs)
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""
@@ -637,6 +681,9 @@ class _Header:
                     f"(shape {self.shape})"
                 )
             self.slice, size = (begin, end), end - begin
+        self.ref = None
+        if entry.HasField("shm"):
+            self.ref = (entry.shm.region_id, entry.shm.offset, entry.shm.length)
         self.data_shape = self.shape if self.slice is None else (size,)
         self.nbytes = size * self.dtype.itemsize
         if self.nbytes > max_bytes:
@@ -647,3 +694,49 @@ class _Header:
 
     def item(self, flat, owned=False):
         return Item(self.key, flat.reshape(self.data_shape), self.shape, self.slice, owned)
+
+
+# ---- shared memory ----------------------------------------------------------------------
+
+# Offsets of values in a region are multiples of this (cache lines; every dtype's alignment).
+SHM_ALIGN = 64
+
+
+def aligned(nbytes):
+    """``nbytes`` rounded up to SHM_ALIGN."""
+    return -(-nbytes // SHM_ALIGN) * SHM_ALIGN
+
+
+def check_ref(size, offset, length, what="reference"):
+    """InvalidTensorError unless [offset, offset + length) lies inside a region of ``size`` bytes."""
+    if offset < 0 or length < 0 or offset + length > size:
+        raise InvalidTensorError(
+            f"shared-memory {what} [{offset}, {offset + length}) is outside its region of {size} bytes")
+
+
+class Placement:
+    """Writes values into [start, end) of a shared-memory region (``buffer``, a uint8 array of
+    the whole region), one after the other at aligned offsets: :meth:`put` returns the item
+    that references them, or None when the value does not fit."""
+
+    def __init__(self, buffer, region_id, start=0, end=None):
+        end = len(buffer) if end is None else end
+        check_ref(len(buffer), start, end - start, "area")
+        self.buffer, self.region_id, self.next, self.end = buffer, region_id, start, end
+
+    def put(self, item):
+        array = item.array
+        nbytes = array.nbytes
+        offset = self.next
+        if offset + nbytes > self.end:
+            return None
+        if type(array) is not np.ndarray:
+            array = to_host(array)
+        dtype = numpy_dtype(wire_dtype(array.dtype))  # little-endian, as on the wire
+        np.copyto(self.buffer[offset:offset + nbytes].view(dtype).reshape(array.shape), array, casting="equiv")
+        self.next = offset + aligned(nbytes)
+        return Item(item.key, array, item.shape, item.slice, ref=(self.region_id, offset, nbytes))
+
+    def place(self, items):
+        """``items`` with those that fit moved into the region (the others unchanged)."""
+        return [self.put(item) or item for item in items]

@@ -15,7 +15,8 @@ import numpy as np
 
 from . import optimizer as optimizers, states_file, states_wire
 from .backend import shape_dtype, to_host
-from .codec import CHUNK_BYTES, Item, StreamDecoder, encode_stream, set_key
+from . import shm
+from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, set_key
 from .engine import Engine
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError, InvalidArgumentError,
@@ -23,13 +24,16 @@ from .errors import (
 )
 from .kvstore import KVStore
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
-from .v1 import kvstore_pb2
+from .v1 import kvstore_pb2, tensor_pb2
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_BIGARRAY_BOUND = 1_000_000
 # Calls whose values (per server) take at most this many bytes use the Session stream.
 SESSION_MAX_BYTES = CHUNK_BYTES
+# With shared memory, values of at least this many bytes travel through the region.
+SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
+TRANSPORTS = ("auto", "tcp")
 _ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
@@ -71,12 +75,18 @@ class DistStore(KVStore):
     """A client of tensorkv servers; see :func:`tensorkv.create`.
 
     ``timeout`` bounds every call (seconds; a sync pull waits for the other workers within
-    it), ``connect_timeout`` the first contact with each server.
+    it), ``connect_timeout`` the first contact with each server. ``transport`` 'auto' (the
+    default, or ``TENSORKV_TRANSPORT``) passes values through shared memory to a server that
+    proves it is on this host, 'tcp' always sends them in the gRPC messages.
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
-                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None):
+                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None):
         super().__init__(name)
+        transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
+        if transport not in TRANSPORTS:
+            raise InvalidArgumentError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+        self.transport = transport
         self._addresses = parse_servers(servers)
         self._timeout = timeout
         self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
@@ -90,8 +100,13 @@ class DistStore(KVStore):
         self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         try:
-            self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
-                           connect_timeout)
+            infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
+                                   connect_timeout)
+            # Shared memory is tried (lazily, by the first call that moves enough bytes) with
+            # servers that offer it; the proof of the same host happens then (tensorkv.shm).
+            if transport == "auto" and shm.available():
+                for session, info in zip(self._sessions or (), infos):
+                    session.shm_allowed = info.shared_memory
         except BaseException:
             self.close()
             raise
@@ -106,7 +121,8 @@ class DistStore(KVStore):
 
     def _register(self, rank, num_workers, connect_timeout):
         """Check every server's mode and size, then join them: the first assigns the rank
-        when none is given."""
+        when none is given. The servers' InfoResponses."""
+        infos = []
         for index, address in enumerate(self._addresses):
             try:
                 info = self._call(index, lambda stub: stub.Info(
@@ -122,10 +138,12 @@ class DistStore(KVStore):
                 raise FailedPreconditionError(
                     f"server {address} expects {info.num_workers} workers, this worker was told {num_workers}")
             num_workers = info.num_workers
+            infos.append(info)
         for index in range(len(self._addresses)):
             request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
             rank = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout)).rank
         self._rank, self._num_workers = rank, num_workers
+        return infos
 
     # ---- RPC plumbing -----------------------------------------------------------------
 
@@ -146,40 +164,76 @@ class DistStore(KVStore):
             raise errors[0]
         return {index: f.result() for index, f in futures.items()}
 
-    def _session(self, index, op, part, message_type=None, outs=None, keys=None):
+    def _session(self, index, op, part, outs=None, keys=None, wait_only=False):
         """Make the call ``op`` on server ``index``'s Session stream: the items (or keys) it
-        returns; None when the call is not for a session (too large, sessions off, or the
-        session busy with another thread's call), for the caller to make a plain RPC."""
+        returns; None when the call is not for a session (too large without shared memory,
+        sessions off, or the session busy with another thread's call), for the caller to make
+        a plain RPC.
+
+        With shared memory, values of SHM_MIN_BYTES or more are written into the session's
+        region and only their references travel; a pull names the region as its output area,
+        and the values the server writes there are copied into ``outs`` (or new arrays)."""
         if self._sessions is None:
             return None
+        session = self._sessions[index]
+        use_shm = session.shm_possible
+        pulls = op in (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL)
+        in_bytes = out_bytes = 0
         if keys is None:
             items = [item for _, item in part]
-            if sum(item.array.nbytes for item in items) > SESSION_MAX_BYTES:
+            inline = 0
+            for item in items:
+                nbytes = item.array.nbytes
+                if use_shm and not wait_only and nbytes >= SHM_MIN_BYTES:
+                    in_bytes += aligned(nbytes)
+                elif not wait_only:
+                    inline += nbytes
+            if inline > SESSION_MAX_BYTES:
                 return None
-
-            def build(call_id, timeout_ms):
-                return encode_stream(kvstore_pb2.SessionRequest, items, dict(
-                    id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms), chunk_bytes=_ONE_MESSAGE)[0]
+            if pulls:
+                out_bytes = sum(aligned(item.array.nbytes) for item in items)
         else:
-            def build(call_id, timeout_ms):
-                request = kvstore_pb2.SessionRequest(id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms)
+            out_bytes = self._known_bytes(keys)
+            if out_bytes > SESSION_MAX_BYTES and not use_shm:
+                return None
+            out_bytes = shm.MIN_REGION_BYTES if out_bytes == float("inf") else sum(
+                aligned(b) for b in self._known_sizes(keys))
+        use_output = use_shm and pulls and out_bytes >= SHM_MIN_BYTES
+        shm_bytes = max(in_bytes, out_bytes if use_output else 0) if (in_bytes or use_output) else 0
+
+        def build(call_id, timeout_ms, region):
+            fields = dict(id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms)
+            if wait_only:
+                fields["wait_only"] = True
+            if region is not None and use_output:
+                fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=0, length=region.size)
+            if keys is not None:
+                request = kvstore_pb2.SessionRequest(**fields)
                 for key in keys:
                     set_key(request.keys.add(), key)
                 return request.SerializeToString()
-        answer = self._sessions[index].call(build, self._timeout)
-        if answer is None:
-            return None
-        call_id, data = answer
-        decoder = self._decoder(kvstore_pb2.SessionResponse, part, outs)
-        decoder.feed(data)
-        response = decoder.first
-        if response.code:
-            raise error_from_code(status_code(response.code), response.message, response.error_class or None,
-                                  self._addresses[index])
-        if response.id != call_id:
-            raise InternalError(f"server {self._addresses[index]} answered session call {response.id}, "
-                                f"not {call_id}")
-        return decoder.finish()
+            sent = items
+            if region is not None and in_bytes:
+                placement = Placement(region.buffer, region.id)
+                sent = [placement.put(item) or item if item.array.nbytes >= SHM_MIN_BYTES else item
+                        for item in items]
+            return encode_stream(kvstore_pb2.SessionRequest, sent, fields, chunk_bytes=_ONE_MESSAGE,
+                                 with_data=not wait_only)[0]
+
+        def decode(call_id, data, region):
+            decoder = self._decoder(kvstore_pb2.SessionResponse, part, outs,
+                                    resolve=region.resolve if region is not None else None)
+            decoder.feed(data)
+            response = decoder.first
+            if response.code:
+                raise error_from_code(status_code(response.code), response.message, response.error_class or None,
+                                      self._addresses[index])
+            if response.id != call_id:
+                raise InternalError(f"server {self._addresses[index]} answered session call {response.id}, "
+                                    f"not {call_id}")
+            return decoder.finish()
+
+        return session.call(build, self._timeout, decode, shm_bytes)
 
     def _frames(self, message_type, items, **fields):
         """The serialized request messages that carry ``items``."""
@@ -197,7 +251,7 @@ class DistStore(KVStore):
         return decoder.finish()
 
     @staticmethod
-    def _decoder(message_type, part, outs):
+    def _decoder(message_type, part, outs, resolve=None):
         destination = None
         if outs is not None:
             def destination(index, key, dtype, shape, slice):
@@ -209,7 +263,7 @@ class DistStore(KVStore):
                 if asked != key or not _receivable(target, dtype, shape):
                     return None
                 return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
-        return StreamDecoder(message_type, "frame", destination=destination)
+        return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True)
 
     # ---- layout -----------------------------------------------------------------------
 
@@ -293,9 +347,10 @@ class DistStore(KVStore):
             array = to_host(item.array)
             split.append((position, self._split(item.key, array)))
         plan = self._by_server(split)
-        self._each({index: lambda stub, part=[item for _, item in part]: stub.init_raw(
-            self._frames(kvstore_pb2.InitRequest, part, wait_only=wait_only), timeout=self._timeout)
-            for index, part in plan.items()})
+        self._each({index: lambda stub, index=index, part=part: self._session(
+            index, kvstore_pb2.SESSION_OP_INIT, part, wait_only=wait_only) is not None or stub.init_raw(
+            self._frames(kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
+            timeout=self._timeout) for index, part in plan.items()})
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)
 
@@ -353,7 +408,8 @@ class DistStore(KVStore):
                 plan.setdefault(index, []).append((position, keys[position]))
         results = self._each({index: lambda stub, index=index, part=part: self._or(
             self._session(index, kvstore_pb2.SESSION_OP_PULL, part, outs=outs, keys=[key for _, key in part])
-            if self._known_bytes([key for _, key in part]) <= SESSION_MAX_BYTES else None,
+            if self._known_bytes([key for _, key in part]) <= SESSION_MAX_BYTES
+            or self._sessions is not None and self._sessions[index].shm_possible else None,
             lambda: self._decode(kvstore_pb2.PullResponse, stub.pull_raw(
                 self._pull_request(key for _, key in part), timeout=self._timeout), part, outs))
             for index, part in plan.items()})
@@ -375,6 +431,10 @@ class DistStore(KVStore):
                 return float("inf")
             total += math.prod(known[0]) * known[1].itemsize
         return total
+
+    def _known_sizes(self, keys):
+        """The bytes of the whole values of ``keys``, all known."""
+        return [math.prod(self._meta[key][0]) * self._meta[key][1].itemsize for key in keys]
 
     def _pull_request(self, keys):
         request = kvstore_pb2.PullRequest(rank=self._rank)

@@ -19,6 +19,7 @@ from .errors import (
     ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError,
     error_from_status,
 )
+from . import shm
 from .v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -168,9 +169,17 @@ class Session:
     call on it fails as the plain RPC would (UNAVAILABLE: ServerUnavailableError). A
     watchdog thread cancels a call that outlives its timeout by SESSION_GRACE (a server
     that does not answer at all): DeadlineExceededError.
+
+    Shared memory: when :attr:`shm_allowed` (the server is willing, the transport is
+    'auto'), a call that asks for ``shm_bytes`` gets a :class:`tensorkv.shm.Region` of at
+    least that size registered on the stream (created, proved and grown here, under the
+    call's lock). A server that cannot attach it (another host, shared memory off) turns
+    shared memory off for this session: calls then carry their bytes in the messages. The
+    region lives as long as the stream: a reset stream drops it, and the server releases
+    its side when the stream ends.
     """
 
-    def __init__(self, channel, address):
+    def __init__(self, channel, address, shm_allowed=False):
         self._method = channel.stream_stream(Stub._PATH + "Session")
         self._address = address
         self._lock = threading.Lock()
@@ -180,10 +189,14 @@ class Session:
         self._expired = False
         self._stop = threading.Event()
         self._watchdog = None
+        self.shm_allowed = shm_allowed
+        self.region = None
 
-    def call(self, build, timeout):
-        """(id, serialized SessionResponse) for the request ``build(id, timeout_ms)``; None
-        when the session is busy or closed."""
+    def call(self, build, timeout, decode=None, shm_bytes=0):
+        """``decode(id, serialized SessionResponse, region)`` (default: (id, response)) for the
+        request ``build(id, timeout_ms, region)``, both run under the session's lock; ``region``
+        is the shared-memory Region for a call with ``shm_bytes`` > 0 (None when there is
+        none). None when the session is busy or closed."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -191,29 +204,78 @@ class Session:
                 return None
             if self._call is None:
                 self._open()
+            region = self._ensure_region(shm_bytes, timeout) if shm_bytes > 0 else None
             call_id = next(self._ids)
-            request = build(call_id, max(1, int(timeout * 1000)))
-            self._expired = False
-            self._deadline = time.monotonic() + timeout + SESSION_GRACE
-            self._queue.put(request)
+            data = self._roundtrip(build(call_id, max(1, int(timeout * 1000)), region), timeout)
             try:
-                data = next(self._call)
-            except grpc.RpcError as error:
-                self._reset()
-                if self._expired:
-                    raise DeadlineExceededError(
-                        f"server {self._address} did not answer within {timeout:g} s") from None
-                raise error_from_rpc(error, self._address) from None
-            except StopIteration:
-                self._reset()
-                raise ServerUnavailableError(f"server {self._address} closed the session") from None
+                return (decode or (lambda i, d, r: (i, d)))(call_id, data, region)
             finally:
-                self._deadline = None
-            if self._expired:  # the watchdog fired just as the answer came: start afresh
-                self._reset()
-            return call_id, data
+                if self._expired:  # the watchdog fired just as the answer came: start afresh
+                    self._reset()
         finally:
             self._lock.release()
+
+    def _roundtrip(self, request, timeout):
+        """Send one serialized request and return the serialized response."""
+        self._expired = False
+        self._deadline = time.monotonic() + timeout + SESSION_GRACE
+        self._queue.put(request)
+        try:
+            return next(self._call)
+        except grpc.RpcError as error:
+            expired = self._expired
+            self._reset()
+            if expired:
+                raise DeadlineExceededError(
+                    f"server {self._address} did not answer within {timeout:g} s") from None
+            raise error_from_rpc(error, self._address) from None
+        except StopIteration:
+            self._reset()
+            raise ServerUnavailableError(f"server {self._address} closed the session") from None
+        finally:
+            self._deadline = None
+
+    @property
+    def shm_possible(self):
+        """Whether calls may use shared memory (a region exists or may be negotiated)."""
+        return self.shm_allowed or self.region is not None
+
+    def _ensure_region(self, nbytes, timeout):
+        """The registered region, grown to ``nbytes`` if the server agrees; None or a smaller
+        region when it does not (the call then carries what does not fit inline)."""
+        region = self.region
+        if (region is not None and region.size >= nbytes) or not self.shm_allowed:
+            return region
+        try:
+            new = shm.Region(shm.region_size(nbytes))
+        except OSError as error:
+            log.info("no shared memory for server %s (%s): values travel over gRPC", self._address, error)
+            self.shm_allowed = False
+            return region
+        try:
+            request = kvstore_pb2.SessionRequest(
+                id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
+                timeout_ms=max(1, int(timeout * 1000)),
+                region=kvstore_pb2.SharedMemoryRegion(name=new.name, size=new.size, token=new.token))
+            response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout))
+        except BaseException:
+            new.close()
+            raise
+        new.unlink()  # attached (and unlinked) by the server, or refused: the name goes either way
+        if response.code or not response.region_id:
+            new.close()
+            self.shm_allowed = False
+            log.info("server %s did not attach a shared-memory segment (%s): values travel over gRPC",
+                     self._address, response.message)
+            return region
+        new.id = response.region_id
+        self.region = new
+        if region is not None:
+            region.close()
+            release = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
+                                                 region_id=region.id)
+            self._roundtrip(release.SerializeToString(), timeout)
+        return new
 
     def _open(self):
         requests = queue.SimpleQueue()
@@ -242,6 +304,9 @@ class Session:
             self._queue.put(None)
             self._call.cancel()
         self._queue = self._call = None
+        if self.region is not None:  # the server releases its side as the stream ends
+            self.region.close()
+            self.region = None
 
     def close(self):
         self._stop.set()

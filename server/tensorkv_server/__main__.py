@@ -51,6 +51,8 @@ def parse_args(argv=None):
                         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default %(default)s)")
     parser.add_argument("--device", default="auto",
                         help="where values live: cpu, cuda, cuda:N or auto (GPU when CuPy sees one)")
+    parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
+                        help="refuse shared-memory regions: clients on this host use the plain gRPC path")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     if args.num_workers < 1:
@@ -68,7 +70,7 @@ def main(argv=None):
     logging.getLogger(__name__).info("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
     xp, device = select(args.device)
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
-    asyncio.run(serve(coordinator, args.host, args.port, args.grace))
+    asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory))
 
 
 if __name__ == "__main__":

@@ -189,10 +189,16 @@ class Coordinator:
     def _add_to_round(self, rank, item):
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
         current = rounds.current
-        current.total = self.engine.accumulate(current.total, item.array, item.owned)
         current.ranks.add(rank)
-        if len(current.ranks) == self.num_workers:
-            self.engine.apply(item.key, current.total)
+        complete = len(current.ranks) == self.num_workers
+        if complete and current.total is None:
+            # One worker's push completes the round: applied straight from the received value
+            # (e.g. a view of the client's shared memory), without a copy into a total.
+            total = self.engine.merge([item.array])
+        else:
+            current.total = total = self.engine.accumulate(current.total, item.array, item.owned)
+        if complete:
+            self.engine.apply(item.key, total)
             if current.timer is not None:
                 current.timer.cancel()
             rounds.current = _Wait(current.number + 1)

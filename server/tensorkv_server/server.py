@@ -18,11 +18,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 
 
-async def serve(coordinator, host, port, grace):
+async def serve(coordinator, host, port, grace, shared_memory=True):
     """Serve ``coordinator`` on host:port until SIGTERM or SIGINT, then stop: waits in
     progress fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    add_to_server(KVStoreService(coordinator), server)
+    servicer = KVStoreService(coordinator, shared_memory)
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -33,9 +34,9 @@ async def serve(coordinator, host, port, grace):
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s: %d workers, %s mode, values on %s, round timeout %g s",
+    log.info("serving %s on %s: %d workers, %s mode, values on %s, round timeout %g s, shared memory %s",
              SERVICE_NAME, address, coordinator.num_workers, coordinator.mode, coordinator.device,
-             coordinator.round_timeout)
+             coordinator.round_timeout, "on" if servicer.shared_memory else "off")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

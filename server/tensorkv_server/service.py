@@ -11,9 +11,11 @@ import asyncio
 import grpc
 
 from tensorkv import __version__, codec, states_wire
-from tensorkv.errors import DeadlineExceededError, InvalidArgumentError
+from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+from . import shm
 
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
@@ -63,8 +65,10 @@ def add_to_server(service, server):
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, shared_memory=True):
         self.coordinator = coordinator
+        # Whether Session streams may register shared-memory regions (--no-shared-memory).
+        self.shared_memory = shared_memory and shm.available()
 
     @translate_errors
     async def Register(self, request, context):
@@ -76,7 +80,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def Info(self, request, context):
         info = self.coordinator.info()
         return kvstore_pb2.InfoResponse(
-            mode=_MODES[info.pop("mode")], version=__version__, **info)
+            mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory, **info)
 
     @translate_errors
     async def Init(self, request_iterator, context):
@@ -108,18 +112,28 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def Session(self, request_iterator, context):
-        async for data in request_iterator:
-            yield await self._session_call(data)
+        # The shared-memory regions of this stream: unmapped when it ends, however it ends.
+        regions = shm.Regions(context.peer())
+        try:
+            async for data in request_iterator:
+                yield await self._session_call(data, regions)
+        finally:
+            regions.close()
 
-    async def _session_call(self, data):
+    async def _session_call(self, data, regions):
         """The serialized SessionResponse to one serialized SessionRequest."""
-        decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame")
+        decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame", resolve=regions.resolve,
+                                      with_data=lambda first: not first.wait_only)
         call_id = 0
         try:
             decoder.feed(data)
             items = decoder.finish()
             request = decoder.first
             call_id = request.id
+            if request.op in (kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION):
+                return self._region_call(request, regions)
+            # Checked before anything changes; written after the work, before any other await.
+            output = regions.placement(request.output) if request.HasField("output") else None
             work = self._session_work(request, items)
             if request.timeout_ms:
                 try:
@@ -128,12 +142,23 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                     raise DeadlineExceededError(f"the call took longer than its {request.timeout_ms} ms") from None
             else:
                 items = await work
+            if output is not None:
+                items = output.place(items)
             return codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
                                        chunk_bytes=_ONE_MESSAGE)[0]
         except Exception as error:
             code, message, error_class = error_status(error)
             return kvstore_pb2.SessionResponse(
                 id=call_id, code=code, message=message, error_class=error_class).SerializeToString()
+
+    def _region_call(self, request, regions):
+        if request.op == kvstore_pb2.SESSION_OP_UNREGISTER_REGION:
+            regions.unregister(request.region_id)
+            return kvstore_pb2.SessionResponse(id=request.id).SerializeToString()
+        if not self.shared_memory:
+            raise FailedPreconditionError("shared memory is off on this server")
+        region_id = regions.register(request.region)
+        return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id).SerializeToString()
 
     async def _session_work(self, request, items):
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
@@ -143,6 +168,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             return await self.coordinator.pull(request.rank, [codec.get_key(key) for key in request.keys])
         if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
             return await self.coordinator.pushpull(request.rank, items)
+        if request.op == kvstore_pb2.SESSION_OP_INIT:
+            await self.coordinator.init(request.rank, items, request.wait_only)
+            return []
         raise InvalidArgumentError(f"unknown session op {request.op}")
 
     @translate_errors
