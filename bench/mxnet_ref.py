@@ -13,20 +13,18 @@ then kill).  A push+pull round trip of N bytes counts 2*N bytes.
 import argparse
 import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+import common
 from progress import Progress
 
 MiB = 1 << 20
 REPEATS = 7
 SMALL_REPEATS = 500
 CLUSTER_TIMEOUT = 300.0  # seconds for one scheduler+server+workers run
-STOP_TIMEOUT = 5.0  # seconds to wait after terminate, then after kill
 LIST_KEYS = 1000
 LIST_FLOATS = 256  # 1 KiB per key
 
@@ -40,8 +38,8 @@ def run_all(repeats=REPEATS, small_repeats=SMALL_REPEATS, big=64 * MiB):
         bar.show("dist_sync, 1 worker ...")
         single, = run_cluster("single", 1, repeats, small_repeats, big)
         results.update({
-            "dist_sync_4MiB_gbps": _gbps(4 * MiB, single["rtt_4MiB_s"]),
-            f"dist_sync_{big // MiB}MiB_gbps": _gbps(big, single["rtt_big_s"]),
+            "dist_sync_4MiB_gbps": common.gbps(4 * MiB, single["rtt_4MiB_s"]),
+            f"dist_sync_{big // MiB}MiB_gbps": common.gbps(big, single["rtt_big_s"]),
             "dist_sync_16f_rtt_us": single["rtt_16f_s"] * 1e6,
             "dist_sync_1000x1KiB_ms": single["rtt_list_s"] * 1e3,
         })
@@ -49,10 +47,10 @@ def run_all(repeats=REPEATS, small_repeats=SMALL_REPEATS, big=64 * MiB):
         bar.show("dist_sync, 2 workers ...")
         pair = run_cluster("pair", 2, repeats, small_repeats, big)
         slowest = max(w["rtt_4MiB_s"] for w in pair)
-        results["dist_sync_2workers_4MiB_gbps"] = 2 * _gbps(4 * MiB, slowest)
+        results["dist_sync_2workers_4MiB_gbps"] = 2 * common.gbps(4 * MiB, slowest)
         bar.step("dist_sync, 2 workers")
         bar.show("local ...")
-        results["local_4MiB_gbps"] = _gbps(4 * MiB, _local_rtt(repeats))
+        results["local_4MiB_gbps"] = common.gbps(4 * MiB, _local_rtt(repeats))
         bar.step("local")
     return results
 
@@ -62,7 +60,7 @@ def run_cluster(test, workers, repeats, small_repeats, big):
     the list of what each worker measured for `test`."""
     env = dict(os.environ,
                DMLC_PS_ROOT_URI="127.0.0.1",
-               DMLC_PS_ROOT_PORT=str(_free_port()),
+               DMLC_PS_ROOT_PORT=str(common.free_port()),
                DMLC_NODE_HOST="127.0.0.1",
                DMLC_INTERFACE="lo",
                DMLC_NUM_SERVER="1",
@@ -89,7 +87,7 @@ def run_cluster(test, workers, repeats, small_repeats, big):
             return [_read_json(out) for out in outs]
         finally:
             for proc in procs:
-                _stop(proc)
+                common.stop(proc)
 
 
 def _spawn(cmd, env, role, logdir):
@@ -106,27 +104,12 @@ def _wait(proc, deadline):
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"MXNet {proc.role} (pid {proc.pid}) did not finish "
-                           f"within {CLUSTER_TIMEOUT:.0f}s\n{_tail(proc.log)}")
+                           f"within {CLUSTER_TIMEOUT:.0f}s\n{common.tail(proc.log)}")
     if proc.returncode != 0:
         raise RuntimeError(f"MXNet {proc.role} (pid {proc.pid}) exited with "
-                           f"{proc.returncode}\n{_tail(proc.log)}")
+                           f"{proc.returncode}\n{common.tail(proc.log)}")
 
 
-def _stop(proc):
-    """Stops one process by its PID: terminate, then kill after a timeout."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(STOP_TIMEOUT)
-
-
-def _tail(path, lines=20):
-    with open(path) as f:
-        return "".join(f.readlines()[-lines:])
 
 
 def _read_json(path):
@@ -134,26 +117,7 @@ def _read_json(path):
         return json.load(f)
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-def _gbps(nbytes, seconds):
-    return 2 * nbytes / seconds / 1e9
-
-
-def _median_time(fn, repeats, warmup=1):
-    """Calls fn warmup+repeats times; returns the median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _mxnet_version():
@@ -173,7 +137,7 @@ def _kv_rtt(kv, key, nbytes, repeats):
         kv.pull(key, out=out)
         out.wait_to_read()
 
-    return _median_time(round_trip, repeats)
+    return common.median_time(round_trip, repeats)
 
 
 def _list_rtt(kv, repeats):
@@ -189,7 +153,7 @@ def _list_rtt(kv, repeats):
         kv.pull(keys, out=outs)
         mx.nd.waitall()
 
-    return _median_time(round_trip, repeats)
+    return common.median_time(round_trip, repeats)
 
 
 def _local_rtt(repeats):

@@ -10,13 +10,13 @@ import contextlib
 import functools
 import multiprocessing
 import socket
-import statistics
 import struct
-import time
 from concurrent import futures
 
 import grpc
 import numpy as np
+
+import common
 
 MiB = 1 << 20
 SIZES = (4 << 10, 64 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
@@ -39,7 +39,7 @@ _GRPC_OPTIONS = [
 def tcp_echo(sizes=SIZES, repeats=REPEATS):
     """Raw loopback TCP echo: returns {payload bytes: GB/s both ways}."""
     with _tcp_connection() as sock:
-        return {n: _gbps(n, _tcp_rtt(sock, n, repeats)) for n in sizes}
+        return {n: common.gbps(n, _tcp_rtt(sock, n, repeats)) for n in sizes}
 
 
 def tcp_small_rtt(repeats=SMALL_REPEATS):
@@ -52,7 +52,7 @@ def grpc_unary_echo(sizes=SIZES, repeats=REPEATS):
     """Plain gRPC-Python unary bytes echo: returns {payload bytes: GB/s}."""
     with _grpc_channel() as channel:
         echo = channel.unary_unary(f"/{_SERVICE}/Echo")
-        return {n: _gbps(n, _median_time(functools.partial(
+        return {n: common.gbps(n, common.median_time(functools.partial(
             echo, bytes(n), timeout=CALL_TIMEOUT), repeats)) for n in sizes}
 
 
@@ -67,7 +67,7 @@ def grpc_stream_echo(sizes=SIZES, repeats=REPEATS):
             push(_chunks(payload), timeout=CALL_TIMEOUT)
             return b"".join(pull(b"", timeout=CALL_TIMEOUT))
 
-        return {n: _gbps(n, _median_time(functools.partial(
+        return {n: common.gbps(n, common.median_time(functools.partial(
             round_trip, bytes(n)), repeats)) for n in sizes}
 
 
@@ -76,7 +76,7 @@ def grpc_small_rtt(repeats=SMALL_REPEATS):
     with _grpc_channel() as channel:
         echo = channel.unary_unary(f"/{_SERVICE}/Echo")
         payload = bytes(SMALL)
-        rtt = _median_time(lambda: echo(payload, timeout=CALL_TIMEOUT), repeats)
+        rtt = common.median_time(lambda: echo(payload, timeout=CALL_TIMEOUT), repeats)
         return {"rtt_us": rtt * 1e6}
 
 
@@ -84,24 +84,10 @@ def memcpy(nbytes=64 * MiB, repeats=REPEATS):
     """NumPy copy of `nbytes` in memory: returns {"gbps": bytes copied / s}."""
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    seconds = _median_time(lambda: np.copyto(dst, src), repeats)
+    seconds = common.median_time(lambda: np.copyto(dst, src), repeats)
     return {"gbps": nbytes / seconds / 1e9}
 
 
-def _median_time(fn, repeats, warmup=1):
-    """Calls fn warmup+repeats times; returns the median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _gbps(nbytes, seconds):
-    return 2 * nbytes / seconds / 1e9
 
 
 def _chunks(payload):
@@ -155,7 +141,7 @@ def _tcp_rtt(sock, nbytes, repeats):
         sock.sendall(payload)
         _recv_into(sock, back)
 
-    return _median_time(round_trip, repeats)
+    return common.median_time(round_trip, repeats)
 
 
 def _recv_into(sock, view):

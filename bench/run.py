@@ -50,6 +50,7 @@ import time
 
 import numpy as np
 
+import common
 import references
 from plot import plot_throughput, size_label
 from progress import Progress
@@ -85,7 +86,6 @@ LIST_FLOATS = 256  # 1 KiB per key
 SERVER_START_TIMEOUT = 30.0  # seconds for the server to accept connections
 WORKERS_TIMEOUT = 300.0  # seconds for the two-worker run
 STEP_TIMEOUT = 600.0  # seconds for any one in-process step (SIGALRM)
-STOP_TIMEOUT = 5.0  # seconds after terminate, then after kill
 
 # The issue's goals: (row, path, MXNet column or None, how many times better,
 # and for the small key an absolute bound in µs).
@@ -144,9 +144,6 @@ def _timed(repeats, warmup, prepare, op, check):
     return statistics.median(times)
 
 
-def _gbps(nbytes, seconds):
-    return 2 * nbytes / seconds / 1e9
-
 
 # ---- one-key and list round trips on a store -----------------------------------------
 
@@ -202,30 +199,7 @@ def list_rtt(kv, repeats, first_key=100000, warmup=2):
 # ---- server and worker processes -----------------------------------------------------
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-def _tail(path, lines=30):
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _stop(proc):
-    """Stops one process by its PID: terminate, then kill after a timeout."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(STOP_TIMEOUT)
 
 
 def _spawn(cmd, env, log_path):
@@ -238,7 +212,7 @@ def _spawn(cmd, env, log_path):
 def server(num_workers, env, logdir):
     """Runs `python -m tensorkv_server` in sync mode on a free port of
     127.0.0.1; yields "127.0.0.1:PORT" once it accepts connections."""
-    port = _free_port()
+    port = common.free_port()
     log = os.path.join(logdir, f"server-{port}.log")
     proc = _spawn([sys.executable, "-m", "tensorkv_server", "--host",
                    "127.0.0.1", "--port", str(port), "--num-workers",
@@ -248,7 +222,7 @@ def server(num_workers, env, logdir):
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"tensorkv server (pid {proc.pid}) exited "
-                                   f"with {proc.returncode}\n{_tail(log)}")
+                                   f"with {proc.returncode}\n{common.tail(log)}")
             with contextlib.suppress(OSError):
                 socket.create_connection(("127.0.0.1", port), 1.0).close()
                 break
@@ -256,11 +230,11 @@ def server(num_workers, env, logdir):
                 raise RuntimeError(
                     f"tensorkv server (pid {proc.pid}) did not accept "
                     f"connections on port {port} within "
-                    f"{SERVER_START_TIMEOUT:.0f}s\n{_tail(log)}")
+                    f"{SERVER_START_TIMEOUT:.0f}s\n{common.tail(log)}")
             time.sleep(0.05)
         yield f"127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        common.stop(proc)
 
 
 def _env(extra):
@@ -292,15 +266,15 @@ def pair_rtt(path, options, repeats, logdir):
                 except subprocess.TimeoutExpired:
                     raise RuntimeError(
                         f"worker (pid {proc.pid}) did not finish within "
-                        f"{WORKERS_TIMEOUT:.0f}s\n{_tail(log)}")
+                        f"{WORKERS_TIMEOUT:.0f}s\n{common.tail(log)}")
                 if proc.returncode == 2:
-                    raise CheckError(f"worker (pid {proc.pid}):\n{_tail(log)}")
+                    raise CheckError(f"worker (pid {proc.pid}):\n{common.tail(log)}")
                 if proc.returncode != 0:
                     raise RuntimeError(f"worker (pid {proc.pid}) exited with "
-                                       f"{proc.returncode}\n{_tail(log)}")
+                                       f"{proc.returncode}\n{common.tail(log)}")
         finally:
             for proc in procs:
-                _stop(proc)
+                common.stop(proc)
     results = []
     for out, _ in outs:
         with open(out) as f:
@@ -420,7 +394,7 @@ class Run:
         import tensorkv
         with tensorkv.create("local") as kv:
             rtt = key_rtt(kv, 0, 4 * MiB // 4, self.cfg["repeats"])
-        self.results["local"] = {"4MiB_gbps": _gbps(4 * MiB, rtt)}
+        self.results["local"] = {"4MiB_gbps": common.gbps(4 * MiB, rtt)}
 
     def open_path(self, path):
         import tensorkv
@@ -451,10 +425,10 @@ class Run:
         big = n >= self.cfg["big"]
         repeats = self.cfg["big_repeats"] if big else self.cfg["repeats"]
         rtt = key_rtt(self._kv, 10 + n.bit_length(), n // 4, repeats)
-        self.results["paths"][path]["throughput_gbps"][n] = _gbps(n, rtt)
+        self.results["paths"][path]["throughput_gbps"][n] = common.gbps(n, rtt)
         if n == 4 * MiB:
             rtt = key_rtt(self._kv, 3, n // 4, repeats, fused=True)
-            self.results["paths"][path]["4MiB_pushpull_gbps"] = _gbps(n, rtt)
+            self.results["paths"][path]["4MiB_pushpull_gbps"] = common.gbps(n, rtt)
 
     def small(self, path):
         r = self.results["paths"][path]
@@ -471,7 +445,7 @@ class Run:
         options = self.results["paths"][path]["options"]
         rtts = pair_rtt(path, options, self.cfg["pair_repeats"], self.logdir)
         self.results["paths"][path]["2workers_4MiB_gbps"] = (
-            2 * _gbps(4 * MiB, max(rtts)))
+            2 * common.gbps(4 * MiB, max(rtts)))
         self.results["paths"][path]["2workers_rtt_s"] = rtts
 
 

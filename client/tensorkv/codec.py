@@ -47,8 +47,7 @@ SUPPORTED_DTYPES = tuple(dt for _, dt in _WIRE_DTYPES)
 MAX_RANK = 32
 # Bound on one decoded tensor; a server may lower it to what its memory holds.
 MAX_TENSOR_BYTES = 1 << 40
-# Payload bytes per stream message; chosen by measurement (tools/wirebench.py, see
-# docs/transport.md).
+# Payload bytes per stream message; chosen by measurement (see docs/transport.md).
 CHUNK_BYTES = int(os.environ.get("TENSORKV_CHUNK_BYTES", 1 << 20))
 
 
