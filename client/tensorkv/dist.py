@@ -282,6 +282,8 @@ class DistStore(KVStore):
     def _split(self, key, array, shape=None):
         """[(server index, Item)] that carry ``array`` (a whole value, or its shape with no data)."""
         shape = tuple(array.shape) if shape is None else shape
+        if len(self._stubs) == 1:
+            return [(0, Item(key, array, shape))]
         flat = array.reshape(-1)
         return [(index, Item(key, array if where is None else flat[where[0]:where[1]], shape, where))
                 for index, where in self._placement(key, flat.size)]
@@ -305,9 +307,11 @@ class DistStore(KVStore):
         _MERGE.check_keys(list(grouped))
         merged = {}
         for key, arrays in grouped.items():
-            shape, dtype = shape_dtype(arrays[0])
+            first = arrays[0]
+            shape, dtype = (first.shape, first.dtype) if type(first) is np.ndarray else shape_dtype(first)
             self._check_known(key, shape, dtype, "pushed")
-            merged[key] = _MERGE.merge(arrays).astype(dtype, copy=False)
+            value = _MERGE.merge(arrays)
+            merged[key] = value if value.dtype == dtype else value.astype(dtype)
         return merged
 
     def _by_server(self, split):
