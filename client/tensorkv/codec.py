@@ -82,6 +82,11 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 def check_key(key):
     """The key as a plain int or str; KeyTypeError for anything else (bool included)."""
+    kind = type(key)
+    if kind is str:
+        return key
+    if kind is int and _INT64_MIN <= key <= _INT64_MAX:
+        return key
     if isinstance(key, str):
         return key
     if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
@@ -308,8 +313,15 @@ class FrameDecoder:
             elif not with_data:
                 done.append(header.item(np.empty(header.data_shape, header.dtype)))
             elif data_len == header.nbytes:
-                done.append(header.item(np.frombuffer(source, header.dtype, header.nbytes // header.dtype.itemsize,
-                                                      data_start)))
+                flat = np.frombuffer(source, header.dtype, header.nbytes // header.dtype.itemsize, data_start)
+                target = None
+                if self.destination is not None and header.slice is None:
+                    target = self.destination(count, header.key, header.dtype, header.shape, None)
+                if target is None:
+                    done.append(header.item(flat))
+                else:  # straight into the caller's array (one copy, as a view would take later)
+                    target.reshape(-1)[...] = flat
+                    done.append(Item(header.key, target, header.shape))
             elif data_len < header.nbytes and pos == end:
                 buffer, owned = self._buffer(count, header)
                 buffer[:data_len] = np.frombuffer(source, np.uint8, data_len, data_start)
@@ -450,6 +462,26 @@ def _entry_prefix(key, wire, shape, slice, data_len, ref=None):
         _ENTRY_PREFIXES.clear()
     _ENTRY_PREFIXES[cache_key] = prefix
     return prefix
+
+
+_KEY_FIELDS = {}
+
+
+def key_fields(keys, field=6):
+    """The serialized ``repeated Key`` field number ``field`` (6: SessionRequest.keys) holding
+    ``keys`` (checked int or str keys), from bytes cached per key; the generated parser reads
+    it as it reads its own."""
+    cache = _KEY_FIELDS
+    pieces = []
+    for key in keys:
+        piece = cache.get((field, type(key), key))
+        if piece is None:
+            if len(cache) >= _MAX_CACHED_PREFIXES:
+                cache.clear()
+            body = _field(2, key.encode()) if isinstance(key, str) else _tag(1, _VARINT) + _varint(key)
+            piece = cache[(field, type(key), key)] = _field(field, body)
+        pieces.append(piece)
+    return b"".join(pieces)
 
 
 def _message(head, frame_field, pieces, size):

@@ -16,7 +16,7 @@ import numpy as np
 from . import optimizer as optimizers, states_file, states_wire
 from .backend import shape_dtype, to_host
 from . import shm
-from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, set_key
+from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, key_fields, set_key
 from .engine import Engine
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError, InvalidArgumentError,
@@ -54,6 +54,8 @@ def parse_servers(servers):
 
 def home(key, num_servers):
     """The server index of ``key``: a hash that is the same in every process and run."""
+    if num_servers == 1:
+        return 0
     return zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
 
 
@@ -190,14 +192,19 @@ class DistStore(KVStore):
                     inline += nbytes
             if inline > SESSION_MAX_BYTES:
                 return None
-            if pulls:
+            if pulls and any(item.array.nbytes >= SHM_MIN_BYTES for item in items):
                 out_bytes = sum(aligned(item.array.nbytes) for item in items)
         else:
             out_bytes = self._known_bytes(keys)
             if out_bytes > SESSION_MAX_BYTES and not use_shm:
                 return None
-            out_bytes = shm.MIN_REGION_BYTES if out_bytes == float("inf") else sum(
-                aligned(b) for b in self._known_sizes(keys))
+            if out_bytes == float("inf"):
+                out_bytes = shm.MIN_REGION_BYTES
+            else:
+                sizes = self._known_sizes(keys)
+                # Values that all travel inline need no output area (one copy on each side
+                # either way, without a placement per value).
+                out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= SHM_MIN_BYTES else 0
         use_output = use_shm and pulls and out_bytes >= SHM_MIN_BYTES
         shm_bytes = max(in_bytes, out_bytes if use_output else 0) if (in_bytes or use_output) else 0
 
@@ -208,10 +215,7 @@ class DistStore(KVStore):
             if region is not None and use_output:
                 fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=0, length=region.size)
             if keys is not None:
-                request = kvstore_pb2.SessionRequest(**fields)
-                for key in keys:
-                    set_key(request.keys.add(), key)
-                return request.SerializeToString()
+                return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(keys)
             sent = items
             if region is not None and in_bytes:
                 placement = Placement(region.buffer, region.id)
@@ -278,6 +282,8 @@ class DistStore(KVStore):
     def _split(self, key, array, shape=None):
         """[(server index, Item)] that carry ``array`` (a whole value, or its shape with no data)."""
         shape = tuple(array.shape) if shape is None else shape
+        if len(self._stubs) == 1:
+            return [(0, Item(key, array, shape))]
         flat = array.reshape(-1)
         return [(index, Item(key, array if where is None else flat[where[0]:where[1]], shape, where))
                 for index, where in self._placement(key, flat.size)]
@@ -301,9 +307,11 @@ class DistStore(KVStore):
         _MERGE.check_keys(list(grouped))
         merged = {}
         for key, arrays in grouped.items():
-            shape, dtype = shape_dtype(arrays[0])
+            first = arrays[0]
+            shape, dtype = (first.shape, first.dtype) if type(first) is np.ndarray else shape_dtype(first)
             self._check_known(key, shape, dtype, "pushed")
-            merged[key] = _MERGE.merge(arrays).astype(dtype, copy=False)
+            value = _MERGE.merge(arrays)
+            merged[key] = value if value.dtype == dtype else value.astype(dtype)
         return merged
 
     def _by_server(self, split):
@@ -320,8 +328,9 @@ class DistStore(KVStore):
         array."""
         for index, answered in results.items():
             for (position, _), item in zip(plan[index], answered):
-                if outs is not None and _receivable(outs[position][0], item.array.dtype, item.shape) \
-                        and np.may_share_memory(outs[position][0], item.array):
+                if outs is not None and (item.array is outs[position][0] or (
+                        _receivable(outs[position][0], item.array.dtype, item.shape)
+                        and np.may_share_memory(outs[position][0], item.array))):
                     values[position] = outs[position][0]
                     continue
                 if item.slice is None:
@@ -386,12 +395,14 @@ class DistStore(KVStore):
 
     def _pull(self, keys, fresh, outs=None):
         _MERGE.check_keys(keys)
+        if outs is not None and not self._outs_fit(keys, outs):
+            outs = None  # decoded into new arrays: the mismatch is raised before any out is written
         count = len(self._stubs)
         # A key this worker has not seen yet is asked of its home server; when that answers
         # with one slice of a large value, the other slices are asked of the other servers.
         unknown = [p for p, key in enumerate(keys) if key not in self._meta]
         targets = {p: [home(key, count)] if p in unknown else
-                   [i for i, _ in self._placement(key, int(np.prod(self._meta[key][0])))]
+                   [i for i, _ in self._placement(key, math.prod(self._meta[key][0]))]
                    for p, key in enumerate(keys)}
         values = self._pull_into([None] * len(keys), keys, targets, outs)
         rest = {p: [i for i in range(count) if i != home(keys[p], count)]
@@ -416,6 +427,24 @@ class DistStore(KVStore):
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
         return self._assemble(values, plan, results, outs)
+
+    def _outs_fit(self, keys, outs):
+        """Whether every out array of ``keys`` has the known dtype and shape of its key (all
+        keys known), so that values may be decoded straight into them: a pull then never
+        writes some outs and fails on another."""
+        meta = self._meta
+        for key, targets in zip(keys, outs):
+            known = meta.get(key)
+            if known is None:
+                return False
+            shape, dtype = known
+            for target in targets:
+                if type(target) is np.ndarray:
+                    if target.shape != shape or target.dtype != dtype:
+                        return False
+                elif shape_dtype(target) != (shape, dtype):
+                    return False
+        return True
 
     @staticmethod
     def _or(result, otherwise):

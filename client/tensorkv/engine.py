@@ -101,7 +101,10 @@ class Engine:
     def check_value(self, key, value, shape=None, slice=None, verb="pushed"):
         """Check ``value`` agrees with the stored dtype and shape (and slice) of ``key``."""
         stored = self.get(key)
-        data_shape, dtype = shape_dtype(value)
+        if type(value) is np.ndarray:
+            data_shape, dtype = value.shape, value.dtype
+        else:
+            data_shape, dtype = shape_dtype(value)
         full_shape = data_shape if shape is None else tuple(shape)
         if dtype != stored.array.dtype:
             raise DtypeMismatchError(
@@ -173,7 +176,11 @@ class Engine:
     def merge(self, values):
         """The sum of ``values``; a single value is passed through without a copy."""
         if len(values) == 1:
-            return to_namespace(values[0], self.xp)
+            value = values[0]
+            if self.xp is np and type(value) is np.ndarray and value.dtype.byteorder != ">" \
+                    and value.flags.c_contiguous:
+                return value
+            return to_namespace(value, self.xp)
         total = None
         for value in values:
             total = self.accumulate(total, value)

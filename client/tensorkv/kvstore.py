@@ -4,6 +4,8 @@ This module turns the many call forms of MXNet's API (one key or a list, one arr
 list per key, ``out`` or a return value) into lists of (key, [arrays]) pairs; the store
 types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
 """
+import numpy as np
+
 from .backend import is_array, shape_dtype, to_host, write_into
 from .codec import Item, check_key
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
@@ -24,6 +26,8 @@ def _arrays(key, value):
 
     Objects that only expose ``__array__`` or ``__dlpack__`` are converted to NumPy here.
     """
+    if type(value) is np.ndarray:
+        return [value]
     arrays = list(value) if isinstance(value, (list, tuple)) else [value]
     if not arrays:
         raise InvalidArgumentError(f"key {key!r}: an empty list of values")
@@ -39,6 +43,8 @@ def _arrays(key, value):
 
 def _check_same(key, arrays, verb, shape=None, dtype=None):
     """Check every array has the same shape and dtype (those of the first, unless given)."""
+    if len(arrays) == 1 and shape is None:
+        return
     if shape is None:
         shape, dtype = shape_dtype(arrays[0])
     for other in arrays:
@@ -257,6 +263,8 @@ class KVStore:
             return values if isinstance(key, (list, tuple)) else values[0]
         for k, targets, value in zip(keys, outs, values):
             for target in targets:
+                if target is value:
+                    continue
                 shape, dtype = shape_dtype(target)
                 if shape != tuple(value.shape):
                     raise ShapeMismatchError(
@@ -268,6 +276,10 @@ class KVStore:
                     )
         for targets, value in zip(outs, values):
             for target in targets:
-                if target is not value:  # a store may have written the value into it already
+                if target is value:  # a store may have written the value into it already
+                    continue
+                if type(target) is np.ndarray and type(value) is np.ndarray:
+                    np.copyto(target, value)
+                else:
                     write_into(target, value)
         return None

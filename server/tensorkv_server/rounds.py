@@ -164,6 +164,12 @@ class Coordinator:
             for item in items:
                 self.engine.apply(item.key, self.engine.merge([item.array]))
             return
+        if self.num_workers == 1:
+            # Every round of one worker is complete with its push: applied at once, as
+            # _add_to_round would (such a round never waits, so it is never aborted).
+            for item in items:
+                self.engine.apply(item.key, self.engine.merge([item.array]))
+            return
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settle(rank, [item.key for item in items]):
             pass
