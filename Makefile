@@ -24,6 +24,14 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# `make test-gpu`: the GPU suite (tests/test_gpu.py) on a machine with a CUDA device, run by
+# GPU_PYTHON (one that has CuPy, and torch for its torch tests) on the tree as it is, without
+# installing it; the generated modules must be there (`make proto` where grpcio-tools is).
+GPU_PYTHON ?= python3
+.PHONY: test-gpu
+test-gpu:
+	PYTHONPATH=$(CURDIR)/client:$(CURDIR)/server$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q -rs -m gpu tests/test_gpu.py
+
 proto: $(STAMP)
 	$(PY) -c 'import setup; setup.generate_protos()'
 
@@ -51,7 +59,8 @@ run-dist: $(STAMP)
 
 # `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
 # has written bench-results/mxnet.json) MXNet 1.9.1, measured on 127.0.0.1;
-# writes bench-results/bench.json and bench-results/throughput.png.
+# writes bench-results/bench.json and bench-results/throughput.png; then the update
+# engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -66,6 +75,7 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	@if [ -x $(MXNET_VENV)/bin/python ]; then $(MAKE) --no-print-directory bench-mxnet; fi
 	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) bench/engine.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too.
 ENGINE ?= podman
