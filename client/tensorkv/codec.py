@@ -71,10 +71,6 @@ def numpy_dtype(wire):
         raise InvalidTensorError(f"unknown wire dtype {name}") from None
 
 
-def dtype_name(dtype):
-    return str(np.dtype(dtype))
-
-
 # ---- keys ---------------------------------------------------------------------------
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -122,30 +118,6 @@ def check_shape(shape):
     if any(d < 0 for d in shape):
         raise InvalidTensorError(f"shape {shape} has a negative dimension")
     return shape, math.prod(shape)
-
-
-def to_tensor(value, message=None):
-    """Encode an array as a whole ``tensorkv.v1.Tensor`` (one message, no streaming)."""
-    array = to_host(value)
-    message = tensor_pb2.Tensor() if message is None else message
-    message.dtype = wire_dtype(array.dtype)
-    message.shape[:] = array.shape
-    message.data = array.tobytes()
-    return message
-
-
-def from_tensor(message, max_bytes=MAX_TENSOR_BYTES):
-    """Decode a whole ``tensorkv.v1.Tensor`` into a read-only NumPy view of its bytes."""
-    dtype = numpy_dtype(message.dtype)
-    shape, size = check_shape(message.shape)
-    expected = size * dtype.itemsize
-    if expected > max_bytes:
-        raise InvalidTensorError(f"shape {shape} of {dtype} needs {expected} bytes; the limit is {max_bytes}")
-    if len(message.data) != expected:
-        raise InvalidTensorError(
-            f"tensor of shape {shape} and dtype {dtype} needs {expected} bytes, got {len(message.data)}"
-        )
-    return np.frombuffer(message.data, dtype=dtype).reshape(shape)
 
 
 # ---- streams of frames --------------------------------------------------------------
@@ -356,10 +328,6 @@ class FrameDecoder:
         buffer[:] = source
         return header.item(buffer.view(header.dtype), owned)
 
-    def feed_more(self, more):
-        """The items completed by continuation bytes ``more`` (a frame with only ``more`` set)."""
-        return self._continue(more)
-
     def _buffer(self, index, header):
         """The uint8 view of the array that receives an entry's bytes, chunk after chunk."""
         array = None
@@ -560,34 +528,6 @@ def _read_varint(data, pos):
         if byte < 0x80:
             return result, pos
         shift += 7
-
-
-def continuation(data, frame_field):
-    """A memoryview of the ``more`` bytes when the serialized message ``data`` is a pure
-    continuation (scalar fields, and a frame with ``more`` only); None otherwise, for the
-    caller to parse it with the generated class."""
-    try:
-        pos, end, frame = 0, len(data), None
-        while pos < end:
-            tag, pos = _read_varint(data, pos)
-            if tag & 7 == _VARINT:
-                _, pos = _read_varint(data, pos)
-            elif tag == frame_field << 3 | _LEN and frame is None:
-                length, pos = _read_varint(data, pos)
-                frame, pos = (pos, pos + length), pos + length
-            else:
-                return None
-        if frame is None or pos != end:
-            return None
-        tag, pos = _read_varint(data, frame[0])
-        if tag != 2 << 3 | _LEN:
-            return None
-        length, pos = _read_varint(data, pos)
-        if pos + length != frame[1] or length == 0:
-            return None
-        return memoryview(data)[pos:pos + length]
-    except IndexError:
-        return None
 
 
 def parse(message_class, data):
