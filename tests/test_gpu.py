@@ -46,12 +46,25 @@ def _server_device(address):
         return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5).device
 
 
+def _server_exit(device):
+    return subprocess.run([sys.executable, "-m", "tensorkv_server", "--port", "0", "--device", device],
+                          capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.skipif(cupy is not None, reason="a CUDA device is present")
 def test_asking_for_a_gpu_without_one_fails_clearly():
-    result = subprocess.run([sys.executable, "-m", "tensorkv_server", "--port", "0", "--device", "cuda"],
-                            capture_output=True, text=True, timeout=60)
+    result = _server_exit("cuda")
     assert result.returncode != 0
-    assert "CuPy sees no CUDA device" in result.stderr
+    assert "--device cuda: device 'cuda' asked for, but CuPy sees no CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:1"])
+def test_a_malformed_device_name_is_refused(device):
+    result = _server_exit(device)
+    assert result.returncode != 0
+    assert f"device {device!r} is not one of cpu, cuda, cuda:N, auto" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 # ---- the embedded 'device' store --------------------------------------------------------

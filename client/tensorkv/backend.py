@@ -17,6 +17,9 @@ def cupy_or_none():
 
 def select(device="auto"):
     """(array namespace, device name) for 'cpu', 'cuda', 'cuda:N' or 'auto'."""
+    name, _, number = device.partition(":")
+    if name not in ("cpu", "auto", "cuda") or (number and (name != "cuda" or not number.isdigit())):
+        raise ValueError(f"device {device!r} is not one of cpu, cuda, cuda:N, auto")
     if device == "cpu":
         return np, "cpu"
     cupy = cupy_or_none()
@@ -24,7 +27,9 @@ def select(device="auto"):
         if device == "auto":
             return np, "cpu"
         raise RuntimeError(f"device {device!r} asked for, but CuPy sees no CUDA device")
-    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    index, count = int(number or 0), cupy.cuda.runtime.getDeviceCount()
+    if index >= count:
+        raise RuntimeError(f"device {device!r} asked for, but CuPy sees {count} CUDA device(s)")
     cupy.cuda.Device(index).use()
     return cupy, f"cuda:{index}"
 

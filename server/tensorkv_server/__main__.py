@@ -68,7 +68,10 @@ def main(argv=None):
         tune_malloc()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger(__name__).info("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
-    xp, device = select(args.device)
+    try:
+        xp, device = select(args.device)
+    except (RuntimeError, ValueError) as error:  # a device this machine does not have
+        raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory))
 
