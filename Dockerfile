@@ -9,9 +9,9 @@ COPY client client
 COPY server server
 RUN pip install --no-cache-dir . && cd / && rm -rf /src
 
-# Large tensors are received in many 1 MiB chunks: keep big buffers out of glibc's arenas.
-ENV GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=268435456:glibc.malloc.arena_max=2 \
-    PYTHONUNBUFFERED=1
+# The server tunes glibc's malloc for tensor streams itself (tensorkv/allocator.py); a
+# GLIBC_TUNABLES given with `podman run -e` replaces that tuning.
+ENV PYTHONUNBUFFERED=1
 USER 65534:65534
 EXPOSE 50051
 ENTRYPOINT ["tensorkv-server", "--host", "0.0.0.0", "--port", "50051"]

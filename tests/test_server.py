@@ -17,7 +17,7 @@ from tensorkv import states_file
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop
-from tensorkv_server.__main__ import MALLOC_TUNABLES
+from tensorkv.allocator import SERVER_TUNABLES
 
 SERVICE = "tensorkv.v1.KVStoreService"
 
@@ -249,7 +249,7 @@ def test_tutorial_against_a_server(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
 @pytest.mark.parametrize("env, expected", [
-    ({}, MALLOC_TUNABLES),
+    ({}, SERVER_TUNABLES),
     ({"TENSORKV_NO_MALLOC_TUNING": "1"}, None),
     ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, "glibc.malloc.arena_max=4"),
 ])

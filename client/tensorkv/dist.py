@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import optimizer as optimizers, states_file, states_wire
+from . import allocator, optimizer as optimizers, states_file, states_wire
 from .backend import shape_dtype, to_host
 from . import shm
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, key_fields, set_key
@@ -85,6 +85,7 @@ class DistStore(KVStore):
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None):
         super().__init__(name)
+        allocator.tune_this_process()
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")

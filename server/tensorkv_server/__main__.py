@@ -3,37 +3,13 @@ import argparse
 import asyncio
 import logging
 import os
-import platform
-import sys
 
+from tensorkv import allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import serve
-
-
-# glibc's malloc, tuned for the large, short-lived buffers of tensor streams: allocations up
-# to 32 MiB (the most glibc allows) come from the heap instead of a fresh mmap each time,
-# freed memory is not returned to the kernel below 1 GiB, and two arenas keep it in few
-# places. Without it every 1 MiB message is a new mapping whose pages fault in and get
-# zeroed: see docs/transport.md for the measurements.
-MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824:"
-                   "glibc.malloc.arena_max=2")
-
-
-def tune_malloc():
-    """Re-exec this process once with GLIBC_TUNABLES=MALLOC_TUNABLES (same PID, same command
-    line), unless the user set GLIBC_TUNABLES or TENSORKV_NO_MALLOC_TUNING=1, or this is not
-    glibc's Linux. glibc reads its tunables only at start, hence the re-exec."""
-    if os.environ.get("GLIBC_TUNABLES") is not None or os.environ.get("TENSORKV_NO_MALLOC_TUNING", "") not in ("", "0"):
-        return
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc" or not sys.executable:
-        return
-    env = dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def parse_args(argv=None):
@@ -65,7 +41,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if argv is None:  # a process of its own, not a call from Python
-        tune_malloc()
+        allocator.reexec_with_tunables()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger(__name__).info("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
     try:

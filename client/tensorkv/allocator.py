@@ -1,0 +1,62 @@
+"""glibc's malloc, tuned for the large, short-lived buffers of tensor streams.
+
+Every message of a stream (1 MiB chunks) is a fresh buffer in gRPC and in Python. With
+glibc's defaults such a buffer is a new mmap whose pages fault in and are zeroed, then
+unmapped: the kernel's page clearing, not the copies, bounds large transfers (see
+docs/transport.md). Tuned, allocations up to 32 MiB (the most glibc allows) come from the
+heap and freed memory stays mapped up to a bound instead of going back to the kernel.
+
+The server owns its process: it re-execs itself once with ``GLIBC_TUNABLES`` (glibc reads
+tunables only at start), which also caps its arenas. A client cannot restart its user's
+process, so a dist store sets the two thresholds with ``mallopt(3)`` when it is created,
+with a smaller bound on retained memory. Both leave alone a ``GLIBC_TUNABLES`` the user
+set, and ``TENSORKV_NO_MALLOC_TUNING=1`` turns both off.
+"""
+import ctypes
+import logging
+import os
+import platform
+import sys
+
+MMAP_THRESHOLD = 32 << 20
+SERVER_TRIM_THRESHOLD = 1 << 30
+CLIENT_TRIM_THRESHOLD = 256 << 20  # enough to keep a 64 MiB tensor's buffers (measured)
+SERVER_TUNABLES = (f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:"
+                   f"glibc.malloc.trim_threshold={SERVER_TRIM_THRESHOLD}:glibc.malloc.arena_max=2")
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+_tuned = False
+log = logging.getLogger(__name__)
+
+
+def wanted():
+    """Whether to tune: glibc's Linux, no GLIBC_TUNABLES of the user's, and not turned off."""
+    if os.environ.get("GLIBC_TUNABLES") is not None:
+        return False
+    if os.environ.get("TENSORKV_NO_MALLOC_TUNING", "") not in ("", "0"):
+        return False
+    return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+
+def reexec_with_tunables():
+    """Re-exec this process once with GLIBC_TUNABLES=SERVER_TUNABLES (same PID, same command
+    line), when :func:`wanted`. For a server's ``main``, before anything else."""
+    if not wanted() or not sys.executable:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(os.environ, GLIBC_TUNABLES=SERVER_TUNABLES))
+
+
+def tune_this_process():
+    """Set glibc's mmap and trim thresholds in this running process (once), when :func:`wanted`."""
+    global _tuned
+    if _tuned or not wanted():
+        return
+    _tuned = True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, CLIENT_TRIM_THRESHOLD):
+        log.debug("malloc tuned: mmap_threshold=%d trim_threshold=%d", MMAP_THRESHOLD, CLIENT_TRIM_THRESHOLD)
