@@ -255,11 +255,22 @@ class FrameDecoder:
             entry_start = pos
             if data[pos] != _ENTRY_TAG:
                 return None
-            length, body = _read_varint(data, pos + 1)
+            # Entry and key lengths are short varints: read one or two bytes inline.
+            byte = data[pos + 1]
+            if byte < 0x80:
+                length, body = byte, pos + 2
+            elif data[pos + 2] < 0x80:
+                length, body = (byte & 0x7F) | data[pos + 2] << 7, pos + 3
+            else:
+                length, body = _read_varint(data, pos + 1)
             entry_end = body + length
             if entry_end > end or body >= entry_end or data[body] != 1 << 3 | _LEN:
                 return None
-            key_length, key_start = _read_varint(data, body + 1)
+            key_length = data[body + 1]
+            if key_length < 0x80:
+                key_start = body + 2
+            else:
+                key_length, key_start = _read_varint(data, body + 1)
             found = known.get(data[entry_start:key_start + key_length])
             if found is not None and data.startswith(found[0], entry_start):
                 prefix, header, data_len = found
@@ -490,7 +501,7 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
                 messages.append(_message(head, frame_field, pieces, size))
                 head, pieces, size, budget = b"", [], 0, chunk_bytes
             prefix = _entry_prefix(item.key, wire, item.shape, item.slice, nbytes)
-            pieces += (prefix, array.reshape(-1).view(np.uint8) if array.ndim != 1 else array.view(np.uint8))
+            pieces += (prefix, array)  # b"".join reads a C-contiguous array's bytes as they are
             size += len(prefix) + nbytes
             budget -= nbytes
             continue

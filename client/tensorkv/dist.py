@@ -196,13 +196,12 @@ class DistStore(KVStore):
             if pulls and any(item.array.nbytes >= SHM_MIN_BYTES for item in items):
                 out_bytes = sum(aligned(item.array.nbytes) for item in items)
         else:
-            out_bytes = self._known_bytes(keys)
-            if out_bytes > SESSION_MAX_BYTES and not use_shm:
+            sizes = self._known_sizes(keys)
+            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not use_shm:
                 return None
-            if out_bytes == float("inf"):
+            if sizes is None:
                 out_bytes = shm.MIN_REGION_BYTES
             else:
-                sizes = self._known_sizes(keys)
                 # Values that all travel inline need no output area (one copy on each side
                 # either way, without a placement per value).
                 out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= SHM_MIN_BYTES else 0
@@ -259,13 +258,18 @@ class DistStore(KVStore):
     def _decoder(message_type, part, outs, resolve=None):
         destination = None
         if outs is not None:
-            def destination(index, key, dtype, shape, slice):
-                if index >= len(part):
-                    return None
-                position, asked = part[index]
-                asked = asked.key if isinstance(asked, Item) else asked
+            # (asked key, out array that may receive its value straight, or None) by entry index
+            expected = []
+            for position, asked in part:
                 target = outs[position][0]
-                if asked != key or not _receivable(target, dtype, shape):
+                receivable = type(target) is np.ndarray and target.flags.c_contiguous and target.flags.writeable
+                expected.append((asked.key if isinstance(asked, Item) else asked, target if receivable else None))
+
+            def destination(index, key, dtype, shape, slice):
+                if index >= len(expected):
+                    return None
+                asked, target = expected[index]
+                if target is None or asked != key or target.dtype != dtype or target.shape != shape:
                     return None
                 return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
         return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True)
@@ -283,8 +287,6 @@ class DistStore(KVStore):
     def _split(self, key, array, shape=None):
         """[(server index, Item)] that carry ``array`` (a whole value, or its shape with no data)."""
         shape = tuple(array.shape) if shape is None else shape
-        if len(self._stubs) == 1:
-            return [(0, Item(key, array, shape))]
         flat = array.reshape(-1)
         return [(index, Item(key, array if where is None else flat[where[0]:where[1]], shape, where))
                 for index, where in self._placement(key, flat.size)]
@@ -315,11 +317,14 @@ class DistStore(KVStore):
             merged[key] = value if value.dtype == dtype else value.astype(dtype)
         return merged
 
-    def _by_server(self, split):
-        """{server index: [(position, Item)]} from [(position, [(server index, Item)])]."""
+    def _plan(self, entries):
+        """{server index: [(position, Item)]} that carry each (position, key, array) of
+        ``entries``: a value on its key's server, or in slices over all servers."""
+        if len(self._stubs) == 1:
+            return {0: [(position, Item(key, array)) for position, key, array in entries]}
         plan = {}
-        for position, parts in split:
-            for index, item in parts:
+        for position, key, array in entries:
+            for index, item in self._split(key, array):
                 plan.setdefault(index, []).append((position, item))
         return plan
 
@@ -352,11 +357,7 @@ class DistStore(KVStore):
     def _init(self, items):
         _MERGE.check_keys([item.key for item in items])
         wait_only = self._rank != 0
-        split = []
-        for position, item in enumerate(items):
-            array = to_host(item.array)
-            split.append((position, self._split(item.key, array)))
-        plan = self._by_server(split)
+        plan = self._plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, kvstore_pb2.SESSION_OP_INIT, part, wait_only=wait_only) is not None or stub.init_raw(
             self._frames(kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
@@ -366,7 +367,7 @@ class DistStore(KVStore):
 
     def _push(self, pairs):
         merged = self._merged(pairs)
-        plan = self._by_server((key, self._split(key, value)) for key, value in merged.items())
+        plan = self._plan((key, key, value) for key, value in merged.items())
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, kvstore_pb2.SESSION_OP_PUSH, part) is not None or stub.push_raw(
             self._frames(kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
@@ -383,7 +384,7 @@ class DistStore(KVStore):
             for (key, _), targets in zip(pairs, outs):
                 by_key.setdefault(key, targets)
             first_outs = [by_key[key] for key in order]
-        plan = self._by_server((position, self._split(key, merged[key])) for position, key in enumerate(order))
+        plan = self._plan((position, key, merged[key]) for position, key in enumerate(order))
         results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
             index, kvstore_pb2.SESSION_OP_PUSH_PULL, part, outs=first_outs), lambda: self._decode(
             kvstore_pb2.PushPullResponse,
@@ -398,30 +399,37 @@ class DistStore(KVStore):
         _MERGE.check_keys(keys)
         if outs is not None and not self._outs_fit(keys, outs):
             outs = None  # decoded into new arrays: the mismatch is raised before any out is written
-        count = len(self._stubs)
+        count, meta = len(self._stubs), self._meta
         # A key this worker has not seen yet is asked of its home server; when that answers
         # with one slice of a large value, the other slices are asked of the other servers.
-        unknown = [p for p, key in enumerate(keys) if key not in self._meta]
-        targets = {p: [home(key, count)] if p in unknown else
-                   [i for i, _ in self._placement(key, math.prod(self._meta[key][0]))]
-                   for p, key in enumerate(keys)}
-        values = self._pull_into([None] * len(keys), keys, targets, outs)
-        rest = {p: [i for i in range(count) if i != home(keys[p], count)]
-                for p in unknown if len(self._placement(keys[p], values[p].size)) > 1}
+        plan, unknown = {}, []
+        for position, key in enumerate(keys):
+            known = meta.get(key)
+            if known is None:
+                unknown.append(position)
+                indexes = (home(key, count),)
+            elif count == 1:
+                indexes = (0,)
+            else:
+                indexes = [i for i, _ in self._placement(key, math.prod(known[0]))]
+            for index in indexes:
+                plan.setdefault(index, []).append((position, key))
+        values = self._pull_into([None] * len(keys), plan, outs)
+        rest = {}
+        for position in unknown:
+            key = keys[position]
+            if len(self._placement(key, values[position].size)) > 1:
+                for index in range(count):
+                    if index != home(key, count):
+                        rest.setdefault(index, []).append((position, key))
         if rest:
-            values = self._pull_into(values, keys, rest, outs)
+            values = self._pull_into(values, rest, outs)
         return self._owned(values, fresh)
 
-    def _pull_into(self, values, keys, targets, outs=None):
-        """Pull the keys at positions ``targets`` {position: [server index]} into ``values``."""
-        plan = {}
-        for position, indexes in targets.items():
-            for index in indexes:
-                plan.setdefault(index, []).append((position, keys[position]))
+    def _pull_into(self, values, plan, outs=None):
+        """Pull the keys of ``plan`` {server index: [(position, key)]} into ``values``."""
         results = self._each({index: lambda stub, index=index, part=part: self._or(
-            self._session(index, kvstore_pb2.SESSION_OP_PULL, part, outs=outs, keys=[key for _, key in part])
-            if self._known_bytes([key for _, key in part]) <= SESSION_MAX_BYTES
-            or self._sessions is not None and self._sessions[index].shm_possible else None,
+            self._session(index, kvstore_pb2.SESSION_OP_PULL, part, outs=outs, keys=[key for _, key in part]),
             lambda: self._decode(kvstore_pb2.PullResponse, stub.pull_raw(
                 self._pull_request(key for _, key in part), timeout=self._timeout), part, outs))
             for index, part in plan.items()})
@@ -451,20 +459,16 @@ class DistStore(KVStore):
     def _or(result, otherwise):
         return otherwise() if result is None else result
 
-    def _known_bytes(self, keys):
-        """The bytes of the whole values of ``keys`` (an upper bound for slices); infinite
-        when one of them is not known yet."""
-        total = 0
-        for key in keys:
-            known = self._meta.get(key)
-            if known is None:
-                return float("inf")
-            total += math.prod(known[0]) * known[1].itemsize
-        return total
-
     def _known_sizes(self, keys):
-        """The bytes of the whole values of ``keys``, all known."""
-        return [math.prod(self._meta[key][0]) * self._meta[key][1].itemsize for key in keys]
+        """The bytes of the whole values of ``keys`` (an upper bound for slices); None when one
+        of them is not known yet."""
+        sizes, meta = [], self._meta
+        for key in keys:
+            known = meta.get(key)
+            if known is None:
+                return None
+            sizes.append(math.prod(known[0]) * known[1].itemsize)
+        return sizes
 
     def _pull_request(self, keys):
         request = kvstore_pb2.PullRequest(rank=self._rank)
