@@ -675,7 +675,8 @@ class _Header:
             )
 
     def item(self, flat, owned=False):
-        return Item(self.key, flat.reshape(self.data_shape), self.shape, self.slice, owned)
+        array = flat if flat.shape == self.data_shape else flat.reshape(self.data_shape)
+        return Item(self.key, array, self.shape, self.slice, owned)
 
 
 # ---- shared memory ----------------------------------------------------------------------
