@@ -94,9 +94,10 @@ class Cluster:
                                 env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    def run_workers(self, script, *args, count=None, timeout=WORKER_TIMEOUT):
-        """Run ``count`` (default num_workers) workers at once; [(returncode, stdout, stderr)]."""
-        workers = [self.start_worker(script, *args) for _ in range(count or self.num_workers)]
+    def run_workers(self, script, *args, count=None, timeout=WORKER_TIMEOUT, env=None):
+        """Run ``count`` (default num_workers) workers at once, with ``env`` added to their
+        environment; [(returncode, stdout, stderr)]."""
+        workers = [self.start_worker(script, *args, env=env) for _ in range(count or self.num_workers)]
         deadline = time.monotonic() + timeout
         results = []
         for worker in workers:

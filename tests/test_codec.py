@@ -244,6 +244,12 @@ def test_malformed_hand_encoded_frames_are_rejected(tail, message):
         stream_decode(kvstore_pb2.PushRequest, [head] + tail)
 
 
+@pytest.mark.parametrize("data", [b"\x12\x01\x0a", b"\x12\x01\x12", b"\x12\x03\x0a\x81\x80"])
+def test_a_frame_cut_short_inside_an_entry_is_malformed(data):
+    with pytest.raises(InvalidTensorError, match="malformed PushRequest"):
+        stream_decode(kvstore_pb2.PushRequest, [data])
+
+
 def test_frame_with_entries_before_the_more_that_completes_the_previous_entry():
     """Protobuf serializes `entries` (1) before `more` (2); `more` still completes the earlier entry."""
     a, b = sample(np.float32, (4,)), sample(np.int16, (3,))

@@ -59,7 +59,7 @@ def test_asking_for_a_gpu_without_one_fails_clearly():
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:1"])
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:1", "cpu:", "auto:", "cuda:", "cuda:\u00b2"])
 def test_a_malformed_device_name_is_refused(device):
     result = _server_exit(device)
     assert result.returncode != 0
@@ -166,8 +166,8 @@ def test_torch_cuda_tensors_in_the_embedded_stores(store):
 @requires_gpu
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_server_on_the_gpu_with_cupy_and_numpy_arrays(tmp_path, transport):
-    with Cluster(tmp_path=tmp_path, server_args=("--device", "cuda:0")) as cluster:
-        assert _server_device(cluster.addresses[0]) == "cuda:0"
+    with Cluster(servers=2, tmp_path=tmp_path, server_args=("--device", "cuda:0")) as cluster:
+        assert [_server_device(a) for a in cluster.addresses] == ["cuda:0", "cuda:0"]
         with tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport) as kv:
             big = np.arange(3_000_000, dtype=np.float32)
             kv.init(["small", "big"], [cupy.ones(16, cupy.float32), big])
@@ -182,8 +182,11 @@ def test_server_on_the_gpu_with_cupy_and_numpy_arrays(tmp_path, transport):
 @requires_gpu
 def test_sync_rounds_with_an_optimizer_on_gpu_servers_match_cpu_servers(tmp_path):
     weights = {}
-    for device in ("cpu", "cuda"):
+    for device in ("cpu", "cuda:0"):
         with Cluster(servers=2, num_workers=2, tmp_path=tmp_path, server_args=("--device", device)) as cluster:
-            outs = check_workers(cluster.run_workers("sgd_rounds", 4, tmp_path / f"states-{device}.npz"))
+            assert [_server_device(a) for a in cluster.addresses] == [device] * 2
+            # a bound of 2 elements slices the 4-element weight over both servers
+            outs = check_workers(cluster.run_workers("sgd_rounds", 4, tmp_path / f"states-{device}.npz",
+                                                     env={"TENSORKV_BIGARRAY_BOUND": "2"}))
         weights[device] = [json.loads(out) for out in outs]
-    np.testing.assert_allclose(weights["cuda"], weights["cpu"], rtol=1e-6)
+    np.testing.assert_allclose(weights["cuda:0"], weights["cpu"], rtol=1e-6)

@@ -9,7 +9,7 @@ heap and freed memory stays mapped up to a bound instead of going back to the ke
 The server owns its process: it re-execs itself once with ``GLIBC_TUNABLES`` (glibc reads
 tunables only at start), which also caps its arenas. A client cannot restart its user's
 process, so a dist store sets the two thresholds with ``mallopt(3)`` when it is created,
-with a smaller bound on retained memory. Both leave alone a ``GLIBC_TUNABLES`` the user
+with a smaller bound on retained memory (per malloc arena). Both leave alone a ``GLIBC_TUNABLES`` the user
 set, and ``TENSORKV_NO_MALLOC_TUNING=1`` turns both off.
 """
 import ctypes

@@ -17,14 +17,15 @@ def cupy_or_none():
 
 def select(device="auto"):
     """(array namespace, device name) for 'cpu', 'cuda', 'cuda:N' or 'auto'."""
-    name, _, number = device.partition(":")
-    if name not in ("cpu", "auto", "cuda") or (number and (name != "cuda" or not number.isdigit())):
+    name, colon, number = device.partition(":")
+    if name not in ("cpu", "auto", "cuda") or colon and (name != "cuda" or not number.isascii()
+                                                        or not number.isdigit()):
         raise ValueError(f"device {device!r} is not one of cpu, cuda, cuda:N, auto")
-    if device == "cpu":
+    if name == "cpu":
         return np, "cpu"
     cupy = cupy_or_none()
     if cupy is None:
-        if device == "auto":
+        if name == "auto":
             return np, "cpu"
         raise RuntimeError(f"device {device!r} asked for, but CuPy sees no CUDA device")
     index, count = int(number or 0), cupy.cuda.runtime.getDeviceCount()

@@ -612,7 +612,10 @@ class StreamDecoder:
                 first = parse(self.message_class, head)
                 if self._with_data is not None:
                     self.frames.with_data = self._with_data(first)
-            done = self.frames.feed_bytes(data, start, end)
+            try:
+                done = self.frames.feed_bytes(data, start, end)
+            except IndexError:  # cut short inside an entry: the generated parser says how
+                done = None
             if done is not None:
                 self.first = first
                 self.items += done

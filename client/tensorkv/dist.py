@@ -85,12 +85,12 @@ class DistStore(KVStore):
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None):
         super().__init__(name)
-        allocator.tune_this_process()
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
         self.transport = transport
         self._addresses = parse_servers(servers)
+        allocator.tune_this_process()
         self._timeout = timeout
         self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
         self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses]
