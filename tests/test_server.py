@@ -178,12 +178,15 @@ def test_malformed_calls_of_other_kinds(raw_stub):
             kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(entries=[_entry(1, b"\0" * 4)])),
             kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(more=b"\0" * 8))]), timeout=5),
          "INVALID_ARGUMENT", "12 bytes sent for a tensor of 8 bytes"),
+        (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=-1), timeout=5),
+         "FAILED_PRECONDITION", "rank -1 is out of range"),
     ]
     for call, code, words in cases:
         with pytest.raises(grpc.RpcError) as caught:
             call()
         assert (caught.value.code().name, words in caught.value.details()) == (code, True), caught.value.details()
     assert raw_stub.Info(kvstore_pb2.InfoRequest(), timeout=5).optimizer == ""
+    raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=0), timeout=5)  # a rank nobody holds: nothing to do
 
 
 # ---- the client against servers in this process's view ----------------------------------------
@@ -215,10 +218,49 @@ def test_init_twice_and_other_client_errors(tmp_path):
             with pytest.raises(tensorkv.FailedPreconditionError, match="no optimizer"):
                 kv.save_optimizer_states(str(tmp_path / "none"))
             assert kv.pull("a").tolist() == [1, 1]
-        with pytest.raises(tensorkv.FailedPreconditionError, match="all 1 ranks are taken"):
-            tensorkv.create("dist_sync", servers=cluster.addresses)
+            with pytest.raises(tensorkv.FailedPreconditionError, match="all 1 ranks are taken"):
+                tensorkv.create("dist_sync", servers=cluster.addresses)
+            with pytest.raises(tensorkv.FailedPreconditionError, match="rank 0 is already taken"):
+                tensorkv.create("dist_sync", servers=cluster.addresses, rank=0)
         with pytest.raises(tensorkv.FailedPreconditionError, match="MODE_SYNC"):
             tensorkv.create("dist_async", servers=cluster.addresses)
+
+
+def test_a_closed_store_gives_its_rank_back_and_the_next_continues_the_job(tmp_path):
+    big = np.arange(3_000_000, dtype=np.float32)  # sliced over both servers
+    with Cluster(servers=2, num_workers=1, tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.5))
+            kv.init(["w", "big"], [np.ones(4, np.float32), big])
+            kv.push(["w", "big"], [np.ones(4, np.float32), np.ones_like(big)])
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0) as kv:
+            assert kv.rank == 0
+            with pytest.raises(tensorkv.ShapeMismatchError, match="key 'w'"):
+                kv.init("w", np.zeros(5, np.float32))
+            kv.init(["w", "big"], [np.zeros(4, np.float32), np.zeros_like(big)])  # the stored values stay
+            np.testing.assert_array_equal(kv.pull("w"), [0.5] * 4)
+            np.testing.assert_array_equal(kv.pull("big"), big - 0.5)
+            with pytest.raises(tensorkv.KeyExistsError, match="key 'w' is already initialized"):
+                kv.init("w", np.zeros(4, np.float32))
+            kv.push("w", np.ones(4, np.float32))  # the servers' optimizer is still there
+            np.testing.assert_array_equal(kv.pull("w"), [0.0] * 4)
+        for address in cluster.addresses:
+            with grpc.insecure_channel(address) as channel:
+                info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+            assert list(info.registered_ranks) == []
+
+
+def test_a_worker_process_that_leaves_is_replaced_by_a_new_one_with_its_rank(tmp_path):
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, rank=0) as kv:
+        kv.init("w", np.zeros(4, np.float32))
+        for expected in (3.0, 2.0):  # rank 1 is a new process each round
+            worker = cluster.start_worker("one_round", 1)
+            kv.push("w", np.full(4, expected - 1, np.float32))
+            np.testing.assert_array_equal(kv.pull("w"), [expected] * 4)
+            out, err = worker.communicate(timeout=WORKER_TIMEOUT)
+            assert worker.returncode == 0, err
+            assert json.loads(out) == [expected] * 4
 
 
 def test_sigterm_stops_cleanly_and_fails_waits_with_unavailable(tmp_path):

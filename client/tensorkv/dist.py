@@ -5,6 +5,7 @@ Keys are spread over the servers by a stable hash of the key; a value of more th
 back together on pull. A call over a list of keys makes one RPC per server involved, to
 all of them at once, each with a deadline.
 """
+import logging
 import math
 import os
 import zlib
@@ -29,6 +30,7 @@ from .v1 import kvstore_pb2, tensor_pb2
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_BIGARRAY_BOUND = 1_000_000
+UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for each server to take the rank back
 # Calls whose values (per server) take at most this many bytes use the Session stream.
 SESSION_MAX_BYTES = CHUNK_BYTES
 # With shared memory, values of at least this many bytes travel through the region.
@@ -38,6 +40,7 @@ _ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
 _MERGE = Engine()
+log = logging.getLogger(__name__)
 
 
 def parse_servers(servers):
@@ -102,6 +105,7 @@ class DistStore(KVStore):
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
         self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
+        self._registered = []  # indexes of the servers that gave this worker its rank
         try:
             infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
                                    connect_timeout)
@@ -145,8 +149,23 @@ class DistStore(KVStore):
         for index in range(len(self._addresses)):
             request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
             rank = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout)).rank
-        self._rank, self._num_workers = rank, num_workers
+            self._registered.append(index)
+            self._rank = rank
+        self._num_workers = num_workers
         return infos
+
+    def _unregister(self):
+        """Give the rank back to every server that gave it (best effort: a server that is
+        gone or slow to answer is left as it is)."""
+        if not self._registered:
+            return
+        request = kvstore_pb2.UnregisterRequest(rank=self._rank)
+        for index in self._registered:
+            try:
+                self._stubs[index].Unregister(request, timeout=min(self._timeout, UNREGISTER_TIMEOUT))
+            except grpc.RpcError as error:
+                log.info("server %s: rank %d not given back: %s", self._addresses[index], self._rank, error.code())
+        self._registered = []
 
     # ---- RPC plumbing -----------------------------------------------------------------
 
@@ -525,6 +544,7 @@ class DistStore(KVStore):
 
     def close(self):
         if not self._closed:
+            self._unregister()
             for session in self._sessions or ():
                 session.close()
             for channel in self._channels:

@@ -100,6 +100,19 @@ class Coordinator:
         log.info("worker registered with rank %d (%d of %d)", rank, len(self.ranks), self.num_workers)
         return rank
 
+    def unregister(self, rank):
+        """Give ``rank`` back. Its next holder may init its keys again (stored values are
+        kept) and does not get the errors of rounds that were aborted before."""
+        self._check_rank(rank)
+        if rank not in self.ranks:
+            return
+        self.ranks.discard(rank)
+        for ranks in self._initialized.values():
+            ranks.discard(rank)
+        for rounds in self._rounds.values():
+            rounds.aborted.pop(rank, None)
+        log.info("worker with rank %d unregistered (%d of %d left)", rank, len(self.ranks), self.num_workers)
+
     def _check_rank(self, rank):
         if not 0 <= rank < self.num_workers:
             raise FailedPreconditionError(
@@ -118,7 +131,11 @@ class Coordinator:
             if rank in self._initialized.get(key, ()):
                 raise KeyExistsError(f"key {key!r} is already initialized (rank {rank} called init on it before)")
         if rank == 0 and not wait_only:
-            self.engine.init(items)
+            # Keys already stored are those of a rank 0 that registered again: kept.
+            stored = [item for item in items if item.key in self.engine]
+            for item in stored:
+                self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
+            self.engine.init([item for item in items if item.key not in self.engine])
             for key in keys:
                 waiter = self._init_waiters.pop(key, None)
                 if waiter is not None and not waiter.done():

@@ -89,6 +89,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             rank=rank, num_workers=self.coordinator.num_workers, mode=_MODES[self.coordinator.mode])
 
     @translate_errors
+    async def Unregister(self, request, context):
+        self.coordinator.unregister(request.rank)
+        return kvstore_pb2.UnregisterResponse()
+
+    @translate_errors
     async def Info(self, request, context):
         info = self.coordinator.info()
         return kvstore_pb2.InfoResponse(
