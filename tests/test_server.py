@@ -250,6 +250,17 @@ def test_a_closed_store_gives_its_rank_back_and_the_next_continues_the_job(tmp_p
             assert list(info.registered_ranks) == []
 
 
+def test_close_after_the_server_is_gone_does_not_raise(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        kv = tensorkv.create("dist_sync", servers=cluster.addresses)
+        kv.init("w", np.zeros(2))
+        cluster.processes[0].kill()
+        cluster.processes[0].wait(WORKER_TIMEOUT)
+        kv.close()  # the rank cannot be given back: logged, not raised
+        with pytest.raises(tensorkv.FailedPreconditionError, match="closed"):
+            kv.pull("w")
+
+
 def test_a_worker_process_that_leaves_is_replaced_by_a_new_one_with_its_rank(tmp_path):
     with Cluster(num_workers=2, tmp_path=tmp_path) as cluster, \
             tensorkv.create("dist_sync", servers=cluster.addresses, rank=0) as kv:

@@ -160,9 +160,11 @@ class DistStore(KVStore):
         if not self._registered:
             return
         request = kvstore_pb2.UnregisterRequest(rank=self._rank)
-        for index in self._registered:
+        timeout = min(self._timeout, UNREGISTER_TIMEOUT)
+        calls = {index: self._stubs[index].Unregister.future(request, timeout=timeout) for index in self._registered}
+        for index, call in calls.items():  # all servers at once
             try:
-                self._stubs[index].Unregister(request, timeout=min(self._timeout, UNREGISTER_TIMEOUT))
+                call.result()
             except grpc.RpcError as error:
                 log.info("server %s: rank %d not given back: %s", self._addresses[index], self._rank, error.code())
         self._registered = []
