@@ -30,7 +30,7 @@ from .v1 import kvstore_pb2, tensor_pb2
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_BIGARRAY_BOUND = 1_000_000
-UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for each server to take the rank back
+UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for the servers to take the rank back
 # Calls whose values (per server) take at most this many bytes use the Session stream.
 SESSION_MAX_BYTES = CHUNK_BYTES
 # With shared memory, values of at least this many bytes travel through the region.
