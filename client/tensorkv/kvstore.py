@@ -188,13 +188,15 @@ class KVStore:
         self._set_optimizer(optimizer)
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        """Save the optimizer's per-key states (and, always, its hyper-parameters) to ``fname``."""
+        """Save the optimizer's per-key states to ``fname``, with the optimizer itself (its name
+        and hyper-parameters) whatever ``dump_optimizer`` says: a NumPy archive, no pickle."""
         self._check_open()
         self._save_optimizer_states(fname)
 
     def load_optimizer_states(self, fname):
-        """Load optimizer states saved by :meth:`save_optimizer_states`; the optimizer set on
-        this store must be the one they were saved with."""
+        """Install the optimizer and the per-key states saved by :meth:`save_optimizer_states`
+        (as MXNet does for states saved with their optimizer). Every key of the file must be
+        initialized here with the shape it had; nothing changes when one is not."""
         self._check_open()
         self._load_optimizer_states(fname)
 

@@ -86,13 +86,9 @@ class LocalStore(KVStore):
             states_file.save(fname, updater.optimizer, updater.get_states())
 
     def _load_optimizer_states(self, fname):
+        optimizer, saved = states_file.load(fname)
         with self._lock:
-            updater = self._optimizer_updater()
-            optimizer, saved = states_file.load(fname)
-            if optimizer != updater.optimizer:
-                raise InvalidArgumentError(
-                    f"{fname} holds states of {optimizer!r}, but this store's optimizer is {updater.optimizer!r}"
-                )
+            updater = Updater(optimizer)
             states = {}
             for key, (num_update, arrays) in saved.items():
                 if key not in self._engine:
@@ -100,6 +96,7 @@ class LocalStore(KVStore):
                 weight = self._engine.get(key).array
                 states[key] = (num_update, updater.check_states(key, weight, arrays))
             updater.set_states(states)
+            self._engine.updater = updater
 
     def _barrier(self):
         """One worker: nothing to wait for."""
