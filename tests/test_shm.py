@@ -211,11 +211,11 @@ def _raw_session(address):
 
 def _ask(session, shm_bytes=0, **fields):
     """The SessionResponse to a SessionRequest with ``fields``, and the session's region."""
-    def build(call_id, timeout_ms, region):
+    def build(call_id, timeout_ms, region, channel):
         entries = fields.pop("entries", [])
         request = kvstore_pb2.SessionRequest(id=call_id, **fields)
         request.frame.entries.extend(entries(region) if callable(entries) else entries)
-        return request.SerializeToString()
+        return request.SerializeToString(), ()
     call_id, data = session.call(build, 5.0, shm_bytes=shm_bytes)
     return kvstore_pb2.SessionResponse.FromString(data)
 

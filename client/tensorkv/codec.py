@@ -15,6 +15,12 @@ place of its data; the bytes at that place of a registered region are laid out e
 ``tensor.data`` would be. :class:`Placement` writes arrays into a region (one copy) and
 returns items that carry such references; the decoders resolve references through a
 ``resolve(region_id, offset, length)`` callable that bounds-checks them.
+
+Data channel: an Entry may instead say that its bytes follow on the Session's raw-TCP data
+channel (``channel``). :func:`following` marks the items to send that way; a decoder made
+with ``channel=True`` gives each such entry its receive buffer (the caller's array or a new
+one) and lists those buffers, in entry order, in ``incoming`` for the caller to fill from
+the socket.
 """
 import math
 import os
@@ -129,9 +135,9 @@ class Item:
     elements as a 1-D array when ``slice`` is set.
     """
 
-    __slots__ = ("key", "array", "shape", "slice", "owned", "ref")
+    __slots__ = ("key", "array", "shape", "slice", "owned", "ref", "follows")
 
-    def __init__(self, key, array, shape=None, slice=None, owned=False, ref=None):
+    def __init__(self, key, array, shape=None, slice=None, owned=False, ref=None, follows=False):
         self.key = key
         self.array = array
         self.shape = tuple(array.shape) if shape is None else tuple(shape)
@@ -141,6 +147,8 @@ class Item:
         # (region id, offset, length) when the bytes travel in shared memory: the encoder
         # then sends the reference instead of the data (see Placement).
         self.ref = ref
+        # True when the bytes travel on the data channel: the encoder sends the entry without them.
+        self.follows = follows
 
     def __repr__(self):
         return f"Item(key={self.key!r}, shape={self.shape}, dtype={self.array.dtype}, slice={self.slice})"
@@ -188,7 +196,7 @@ class FrameDecoder:
     """
 
     def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None, resolve=None,
-                 copy_refs=False):
+                 copy_refs=False, channel=False):
         self.max_bytes = max_bytes
         self.with_data = with_data
         # resolve(region_id, offset, length): the uint8 array of a shared-memory reference,
@@ -201,6 +209,10 @@ class FrameDecoder:
         # writable C-contiguous array of that dtype that holds exactly the entry's elements
         # (the whole value, or the slice's), to receive its bytes; or None for a new array.
         self.destination = destination
+        # Whether entries may say that their bytes follow on the data channel; the uint8
+        # buffers that receive those bytes, in entry order.
+        self.channel = channel
+        self.incoming = []
         self._count = 0  # entries seen
         self._pending = None  # (item, buffer, bytes filled)
 
@@ -218,7 +230,9 @@ class FrameDecoder:
             header = _Header(entry, self.max_bytes)
             index, self._count = self._count, self._count + 1
             data = entry.tensor.data
-            if header.ref is not None:
+            if header.follows is not None:
+                done.append(self._following(index, header, len(data)))
+            elif header.ref is not None:
                 done.append(self._referenced(index, header, len(data)))
             elif not self.with_data:
                 done.append(header.item(np.empty(header.data_shape, header.dtype)))
@@ -281,7 +295,7 @@ class FrameDecoder:
                 source, data_start = entry.tensor.data, 0
                 data_len = len(source)
                 prefix = _entry_prefix(header.key, entry.tensor.dtype, header.shape, header.slice, data_len,
-                                       header.ref)
+                                       header.ref, header.follows)
                 if entry_start + len(prefix) + data_len == entry_end and data.startswith(prefix, entry_start):
                     if len(known) >= _MAX_CACHED_PREFIXES:
                         known.clear()
@@ -291,7 +305,9 @@ class FrameDecoder:
                     f"key {header.key!r}: shape {header.shape} of {header.dtype} needs {header.nbytes} bytes; "
                     f"the limit is {self.max_bytes}")
             pos = entry_end
-            if header.ref is not None:
+            if header.follows is not None:
+                done.append(self._following(count, header, data_len))
+            elif header.ref is not None:
                 done.append(self._referenced(count, header, data_len))
             elif not with_data:
                 done.append(header.item(np.empty(header.data_shape, header.dtype)))
@@ -337,6 +353,21 @@ class FrameDecoder:
             return header.item(source.view(header.dtype))
         buffer, owned = self._buffer(index, header)
         buffer[:] = source
+        return header.item(buffer.view(header.dtype), owned)
+
+    def _following(self, index, header, data_len):
+        """The item of an entry whose bytes follow on the data channel: its receive buffer,
+        listed in :attr:`incoming` (filled by the caller)."""
+        if not self.channel:
+            raise InvalidTensorError(f"key {header.key!r}: data-channel entries are only valid on a Session "
+                                     "stream with a data channel")
+        if data_len or header.follows != header.nbytes:
+            raise InvalidTensorError(
+                f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} needs "
+                f"{header.nbytes} bytes on the data channel; the entry says {header.follows} and carries "
+                f"{data_len} bytes of data")
+        buffer, owned = self._buffer(index, header)
+        self.incoming.append(buffer)
         return header.item(buffer.view(header.dtype), owned)
 
     def _buffer(self, index, header):
@@ -412,10 +443,11 @@ _ENTRY_PREFIXES = {}
 _MAX_CACHED_PREFIXES = 1 << 16
 
 
-def _entry_prefix(key, wire, shape, slice, data_len, ref=None):
+def _entry_prefix(key, wire, shape, slice, data_len, ref=None, follows=None):
     """The bytes of a frame's ``entries`` field up to the tensor's data (``data_len`` bytes
-    follow), with the shared-memory reference ``ref`` (region id, offset, length) if any."""
-    cache_key = (type(key), key, wire, shape, slice, data_len, ref)
+    follow), with the shared-memory reference ``ref`` (region id, offset, length) if any, or
+    the byte count ``follows`` of a value sent on the data channel."""
+    cache_key = (type(key), key, wire, shape, slice, data_len, ref, follows)
     prefix = _ENTRY_PREFIXES.get(cache_key)
     if prefix is not None:
         return prefix
@@ -430,6 +462,8 @@ def _entry_prefix(key, wire, shape, slice, data_len, ref=None):
                             + (_tag(2, _VARINT) + _varint(end) if end else b""))
     if ref is not None:
         slice_part += _field(4, b"".join(_tag(n, _VARINT) + _varint(v) for n, v in zip((1, 2, 3), ref) if v))
+    if follows is not None:
+        slice_part += _field(5, _tag(1, _VARINT) + _varint(follows) if follows else b"")
     tensor = _tag(1, _VARINT) + _varint(wire)
     if shape:
         tensor += _field(2, b"".join(_varint(d) for d in shape))
@@ -487,8 +521,9 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
         wire = _TO_WIRE.get(item.array.dtype) if type(item.array) is np.ndarray else None
         if wire is None:
             wire = wire_dtype(shape_dtype(item.array)[1])
-        if not with_data or item.ref is not None:
-            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, item.ref if with_data else None)
+        if not with_data or item.ref is not None or item.follows:
+            ref, follows = (item.ref, item.array.nbytes if item.follows else None) if with_data else (None, None)
+            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, ref, follows)
             pieces.append(prefix)
             size += len(prefix)
             continue
@@ -593,14 +628,15 @@ class StreamDecoder:
     """
 
     def __init__(self, message_class, frame_field, max_bytes=MAX_TENSOR_BYTES, destination=None,
-                 with_data=None, resolve=None, copy_refs=False):
+                 with_data=None, resolve=None, copy_refs=False, channel=False):
         self.message_class = message_class
         self.frame_name = frame_field
         self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
         self.first = None
         self.items = []
         self._with_data = with_data
-        self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs)
+        self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
+                                   channel=channel)
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""
@@ -669,6 +705,10 @@ class _Header:
         self.ref = None
         if entry.HasField("shm"):
             self.ref = (entry.shm.region_id, entry.shm.offset, entry.shm.length)
+        self.follows = entry.channel.length if entry.HasField("channel") else None
+        if self.ref is not None and self.follows is not None:
+            raise InvalidTensorError(f"key {self.key!r}: an entry is in shared memory or on the data channel, "
+                                     "not both")
         self.data_shape = self.shape if self.slice is None else (size,)
         self.nbytes = size * self.dtype.itemsize
         if self.nbytes > max_bytes:
@@ -726,3 +766,20 @@ class Placement:
     def place(self, items):
         """``items`` with those that fit moved into the region (the others unchanged)."""
         return [self.put(item) or item for item in items]
+
+
+# ---- data channel -----------------------------------------------------------------------
+
+def following(items, min_bytes):
+    """(``items`` with those of at least ``min_bytes`` marked to follow on the data channel,
+    the host arrays whose bytes follow, in entry order). Each is C-contiguous and
+    little-endian, laid out as ``tensor.data``."""
+    sent, arrays = [], []
+    for item in items:
+        if item.array.nbytes < min_bytes:
+            sent.append(item)
+            continue
+        array = to_host(item.array)
+        sent.append(Item(item.key, array, item.shape, item.slice, follows=True))
+        arrays.append(array)
+    return sent, arrays

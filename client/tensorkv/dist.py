@@ -17,7 +17,9 @@ import numpy as np
 from . import allocator, optimizer as optimizers, states_file, states_wire
 from .backend import shape_dtype, to_host
 from . import shm
-from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, key_fields, set_key
+from .codec import (
+    CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key,
+)
 from .engine import Engine
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError, InvalidArgumentError,
@@ -35,7 +37,9 @@ UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for the servers to take the ra
 SESSION_MAX_BYTES = CHUNK_BYTES
 # With shared memory, values of at least this many bytes travel through the region.
 SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
-TRANSPORTS = ("auto", "tcp")
+# With a data channel, values of at least this many bytes travel on it.
+DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10))
+TRANSPORTS = ("auto", "tcp", "grpc")
 _ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
@@ -82,7 +86,8 @@ class DistStore(KVStore):
     ``timeout`` bounds every call (seconds; a sync pull waits for the other workers within
     it), ``connect_timeout`` the first contact with each server. ``transport`` 'auto' (the
     default, or ``TENSORKV_TRANSPORT``) passes values through shared memory to a server that
-    proves it is on this host, 'tcp' always sends them in the gRPC messages.
+    proves it is on this host and on the server's raw-TCP data channel otherwise; 'tcp'
+    uses the data channel only; 'grpc' always sends them in the gRPC messages.
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
@@ -109,11 +114,12 @@ class DistStore(KVStore):
         try:
             infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
                                    connect_timeout)
-            # Shared memory is tried (lazily, by the first call that moves enough bytes) with
-            # servers that offer it; the proof of the same host happens then (tensorkv.shm).
-            if transport == "auto" and shm.available():
-                for session, info in zip(self._sessions or (), infos):
-                    session.shm_allowed = info.shared_memory
+            # Shared memory, then the data channel, are tried (lazily, by the first call that
+            # moves enough bytes) with servers that offer them; the proof of the same host
+            # happens then (tensorkv.shm).
+            for session, info in zip(self._sessions or (), infos):
+                session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
+                session.data_port = info.data_port if transport != "grpc" else 0
         except BaseException:
             self.close()
             raise
@@ -196,11 +202,16 @@ class DistStore(KVStore):
 
         With shared memory, values of SHM_MIN_BYTES or more are written into the session's
         region and only their references travel; a pull names the region as its output area,
-        and the values the server writes there are copied into ``outs`` (or new arrays)."""
+        and the values the server writes there are copied into ``outs`` (or new arrays).
+        Without it, values of DATACHAN_MIN_BYTES or more travel on the session's data channel
+        when there is one, pulled ones straight into ``outs`` where they fit."""
         if self._sessions is None:
             return None
         session = self._sessions[index]
         use_shm = session.shm_possible
+        use_channel = not use_shm and session.channel_possible
+        min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
+        offload = use_shm or use_channel  # large values leave the messages
         pulls = op in (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL)
         in_bytes = out_bytes = 0
         if keys is None:
@@ -208,57 +219,66 @@ class DistStore(KVStore):
             inline = 0
             for item in items:
                 nbytes = item.array.nbytes
-                if use_shm and not wait_only and nbytes >= SHM_MIN_BYTES:
+                if offload and not wait_only and nbytes >= min_bytes:
                     in_bytes += aligned(nbytes)
                 elif not wait_only:
                     inline += nbytes
             if inline > SESSION_MAX_BYTES:
                 return None
-            if pulls and any(item.array.nbytes >= SHM_MIN_BYTES for item in items):
+            if pulls and any(item.array.nbytes >= min_bytes for item in items):
                 out_bytes = sum(aligned(item.array.nbytes) for item in items)
         else:
             sizes = self._known_sizes(keys)
-            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not use_shm:
+            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
                 return None
             if sizes is None:
                 out_bytes = shm.MIN_REGION_BYTES
             else:
                 # Values that all travel inline need no output area (one copy on each side
                 # either way, without a placement per value).
-                out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= SHM_MIN_BYTES else 0
-        use_output = use_shm and pulls and out_bytes >= SHM_MIN_BYTES
-        shm_bytes = max(in_bytes, out_bytes if use_output else 0) if (in_bytes or use_output) else 0
+                out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= min_bytes else 0
+        use_output = offload and pulls and out_bytes >= min_bytes
+        shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
 
-        def build(call_id, timeout_ms, region):
+        def build(call_id, timeout_ms, region, channel):
             fields = dict(id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms)
             if wait_only:
                 fields["wait_only"] = True
             if region is not None and use_output:
                 fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=0, length=region.size)
+            if channel is not None and use_output:
+                fields["data_channel_min_bytes"] = min_bytes
             if keys is not None:
-                return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(keys)
-            sent = items
+                return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(keys), ()
+            sent, arrays = items, ()
             if region is not None and in_bytes:
                 placement = Placement(region.buffer, region.id)
-                sent = [placement.put(item) or item if item.array.nbytes >= SHM_MIN_BYTES else item
-                        for item in items]
+                sent = [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in items]
+            elif channel is not None and in_bytes:
+                sent, arrays = following(items, min_bytes)
             return encode_stream(kvstore_pb2.SessionRequest, sent, fields, chunk_bytes=_ONE_MESSAGE,
-                                 with_data=not wait_only)[0]
+                                 with_data=not wait_only)[0], arrays
 
-        def decode(call_id, data, region):
+        def decode(call_id, data, region, channel):
             decoder = self._decoder(kvstore_pb2.SessionResponse, part, outs,
-                                    resolve=region.resolve if region is not None else None)
+                                    resolve=region.resolve if region is not None else None,
+                                    channel=channel is not None)
             decoder.feed(data)
             response = decoder.first
             if response.code:
+                if channel is not None:  # the server closed it on failing a call that used it
+                    channel.close()
                 raise error_from_code(status_code(response.code), response.message, response.error_class or None,
                                       self._addresses[index])
             if response.id != call_id:
                 raise InternalError(f"server {self._addresses[index]} answered session call {response.id}, "
                                     f"not {call_id}")
-            return decoder.finish()
+            items = decoder.finish()
+            if decoder.frames.incoming:
+                channel.receive(decoder.frames.incoming)
+            return items
 
-        return session.call(build, self._timeout, decode, shm_bytes)
+        return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output))
 
     def _frames(self, message_type, items, **fields):
         """The serialized request messages that carry ``items``."""
@@ -276,7 +296,7 @@ class DistStore(KVStore):
         return decoder.finish()
 
     @staticmethod
-    def _decoder(message_type, part, outs, resolve=None):
+    def _decoder(message_type, part, outs, resolve=None, channel=False):
         destination = None
         if outs is not None:
             # (asked key, out array that may receive its value straight, or None) by entry index
@@ -293,7 +313,8 @@ class DistStore(KVStore):
                 if target is None or asked != key or target.dtype != dtype or target.shape != shape:
                     return None
                 return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
-        return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True)
+        return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True,
+                             channel=channel)
 
     # ---- layout -----------------------------------------------------------------------
 

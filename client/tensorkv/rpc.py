@@ -19,7 +19,7 @@ from .errors import (
     ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError,
     error_from_status,
 )
-from . import shm
+from . import datachan, shm
 from .v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -177,9 +177,16 @@ class Session:
     shared memory off for this session: calls then carry their bytes in the messages. The
     region lives as long as the stream: a reset stream drops it, and the server releases
     its side when the stream ends.
+
+    Data channel: when :attr:`data_port` is set (the server offers one, the transport allows
+    it), a call that asks for it gets a :class:`tensorkv.datachan.Channel` bound to the
+    stream (negotiated here, under the call's lock). A failed negotiation turns the channel
+    off for this session. A channel that broke, or that a failed call used (the server
+    closes it then), is dropped; the next call negotiates a new one. It lives no longer
+    than the stream.
     """
 
-    def __init__(self, channel, address, shm_allowed=False):
+    def __init__(self, channel, address, shm_allowed=False, data_port=0):
         self._method = channel.stream_stream(Stub._PATH + "Session")
         self._address = address
         self._lock = threading.Lock()
@@ -191,12 +198,17 @@ class Session:
         self._watchdog = None
         self.shm_allowed = shm_allowed
         self.region = None
+        self.data_port = data_port
+        self.data_channel = None
 
-    def call(self, build, timeout, decode=None, shm_bytes=0):
-        """``decode(id, serialized SessionResponse, region)`` (default: (id, response)) for the
-        request ``build(id, timeout_ms, region)``, both run under the session's lock; ``region``
-        is the shared-memory Region for a call with ``shm_bytes`` > 0 (None when there is
-        none). None when the session is busy or closed."""
+    def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False):
+        """``decode(id, serialized SessionResponse, region, channel)`` (default: (id, response))
+        for the request that ``build(id, timeout_ms, region, channel)`` returns with the arrays
+        whose bytes follow on the data channel, as (serialized SessionRequest, arrays); both
+        run under the session's lock. ``region`` is the shared-memory Region for a call with
+        ``shm_bytes`` > 0, ``channel`` the data channel for a call with ``data_channel`` (each
+        None when there is none); ``decode`` receives what the response says follows on the
+        channel. None when the session is busy or closed."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -205,22 +217,43 @@ class Session:
             if self._call is None:
                 self._open()
             region = self._ensure_region(shm_bytes, timeout) if shm_bytes > 0 else None
+            channel = self._ensure_channel(timeout) if data_channel and region is None else None
             call_id = next(self._ids)
-            data = self._roundtrip(build(call_id, max(1, int(timeout * 1000)), region), timeout)
+            if channel is not None:
+                channel.deadline = time.monotonic() + timeout
+            request, arrays = build(call_id, max(1, int(timeout * 1000)), region, channel)
+            failed = []
+            data = self._roundtrip(request, timeout, lambda: self._send(channel, arrays, failed) if arrays else None)
             try:
-                return (decode or (lambda i, d, r: (i, d)))(call_id, data, region)
+                result = (decode or (lambda i, d, r, c: (i, d)))(call_id, data, region, channel)
+                if failed:  # a value did not reach the server: the call cannot have succeeded
+                    raise failed[0]
+                return result
             finally:
                 if self._expired:  # the watchdog fired just as the answer came: start afresh
                     self._reset()
+                elif self.data_channel is not None and self.data_channel.closed:
+                    self.data_channel = None
         finally:
             self._lock.release()
 
-    def _roundtrip(self, request, timeout):
-        """Send one serialized request and return the serialized response."""
+    @staticmethod
+    def _send(channel, arrays, failed):
+        """Write ``arrays`` on the data channel; a failure is kept in ``failed``, to raise once
+        the response says why (a server that refused the call closes the channel)."""
+        try:
+            channel.send(arrays)
+        except KVStoreError as error:
+            failed.append(error)
+
+    def _roundtrip(self, request, timeout, then=None):
+        """Send one serialized request, run ``then()`` and return the serialized response."""
         self._expired = False
         self._deadline = time.monotonic() + timeout + SESSION_GRACE
         self._queue.put(request)
         try:
+            if then is not None:
+                then()
             return next(self._call)
         except grpc.RpcError as error:
             expired = self._expired
@@ -277,6 +310,28 @@ class Session:
             self._roundtrip(release.SerializeToString(), timeout)
         return new
 
+    @property
+    def channel_possible(self):
+        """Whether calls may use a data channel (one exists or may be negotiated)."""
+        return self.data_port > 0 or self.data_channel is not None
+
+    def _ensure_channel(self, timeout):
+        """The data channel, negotiated if needed; None when the server does not bind one
+        (this session then stays on the gRPC messages)."""
+        if self.data_channel is not None or not self.data_port:
+            return self.data_channel
+        request = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
+                                             timeout_ms=max(1, int(timeout * 1000)))
+        response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout))
+        try:
+            if response.code:
+                raise ConnectionRefusedError(response.message)
+            self.data_channel = datachan.Channel(self._address, self.data_port, response.data_token, timeout)
+        except OSError as error:
+            self.data_port = 0
+            log.info("no data channel to server %s (%s): values travel in the gRPC messages", self._address, error)
+        return self.data_channel
+
     def _open(self):
         requests = queue.SimpleQueue()
 
@@ -307,6 +362,9 @@ class Session:
         if self.region is not None:  # the server releases its side as the stream ends
             self.region.close()
             self.region = None
+        if self.data_channel is not None:
+            self.data_channel.close()
+            self.data_channel = None
 
     def close(self):
         self._stop.set()

@@ -7,6 +7,7 @@ reach and leave the handlers as serialized bytes, decoded and encoded by
 registers the handlers with those (de)serializers. The wire is the proto's either way.
 """
 import asyncio
+import logging
 
 import grpc
 
@@ -15,8 +16,9 @@ from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, Inva
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from . import shm
+from . import datachan, shm
 
+log = logging.getLogger(__name__)
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 # Methods whose requests, or responses, the handlers see as bytes.
@@ -77,10 +79,12 @@ def add_to_server(service, server):
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
-    def __init__(self, coordinator, shared_memory=True):
+    def __init__(self, coordinator, shared_memory=True, data_port=None):
         self.coordinator = coordinator
         # Whether Session streams may register shared-memory regions (--no-shared-memory).
         self.shared_memory = shared_memory and shm.available()
+        # The datachan.DataPort that binds data channels to Session streams, or None.
+        self.data_port = data_port
 
     @translate_errors
     async def Register(self, request, context):
@@ -97,7 +101,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def Info(self, request, context):
         info = self.coordinator.info()
         return kvstore_pb2.InfoResponse(
-            mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory, **info)
+            mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
+            data_port=self.data_port.port if self.data_port else 0, **info)
 
     @translate_errors
     async def Init(self, request_iterator, context):
@@ -129,44 +134,80 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def Session(self, request_iterator, context):
-        # The shared-memory regions of this stream: unmapped when it ends, however it ends.
+        # The shared-memory regions and the data channel of this stream: released when it
+        # ends, however it ends.
         regions = shm.Regions(context.peer())
+        channel = datachan.StreamChannel(self.data_port, context.peer()) if self.data_port else None
         try:
             async for data in request_iterator:
-                yield await self._session_call(data, regions)
+                response, outgoing = await self._session_call(data, regions, channel)
+                yield response
+                if outgoing is not None:
+                    await self._send_after(channel, *outgoing)
         finally:
             regions.close()
+            if channel is not None:
+                channel.close()
 
-    async def _session_call(self, data, regions):
-        """The serialized SessionResponse to one serialized SessionRequest."""
+    async def _session_call(self, data, regions, channel):
+        """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
+        to send on the data channel after it, seconds to send it in))."""
         decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame", resolve=regions.resolve,
-                                      with_data=lambda first: not first.wait_only)
-        call_id = 0
+                                      with_data=lambda first: not first.wait_only, channel=channel is not None)
+        call_id, uses_channel = 0, True  # until the request says otherwise
         try:
             decoder.feed(data)
             items = decoder.finish()
             request = decoder.first
             call_id = request.id
+            incoming = decoder.frames.incoming
+            uses_channel = bool(incoming or request.data_channel_min_bytes)
             if request.op in (kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION):
-                return self._region_call(request, regions)
+                return self._region_call(request, regions), None
+            if request.op == kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL:
+                return self._open_channel(request, channel), None
             # Checked before anything changes; written after the work, before any other await.
             output = regions.placement(request.output) if request.HasField("output") else None
-            work = self._session_work(request, items)
-            if request.timeout_ms:
+            timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+            work = self._session_work(request, items, channel, incoming, timeout)
+            if timeout is not None:
                 try:
-                    items = await _within(work, request.timeout_ms / 1000)
+                    items = await _within(work, timeout)
                 except asyncio.TimeoutError:
                     raise DeadlineExceededError(f"the call took longer than its {request.timeout_ms} ms") from None
             else:
                 items = await work
             if output is not None:
                 items = output.place(items)
-            return codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
-                                       chunk_bytes=_ONE_MESSAGE)[0]
+            outgoing = None
+            if request.data_channel_min_bytes:
+                if channel is None:
+                    raise FailedPreconditionError("this server has no data channel")
+                items, arrays = codec.following(items, request.data_channel_min_bytes)
+                outgoing = (datachan.snapshot(arrays), timeout) if arrays else None
+            response = codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
+                                           chunk_bytes=_ONE_MESSAGE)[0]
+            return response, outgoing
         except Exception as error:
+            if uses_channel and channel is not None:  # the stream of bytes may be out of step: start afresh
+                channel.close()
             code, message, error_class = error_status(error)
             return kvstore_pb2.SessionResponse(
-                id=call_id, code=code, message=message, error_class=error_class).SerializeToString()
+                id=call_id, code=code, message=message, error_class=error_class).SerializeToString(), None
+
+    @staticmethod
+    async def _send_after(channel, buffer, timeout):
+        """Send the bytes that follow a response; a failure closes the channel (the client's
+        call fails on its side)."""
+        try:
+            await channel.send(buffer, timeout)
+        except Exception as error:
+            log.warning("data channel of %s: %s", channel.peer, error)
+
+    def _open_channel(self, request, channel):
+        if channel is None:
+            raise FailedPreconditionError("this server has no data channel (--no-data-channel)")
+        return kvstore_pb2.SessionResponse(id=request.id, data_token=channel.open()).SerializeToString()
 
     def _region_call(self, request, regions):
         if request.op == kvstore_pb2.SESSION_OP_UNREGISTER_REGION:
@@ -177,7 +218,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         region_id = regions.register(request.region)
         return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id).SerializeToString()
 
-    async def _session_work(self, request, items):
+    async def _session_work(self, request, items, channel=None, incoming=(), timeout=None):
+        if incoming:  # the bytes first, so that the channel stays in step whatever the work does
+            await channel.receive(incoming, timeout)
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
             await self.coordinator.push(request.rank, items)
             return []

@@ -1,0 +1,92 @@
+"""The client's half of the data channel: a raw TCP connection beside a Session stream that
+carries the bytes of large values (the server's half is ``tensorkv_server.datachan``).
+
+The Session stream asks for a one-time token (SESSION_OP_OPEN_DATA_CHANNEL); a
+:class:`Channel` connects to the server's data port, sends the token and waits for the
+server's one-byte acknowledgement: the connection is then bound to that stream only. Bytes
+go out with ``sendall`` straight from the arrays and come in with ``recv_into`` straight
+into their destinations (the kernel's copies only). Every read and write is bounded by the
+call's deadline; any failure closes the socket (the Session negotiates a new channel on a
+later call) and raises ServerUnavailableError, or DeadlineExceededError on time-out.
+"""
+import socket
+import time
+
+from .errors import DeadlineExceededError, ServerUnavailableError
+
+ACK = b"\x01"
+
+
+def split_address(address):
+    """The host of a gRPC 'host:port' address, without IPv6 brackets."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+class Channel:
+    """A data channel to server ``address`` (its gRPC address) on ``port``, bound with ``token``
+    within ``timeout`` seconds; OSError when the server refuses or cannot be reached."""
+
+    def __init__(self, address, port, token, timeout):
+        self.address = address
+        self.deadline = None  # of the call in progress (time.monotonic())
+        self._sock = socket.create_connection((split_address(address), port), timeout)
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.sendall(token)
+            if self._sock.recv(1) != ACK:
+                raise ConnectionRefusedError(f"server {address} refused the data-channel token")
+        except BaseException:
+            self._sock.close()
+            raise
+
+    @property
+    def closed(self):
+        return self._sock is None
+
+    def send(self, arrays):
+        """Write the bytes of ``arrays`` (C-contiguous, little-endian), in order."""
+        self._check_open()
+        try:
+            for array in arrays:
+                self._sock.settimeout(self._remaining())
+                self._sock.sendall(memoryview(array.reshape(-1).view("u1")))
+        except OSError as error:
+            raise self._broken(error) from None
+
+    def receive(self, buffers):
+        """Fill the uint8 arrays ``buffers``, in order."""
+        self._check_open()
+        try:
+            for buffer in buffers:
+                view, filled, size = memoryview(buffer), 0, len(buffer)
+                while filled < size:
+                    self._sock.settimeout(self._remaining())
+                    count = self._sock.recv_into(view[filled:])
+                    if count == 0:
+                        raise ConnectionResetError("the server closed the data channel")
+                    filled += count
+        except OSError as error:
+            raise self._broken(error) from None
+
+    def _check_open(self):
+        if self._sock is None:
+            raise ServerUnavailableError(f"server {self.address} closed the data channel")
+
+    def _remaining(self):
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("the call's deadline passed")
+        return remaining
+
+    def _broken(self, error):
+        """Close the channel; the error to raise for ``error``."""
+        self.close()
+        if isinstance(error, socket.timeout):
+            return DeadlineExceededError(f"server {self.address}: the data channel timed out")
+        return ServerUnavailableError(f"server {self.address}: the data channel broke ({error})")
+
+    def close(self):
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
