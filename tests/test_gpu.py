@@ -164,7 +164,7 @@ def test_torch_cuda_tensors_in_the_embedded_stores(store):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
 def test_server_on_the_gpu_with_cupy_and_numpy_arrays(tmp_path, transport):
     with Cluster(servers=2, tmp_path=tmp_path, server_args=("--device", "cuda:0")) as cluster:
         assert [_server_device(a) for a in cluster.addresses] == ["cuda:0", "cuda:0"]

@@ -117,17 +117,21 @@ def _push_pull(kv):
     return kv.pull("w")
 
 
-@pytest.mark.parametrize("how", ["server flag", "transport=tcp", "TENSORKV_TRANSPORT=tcp", "sessions off"])
+@pytest.mark.parametrize("how", ["server flag", "transport=tcp", "transport=grpc", "TENSORKV_TRANSPORT=tcp",
+                                 "TENSORKV_TRANSPORT=grpc", "sessions off"])
 def test_tcp_when_shared_memory_is_off(tmp_path, monkeypatch, how):
     server_args = ["--no-shared-memory"] if how == "server flag" else []
-    options = {"transport": "tcp"} if how == "transport=tcp" else {"session": False} if how == "sessions off" else {}
+    options = {"transport": how.split("=")[1]} if how.startswith("transport") else \
+        {"session": False} if how == "sessions off" else {}
     if how.startswith("TENSORKV_TRANSPORT"):
-        monkeypatch.setenv("TENSORKV_TRANSPORT", "tcp")
+        monkeypatch.setenv("TENSORKV_TRANSPORT", how.split("=")[1])
     with Cluster(tmp_path=tmp_path, server_args=server_args) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses, **options) as kv:
             assert np.array_equal(_push_pull(kv), np.arange(100_000) * 3.0)
             assert kv._sessions is None or regions(kv) == [None]
-            assert kv.transport == ("auto" if how in ("server flag", "sessions off") else "tcp")
+            assert kv.transport == ("auto" if how in ("server flag", "sessions off") else how.split("=")[1])
+            # 'grpc' sends values in the messages; the others use the data channel off shared memory
+            assert kv._sessions is None or (kv._sessions[0].data_channel is None) == how.endswith("grpc")
     assert "attached" not in (tmp_path / "server0.log").read_text()
     with pytest.raises(tensorkv.InvalidArgumentError, match="unknown transport 'udp'"):
         tensorkv.create("dist_sync", servers=cluster.addresses, transport="udp")

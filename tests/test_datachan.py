@@ -1,0 +1,216 @@
+"""The raw-TCP data channel (a client on another host, or transport='tcp'), with real server
+processes on 127.0.0.1: values equal those of plain gRPC, errors, negotiation and fallback,
+and failures of either side."""
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tensorkv
+from tensorkv import datachan
+from tensorkv.rpc import CHANNEL_OPTIONS, Session
+from tensorkv.v1 import kvstore_pb2
+
+from cluster import Cluster, stop
+
+WAIT = 20.0  # seconds any bounded wait may take
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32, np.int64, np.uint8]
+SIZES = [10, 100_000, 2_000_000, 3 << 20]  # inline, one value, sliced over 2 servers, multi-MiB
+
+
+def wait_until(condition, what, timeout=WAIT):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout} s")
+        time.sleep(0.05)
+
+
+def channels(kv):
+    return [session.data_channel for session in kv._sessions]
+
+
+def _value(size, dtype, scale):
+    return ((np.arange(size) % 50) * scale).astype(dtype)
+
+
+def _round_trips(kv, prefix):
+    """The values pulled back after push, pull, pushpull of every dtype and size."""
+    got = []
+    for dtype in DTYPES:
+        for size in SIZES:
+            key = f"{prefix}-{np.dtype(dtype).name}-{size}"
+            kv.init(key, _value(size, dtype, 1))
+            kv.push(key, _value(size, dtype, 2))
+            out = np.empty(size, dtype)
+            kv.pull(key, out=out)
+            got.append(out)
+            fused = np.empty(size, dtype)
+            kv.pushpull(key, _value(size, dtype, 3), out=fused)
+            got += [fused, kv.pull(key)]
+    return got
+
+
+def test_values_over_the_channel_equal_those_of_grpc(tmp_path):
+    with Cluster(servers=2, tmp_path=tmp_path) as cluster:
+        results = {}
+        for transport in ("tcp", "grpc"):
+            with tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport, timeout=60) as kv:
+                results[transport] = _round_trips(kv, transport)
+                bound = [channel is not None for channel in channels(kv)]
+                assert bound == ([True, True] if transport == "tcp" else [False, False])
+        logs = [(tmp_path / f"server{i}.log").read_text() for i in range(2)]
+    expected = [_value(size, dtype, scale) for dtype in DTYPES for size in SIZES for scale in (2, 3, 3)]
+    for tcp, grpc_value, value in zip(results["tcp"], results["grpc"], expected):
+        assert tcp.dtype == grpc_value.dtype == value.dtype
+        assert np.array_equal(tcp, grpc_value) and np.array_equal(tcp, value)
+    assert all(log.count("data channel from") == 1 for log in logs)  # one channel per server, kept
+
+
+def test_errors_over_the_channel_leave_values_and_the_channel_usable(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", timeout=30) as kv:
+            value = np.arange(1 << 20, dtype=np.float32)
+            kv.init("w", value)
+            kv.push("w", value * 2)
+            assert channels(kv)[0] is not None
+            kv._meta.clear()  # so that the server, not the client, finds the mismatches
+            with pytest.raises(tensorkv.ShapeMismatchError):
+                kv.push("w", np.ones(1 << 19, np.float32))
+            with pytest.raises(tensorkv.DtypeMismatchError):
+                kv.push("w", np.ones(1 << 20, np.float64))
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.push("nope", np.ones(1 << 20, np.float32))
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("nope")
+            assert np.array_equal(kv.pull("w"), value * 2)  # unchanged, over a renegotiated channel
+            assert channels(kv)[0] is not None
+            kv.push("w", value * 3)
+            out = np.empty_like(value)
+            kv.pull("w", out=out)
+            assert np.array_equal(out, value * 3)
+        log = (tmp_path / "server0.log").read_text()
+    assert log.count("data channel from") >= 2  # closed by the failed calls, negotiated again
+
+
+def test_a_bad_token_is_refused_and_the_call_falls_back(tmp_path, monkeypatch):
+    connect = datachan.Channel.__init__
+
+    def wrong_token(self, address, port, token, timeout):
+        connect(self, address, port, bytes(len(token)), timeout)
+
+    monkeypatch.setattr(datachan.Channel, "__init__", wrong_token)
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            value = np.arange(1 << 20, dtype=np.float64)
+            kv.init("w", value)
+            kv.push("w", value * 5)
+            assert np.array_equal(kv.pull("w"), value * 5)
+            assert channels(kv) == [None] and kv._sessions[0].data_port == 0  # off for this session
+        log = (tmp_path / "server0.log").read_text()
+    assert "refused: unknown or used token" in log and "data channel from" not in log
+
+
+def _token(address, port):
+    """A data-channel token of a new Session stream to ``address``, and the session."""
+    session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, data_port=port)
+
+    def build(call_id, timeout_ms, region, channel):
+        return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL).SerializeToString(), ()
+    _, data = session.call(build, 5.0)
+    return kvstore_pb2.SessionResponse.FromString(data), session
+
+
+def _present(port, token):
+    """The server's answer (b"" when it closed the connection) to ``token`` on the data port."""
+    with socket.create_connection(("127.0.0.1", port), WAIT) as sock:
+        sock.settimeout(WAIT)
+        sock.sendall(token)
+        try:
+            return sock.recv(1)
+        except ConnectionResetError:
+            return b""
+
+
+def test_tokens_are_single_use_and_unguessable(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            port = kv._sessions[0].data_port
+        assert port > 0
+        response, session = _token(address, port)
+        try:
+            assert response.code == 0 and len(response.data_token) == 32
+            assert _present(port, bytes(32)) == b""
+            assert _present(port, response.data_token) == datachan.ACK
+            assert _present(port, response.data_token) == b""  # replayed
+        finally:
+            session.close()
+
+
+def test_no_data_channel_falls_back_to_grpc(tmp_path):
+    with Cluster(tmp_path=tmp_path, server_args=["--no-data-channel"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            assert kv._sessions[0].data_port == 0
+            value = np.arange(1 << 20, dtype=np.float32)
+            kv.init("w", value)
+            kv.push("w", value * 2)
+            assert np.array_equal(kv.pull("w"), value * 2)
+            assert channels(kv) == [None]
+        response, session = _token(cluster.addresses[0], 1)
+        session.close()
+        assert response.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "data channel off" in (tmp_path / "server0.log").read_text()
+
+
+def test_a_killed_server_fails_the_call_in_flight(tmp_path):
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
+        kv = tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, transport="tcp", timeout=60)
+        try:
+            value = np.arange(1 << 20, dtype=np.float32)
+            kv.init("w", value)
+            kv.push("w", value)  # the round waits for rank 1, so the pull below waits too
+            errors = []
+
+            def pull():
+                try:
+                    kv.pull("w")
+                except tensorkv.KVStoreError as error:
+                    errors.append(error)
+            thread = threading.Thread(target=pull)
+            thread.start()
+            wait_until(lambda: channels(kv)[0] is not None, "the data channel")
+            cluster.processes[0].send_signal(signal.SIGKILL)
+            thread.join(WAIT)
+            assert not thread.is_alive(), "the pull did not fail within the bound"
+            assert len(errors) == 1 and isinstance(errors[0], tensorkv.ServerUnavailableError)
+            assert channels(kv) == [None]
+        finally:
+            kv.close()
+
+
+def test_a_client_killed_mid_transfer_leaves_the_server_serving_others(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", timeout=30) as kv:
+            value = np.arange(4 << 20, dtype=np.float32)
+            kv.init("w", value)
+            port = kv._sessions[0].data_port
+            half = cluster.start_worker("datachan_half_push", cluster.addresses[0], port, "w", value.size)
+            try:
+                assert half.stdout.readline().strip() == "sent"
+                kv.push("w", value * 2)  # served while the other stream waits for its bytes
+                assert np.array_equal(kv.pull("w"), value * 2)
+                half.send_signal(signal.SIGKILL)
+                half.wait(WAIT)
+            finally:
+                stop(half)
+            log = tmp_path / "server0.log"
+            wait_until(lambda: log.read_text().count("data channel of") >= 1, "the killed client's channel closed")
+            kv.push("w", value * 3)
+            assert np.array_equal(kv.pull("w"), value * 3)  # the half push was never applied
+            assert channels(kv)[0] is not None
