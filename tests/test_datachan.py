@@ -214,3 +214,29 @@ def test_a_client_killed_mid_transfer_leaves_the_server_serving_others(tmp_path)
             kv.push("w", value * 3)
             assert np.array_equal(kv.pull("w"), value * 3)  # the half push was never applied
             assert channels(kv)[0] is not None
+
+
+def _closed_by_peer(sock):
+    sock.settimeout(WAIT)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_the_channel_closes_with_its_session(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        log = tmp_path / "server0.log"
+        value = np.arange(1 << 20, dtype=np.float32)
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            kv.init("w", value)
+            kv.push("w", value)
+        wait_until(lambda: "data channel of" in log.read_text(), "the server closing a closed client's channel")
+        kv = tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp")
+        try:
+            kv.push("w", value)
+            sock = channels(kv)[0]._sock
+            cluster.stop()  # SIGTERM: the server ends its streams and their channels
+            assert _closed_by_peer(sock)
+        finally:
+            kv.close()

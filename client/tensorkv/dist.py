@@ -266,8 +266,6 @@ class DistStore(KVStore):
             decoder.feed(data)
             response = decoder.first
             if response.code:
-                if channel is not None:  # the server closed it on failing a call that used it
-                    channel.close()
                 raise error_from_code(status_code(response.code), response.message, response.error_class or None,
                                       self._addresses[index])
             if response.id != call_id:

@@ -229,6 +229,10 @@ class Session:
                 if failed:  # a value did not reach the server: the call cannot have succeeded
                     raise failed[0]
                 return result
+            except BaseException:
+                if channel is not None:  # the server closes it on failing a call that uses it
+                    channel.close()
+                raise
             finally:
                 if self._expired:  # the watchdog fired just as the answer came: start afresh
                     self._reset()

@@ -65,6 +65,9 @@ class DataPort:
         except (OSError, EOFError, asyncio.TimeoutError) as error:
             log.warning("data channel connection from %s refused: %s", peer, error or type(error).__name__)
             conn.close()
+        except asyncio.CancelledError:  # the server is stopping
+            conn.close()
+            raise
 
     def offer(self):
         """(a new token, the future of the socket that presents it)."""
