@@ -63,7 +63,8 @@ ROOT = os.path.dirname(HERE)
 # Transport paths of the dist rows: a name -> the options given to
 # tensorkv.create() and the environment set for the server and the workers.
 # The same-host default path takes whatever the client negotiates; the TCP-only
-# path asks for plain gRPC over TCP.  The transport option is only passed when
+# path asks for no shared memory (transport='tcp': the server's raw-TCP data
+# channel, what a client on another host gets).  The transport option is only passed when
 # this client's create() accepts it (see _path_options); until then both paths
 # run the same (TCP) code, and the bench says so.
 PATHS = {
