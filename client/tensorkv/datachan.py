@@ -15,6 +15,9 @@ import time
 from .errors import DeadlineExceededError, ServerUnavailableError
 
 ACK = b"\x01"
+# Seconds to connect and be bound at most: a port that a firewall drops must not hold the
+# call that negotiates for its whole timeout.
+CONNECT_TIMEOUT = 10.0
 
 
 def split_address(address):
@@ -25,12 +28,13 @@ def split_address(address):
 
 class Channel:
     """A data channel to server ``address`` (its gRPC address) on ``port``, bound with ``token``
-    within ``timeout`` seconds; OSError when the server refuses or cannot be reached."""
+    within ``timeout`` seconds (CONNECT_TIMEOUT at most); OSError when the server refuses or
+    cannot be reached."""
 
     def __init__(self, address, port, token, timeout):
         self.address = address
         self.deadline = None  # of the call in progress (time.monotonic())
-        self._sock = socket.create_connection((split_address(address), port), timeout)
+        self._sock = socket.create_connection((split_address(address), port), min(timeout, CONNECT_TIMEOUT))
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.sendall(token)
@@ -76,7 +80,7 @@ class Channel:
     def _remaining(self):
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise socket.timeout("the call's deadline passed")
+            raise TimeoutError("the call's deadline passed")
         return remaining
 
     def _broken(self, error):

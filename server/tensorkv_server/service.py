@@ -12,7 +12,7 @@ import logging
 import grpc
 
 from tensorkv import __version__, codec, states_wire
-from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
+from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -201,7 +201,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         call fails on its side)."""
         try:
             await channel.send(buffer, timeout)
-        except Exception as error:
+        except KVStoreError as error:
             log.warning("data channel of %s: %s", channel.peer, error)
 
     def _open_channel(self, request, channel):
