@@ -13,8 +13,8 @@ import pytest
 
 import tensorkv
 from tensorkv import datachan
-from tensorkv.rpc import CHANNEL_OPTIONS, Session
-from tensorkv.v1 import kvstore_pb2
+from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
+from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import Cluster, stop
 
@@ -240,3 +240,37 @@ def test_the_channel_closes_with_its_session(tmp_path):
             assert _closed_by_peer(sock)
         finally:
             kv.close()
+
+
+def _following_entry(key, n):
+    return tensor_pb2.Entry(key=tensor_pb2.Key(str_key=key), tensor=tensor_pb2.Tensor(
+        dtype=tensor_pb2.DTYPE_FLOAT32, shape=[n]), channel=tensor_pb2.DataChannelRef(length=n * 4))
+
+
+def test_entries_on_the_channel_need_a_bound_channel(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            value = np.arange(1 << 18, dtype=np.float32)
+            kv.init("w", value)
+            entry = _following_entry("w", value.size)
+            # a Session stream that did not bind a channel
+            session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address)
+
+            def build(call_id, timeout_ms, region, channel):
+                request = kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_PUSH, timeout_ms=5000)
+                request.frame.entries.append(entry)
+                return request.SerializeToString(), ()
+            try:
+                _, data = session.call(build, 5.0)
+            finally:
+                session.close()
+            answer = kvstore_pb2.SessionResponse.FromString(data)
+            assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            # any other RPC
+            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+                push = kvstore_pb2.PushRequest(rank=0, frame=tensor_pb2.TensorFrame(entries=[entry]))
+                with pytest.raises(grpc.RpcError) as raised:
+                    Stub(channel).push_raw([push.SerializeToString()], timeout=5.0)
+                assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert np.array_equal(kv.pull("w"), value)

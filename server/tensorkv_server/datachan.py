@@ -59,8 +59,8 @@ class DataPort:
             if waiter is None or waiter.done():
                 raise ConnectionRefusedError("unknown or used token")
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            waiter.set_result(conn)  # bound before the client hears so and sends its next call
             await loop.sock_sendall(conn, ACK)
-            waiter.set_result(conn)
             log.info("data channel from %s bound", peer)
         except (OSError, EOFError, asyncio.TimeoutError) as error:
             log.warning("data channel connection from %s refused: %s", peer, error or type(error).__name__)
@@ -115,17 +115,18 @@ class StreamChannel:
         self._token, self._waiter = self._port.offer()
         return self._token
 
-    async def _socket(self):
-        if self._waiter is None:
-            raise FailedPreconditionError("this stream has no data channel: ask for one first")
-        return await asyncio.shield(self._waiter)
+    def _socket(self):
+        waiter = self._waiter
+        if waiter is None or not waiter.done() or waiter.cancelled():
+            raise FailedPreconditionError("this stream has no connected data channel: ask for one first")
+        return waiter.result()
 
     async def receive(self, buffers, timeout):
         """Fill the uint8 arrays ``buffers`` from the channel, in order, within ``timeout`` s."""
         await self._io(self._receive(buffers), timeout)
 
     async def _receive(self, buffers):
-        conn, loop = await self._socket(), asyncio.get_running_loop()
+        conn, loop = self._socket(), asyncio.get_running_loop()
         for buffer in buffers:
             await _read_into(loop, conn, memoryview(buffer))
 
@@ -134,7 +135,7 @@ class StreamChannel:
         await self._io(self._send(buffer), timeout)
 
     async def _send(self, buffer):
-        conn = await self._socket()
+        conn = self._socket()
         await asyncio.get_running_loop().sock_sendall(conn, memoryview(buffer))
 
     async def _io(self, work, timeout):
