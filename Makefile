@@ -88,6 +88,6 @@ image:
 image-smoke: image $(STAMP)
 	@port=$$($(PY) -c '$(FREE_PORT)'); \
 	name=tensorkv-smoke-$$port; \
-	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --port $$port --num-workers 1 >/dev/null; \
+	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --port $$port --data-port 0 --num-workers 1 >/dev/null; \
 	trap '$(ENGINE) stop -t 10 $$name >/dev/null' EXIT; \
 	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py

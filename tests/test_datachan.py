@@ -153,6 +153,19 @@ def test_tokens_are_single_use_and_unguessable(tmp_path):
             session.close()
 
 
+def test_a_fixed_data_port_is_the_one_offered(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with Cluster(tmp_path=tmp_path, server_args=["--data-port", str(port)]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            assert kv._sessions[0].data_port == port
+            kv.init("w", np.arange(100_000, dtype=np.float32))
+            kv.push("w", np.ones(100_000, np.float32))
+            assert channels(kv)[0] is not None
+            np.testing.assert_array_equal(kv.pull("w"), np.ones(100_000, np.float32))
+
+
 def test_no_data_channel_falls_back_to_grpc(tmp_path):
     with Cluster(tmp_path=tmp_path, server_args=["--no-data-channel"]) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:

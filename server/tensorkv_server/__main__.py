@@ -29,6 +29,9 @@ def parse_args(argv=None):
                         help="where values live: cpu, cuda, cuda:N or auto (GPU when CuPy sees one)")
     parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
                         help="refuse shared-memory regions: clients on this host use the plain gRPC path")
+    parser.add_argument("--data-port", type=int, default=0,
+                        help="port of the raw-TCP data channel for large values (default: any free one; "
+                             "fix it to publish it from a container)")
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -51,7 +54,8 @@ def main(argv=None):
     except (RuntimeError, ValueError) as error:  # a device this machine does not have
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
-    asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory, args.data_channel))
+    asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
+                      args.data_port if args.data_channel else None))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ def _host(host):
 
 
 class DataPort:
-    """The listening socket on ``host`` (an ephemeral port) and the tokens handed out."""
+    """The listening socket on ``host``:``port`` (0: any free port) and the tokens handed out."""
 
-    def __init__(self, host):
-        self._listener = socket.create_server((_host(host), 0), family=socket.AF_INET6 if ":" in host else
+    def __init__(self, host, port=0):
+        self._listener = socket.create_server((_host(host), port), family=socket.AF_INET6 if ":" in host else
                                               socket.AF_INET)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]

@@ -19,12 +19,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_channel=True):
-    """Serve ``coordinator`` on host:port (and a data channel port on the same host) until
-    SIGTERM or SIGINT, then stop: waits in progress fail with UNAVAILABLE, other calls get
-    ``grace`` seconds to finish."""
+async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
+    """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
+    free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    data_port = DataPort(host) if data_channel else None
+    data_port = DataPort(host, data_port) if data_port is not None else None
     servicer = KVStoreService(coordinator, shared_memory, data_port)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
