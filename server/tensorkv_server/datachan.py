@@ -45,7 +45,12 @@ class DataPort:
     async def _accept(self):
         loop = asyncio.get_running_loop()
         while True:
-            conn, peer = await loop.sock_accept(self._listener)
+            try:
+                conn, peer = await loop.sock_accept(self._listener)
+            except OSError as error:  # e.g. out of file descriptors: keep serving the others
+                log.warning("data port: accept failed: %s", error)
+                await asyncio.sleep(0.1)
+                continue
             task = loop.create_task(self._bind(conn, peer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
