@@ -648,11 +648,14 @@ class StreamDecoder:
                 first = parse(self.message_class, head)
                 if self._with_data is not None:
                     self.frames.with_data = self._with_data(first)
+            listed = len(self.frames.incoming)
             try:
                 done = self.frames.feed_bytes(data, start, end)
             except IndexError:  # cut short inside an entry: the generated parser says how
                 done = None
-            if done is not None:
+            if done is None:  # read again below: forget the channel buffers listed so far
+                del self.frames.incoming[listed:]
+            else:
                 self.first = first
                 self.items += done
                 return

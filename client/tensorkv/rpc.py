@@ -223,7 +223,12 @@ class Session:
                 channel.deadline = time.monotonic() + timeout
             request, arrays = build(call_id, max(1, int(timeout * 1000)), region, channel)
             failed = []
-            data = self._roundtrip(request, timeout, lambda: self._send(channel, arrays, failed) if arrays else None)
+            try:
+                data = self._roundtrip(request, timeout,
+                                       lambda: self._send(channel, arrays, failed) if arrays else None)
+            except BaseException:  # e.g. interrupted mid-send: this call's answer must not be the next's
+                self._reset()
+                raise
             try:
                 result = (decode or (lambda i, d, r, c: (i, d)))(call_id, data, region, channel)
                 if failed:  # a value did not reach the server: the call cannot have succeeded

@@ -31,8 +31,9 @@ class DataPort:
     """The listening socket on ``host``:``port`` (0: any free port) and the tokens handed out."""
 
     def __init__(self, host, port=0):
-        self._listener = socket.create_server((_host(host), port), family=socket.AF_INET6 if ":" in host else
-                                              socket.AF_INET)
+        ipv6 = ":" in host  # then both families, as gRPC serves them
+        self._listener = socket.create_server((_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
+                                              dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._pending = {}  # token -> future of the bound socket
