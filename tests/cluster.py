@@ -16,6 +16,16 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 START_TIMEOUT = 30.0  # seconds a server gets to start serving
 STOP_TIMEOUT = 15.0  # seconds a process gets to exit after SIGTERM
 WORKER_TIMEOUT = 90.0  # seconds a worker gets to finish
+WAIT = 20.0  # seconds a wait_until condition gets to hold
+
+
+def wait_until(condition, what, timeout=WAIT):
+    """Poll ``condition()`` until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout} s")
+        time.sleep(0.05)
 
 
 def free_port():

@@ -4,7 +4,6 @@ and failures of either side."""
 import signal
 import socket
 import threading
-import time
 
 import grpc
 import ml_dtypes
@@ -16,19 +15,10 @@ from tensorkv import datachan
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
-from cluster import Cluster, stop
+from cluster import WAIT, Cluster, stop, wait_until
 
-WAIT = 20.0  # seconds any bounded wait may take
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32, np.int64, np.uint8]
 SIZES = [10, 100_000, 2_000_000, 3 << 20]  # inline, one value, sliced over 2 servers, multi-MiB
-
-
-def wait_until(condition, what, timeout=WAIT):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not seen within {timeout} s")
-        time.sleep(0.05)
 
 
 def channels(kv):

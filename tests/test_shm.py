@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import ml_dtypes
@@ -16,10 +15,9 @@ from tensorkv import shm
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
-from cluster import WORKERS, Cluster, stop
+from cluster import WAIT, WORKERS, Cluster, stop, wait_until
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no POSIX shared memory (/dev/shm)")
-WAIT = 20.0  # seconds any cleanup may take to be seen
 
 
 def leftovers():
@@ -31,14 +29,6 @@ def mapped(pid, name):
     """Whether process ``pid`` maps the segment ``name``."""
     with open(f"/proc/{pid}/maps") as maps:
         return name in maps.read()
-
-
-def wait_until(condition, what, timeout=WAIT):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not seen within {timeout} s")
-        time.sleep(0.05)
 
 
 def regions(kv):
