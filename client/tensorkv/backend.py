@@ -1,7 +1,51 @@
 """Array interop: which array namespace holds values (CuPy on a GPU, else NumPy), and
-moving arrays between user types (NumPy, CuPy, torch, DLPack) and that namespace."""
+moving arrays between user types (NumPy, CuPy, torch, DLPack) and that namespace.
+
+Arrays stay on their GPU wherever they can: CuPy arrays and torch CUDA tensors reach a
+GPU namespace through DLPack without a host round trip, and only what must reach the host
+(a value for the wire, a NumPy ``out``) is copied there.
+"""
 import ml_dtypes
 import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class DeviceBFloat16:
+    """A bfloat16 array on the GPU. CuPy has no bfloat16, so ``bits``, a CuPy uint16 array,
+    holds the bit patterns; :mod:`tensorkv.kernels` converts them to float32 to compute."""
+
+    __slots__ = ("bits",)
+    dtype = BFLOAT16
+
+    def __init__(self, bits):
+        self.bits = bits
+
+    shape = property(lambda self: self.bits.shape)
+    size = property(lambda self: self.bits.size)
+    nbytes = property(lambda self: self.bits.nbytes)
+    ndim = property(lambda self: self.bits.ndim)
+    device = property(lambda self: self.bits.device)
+
+    def reshape(self, *shape):
+        return DeviceBFloat16(self.bits.reshape(*shape))
+
+    def __getitem__(self, index):
+        return DeviceBFloat16(self.bits[index])
+
+    def get(self):
+        """A NumPy bfloat16 copy on the host."""
+        return self.bits.get().view(BFLOAT16)
+
+    def __repr__(self):
+        return f"DeviceBFloat16(shape={self.shape}, device={self.bits.device.id})"
+
+
+def on_gpu(value):
+    """Whether ``value`` lives on a GPU: a CuPy array, a DeviceBFloat16 or a torch CUDA tensor."""
+    module = type(value).__module__
+    return module.startswith("cupy") or isinstance(value, DeviceBFloat16) or (
+        module.startswith("torch") and value.is_cuda)
 
 
 def cupy_or_none():
@@ -36,8 +80,8 @@ def select(device="auto"):
 
 
 def array_module(array):
-    """cupy for a CuPy array, numpy otherwise."""
-    if type(array).__module__.startswith("cupy"):
+    """cupy for a CuPy array or a DeviceBFloat16, numpy otherwise."""
+    if type(getattr(array, "bits", array)).__module__.startswith("cupy"):
         import cupy
         return cupy
     return np
@@ -52,7 +96,7 @@ def to_host(value):
     module = type(value).__module__
     if isinstance(value, np.ndarray):
         array = value
-    elif module.startswith("cupy"):
+    elif module.startswith("cupy") or isinstance(value, DeviceBFloat16):
         array = value.get()
     elif module.startswith("torch"):
         array = _torch_to_numpy(value)
@@ -69,15 +113,43 @@ def to_host(value):
 
 
 def to_namespace(value, xp):
-    """``value`` as an array of namespace ``xp`` (NumPy or CuPy), staying on the GPU when it is there."""
+    """``value`` as an array of namespace ``xp`` (NumPy, or CuPy on the current device),
+    without a copy when it is one already. GPU values stay on the GPU (another device's
+    are copied peer to peer); bfloat16 becomes a :class:`DeviceBFloat16` on CuPy."""
     if xp is np:
         return to_host(value)
     module = type(value).__module__
-    if module.startswith("cupy"):
-        return value
     if module.startswith("torch") and value.is_cuda:
-        return xp.from_dlpack(value)
-    return xp.asarray(to_host(value))
+        import torch
+        if value.dtype == torch.bfloat16:
+            value = DeviceBFloat16(xp.from_dlpack(value.view(torch.int16)).view(xp.uint16))
+        else:
+            value = xp.from_dlpack(value)
+    elif not (module.startswith("cupy") or isinstance(value, DeviceBFloat16)):
+        host = to_host(value)
+        if host.dtype == BFLOAT16:
+            return DeviceBFloat16(xp.asarray(host.view(np.uint16)))
+        return xp.asarray(host)
+    if value.device.id != xp.cuda.Device().id:
+        return _to_current_device(value, xp)
+    return value
+
+
+def _to_current_device(value, xp):
+    """A copy of a GPU ``value`` (CuPy or DeviceBFloat16) on CuPy's current device."""
+    bits = getattr(value, "bits", value)
+    with bits.device:
+        bits = xp.ascontiguousarray(bits)
+    copy = xp.empty(bits.shape, bits.dtype)
+    copy.data.copy_from_device(bits.data, bits.nbytes)
+    return DeviceBFloat16(copy) if isinstance(value, DeviceBFloat16) else copy
+
+
+def empty(xp, shape, dtype):
+    """An uninitialized array of namespace ``xp`` (a DeviceBFloat16 for bfloat16 on CuPy)."""
+    if xp is not np and np.dtype(dtype) == BFLOAT16:
+        return DeviceBFloat16(xp.empty(shape, xp.uint16))
+    return xp.empty(shape, dtype)
 
 
 def shape_dtype(value):
@@ -98,7 +170,8 @@ def is_array(value):
 
 
 def host_copy(array):
-    """A new NumPy array with the value of a NumPy or CuPy ``array``, sharing no memory with it."""
+    """A new NumPy array with the value of a NumPy or CuPy ``array`` (or DeviceBFloat16),
+    sharing no memory with it."""
     if isinstance(array, np.ndarray):
         return array.copy()
     return array.get()
@@ -107,7 +180,7 @@ def host_copy(array):
 def _torch_dtype(torch_dtype):
     import torch
     if torch_dtype == torch.bfloat16:
-        return np.dtype(ml_dtypes.bfloat16)
+        return BFLOAT16
     return torch.empty((), dtype=torch_dtype).numpy().dtype
 
 
@@ -116,22 +189,25 @@ def _torch_to_numpy(tensor):
 
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return tensor.view(torch.int16).numpy().view(BFLOAT16)
     return tensor.numpy()
 
 
 def write_into(out, value):
-    """Copy ``value`` (NumPy or CuPy) into ``out`` in place, keeping ``out``'s type and device."""
+    """Copy ``value`` (NumPy, CuPy or DeviceBFloat16) into ``out`` in place, keeping ``out``'s
+    type and device: GPU to GPU stays on the GPUs (through DLPack for torch)."""
     module = type(out).__module__
     if isinstance(out, np.ndarray):
         np.copyto(out, to_host(value))
     elif module.startswith("cupy"):
         import cupy
-        with cupy.cuda.Device(out.device.id):
-            out[...] = cupy.asarray(value)
+        with out.device:
+            out[...] = to_namespace(value, cupy)
     elif module.startswith("torch"):
         import torch
-        if out.is_cuda and type(value).__module__.startswith("cupy"):
+        if out.is_cuda and isinstance(value, DeviceBFloat16):
+            out.view(torch.int16).copy_(torch.from_dlpack(value.bits.view("int16")))
+        elif out.is_cuda and type(value).__module__.startswith("cupy"):
             out.copy_(torch.from_dlpack(value))
         else:
             host = to_host(value)

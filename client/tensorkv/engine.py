@@ -2,26 +2,37 @@
 namespace (NumPy, or CuPy on a GPU).
 
 The embedded stores and the server both keep their values in an :class:`Engine`, so the
-CPU tests run the same code as a GPU server. Every method that changes state validates
-all of its input first: a call that raises leaves every value as it was.
+CPU tests run the same code as a GPU server: sums, assignments and optimizer steps are
+:mod:`tensorkv.kernels` (one fused CUDA kernel each on CuPy, NumPy ufuncs on the host).
+Every method that changes state validates all of its input first: a call that raises
+leaves every value as it was.
 """
-import ml_dtypes
+import contextlib
+
 import numpy as np
 
-from .backend import shape_dtype, to_namespace
+from . import kernels
+from .backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
 from .codec import check_key, wire_dtype
 from .errors import (
     DtypeMismatchError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError, ShapeMismatchError,
 )
+from .optimizer import Updater
 
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # Low-precision dtypes whose sums are accumulated in float32.
-_WIDENED = {_BFLOAT16}
+_WIDENED = {BFLOAT16, np.dtype(np.float16)}
+
+
+def accumulator_dtype(dtype):
+    """The dtype pushes of ``dtype`` are summed in: float32 for float16 and bfloat16."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype in _WIDENED else dtype
 
 
 class Stored:
-    """One key's value: ``array`` (namespace xp) holds the whole value of ``shape``, or only
-    the elements ``slice`` = (begin, end) of it, flattened, on a server holding one slice."""
+    """One key's value: ``array`` (namespace xp; a DeviceBFloat16 for bfloat16 on CuPy)
+    holds the whole value of ``shape``, or only the elements ``slice`` = (begin, end) of it,
+    flattened, on a server holding one slice."""
 
     __slots__ = ("array", "shape", "slice")
 
@@ -48,6 +59,8 @@ class Engine:
 
     def __init__(self, xp=np):
         self.xp = xp
+        # The GPU the values live on: calls run there whatever device is current in the caller.
+        self._device = xp.cuda.Device() if xp is not np else None
         self.updater = None
         self._values = {}
         self._key_type = None  # int or str, fixed by the first key stored
@@ -95,8 +108,6 @@ class Engine:
                 wire_dtype(dtype)
             except InvalidTensorError as error:
                 raise InvalidTensorError(f"key {key!r}: {error}") from None
-            if dtype == _BFLOAT16 and self.xp is not np:
-                raise InvalidTensorError(f"key {key!r}: bfloat16 values cannot live on the GPU, CuPy has no bfloat16")
 
     def check_value(self, key, value, shape=None, slice=None, verb="pushed"):
         """Check ``value`` agrees with the stored dtype and shape (and slice) of ``key``."""
@@ -119,40 +130,70 @@ class Engine:
 
     # ---- changes ----------------------------------------------------------------------
 
+    def on_device(self):
+        """A context that makes the engine's GPU current (nothing on NumPy)."""
+        return self._device if self._device is not None else contextlib.nullcontext()
+
     def init(self, items):
         """Store the values of ``items`` (codec.Item), all or none."""
         self.check_new(items)
-        for item in items:
-            array = self.xp.array(to_namespace(item.array, self.xp), copy=True)
-            self._values[check_key(item.key)] = Stored(array, item.shape, item.slice)
-            self._key_type = type(check_key(item.key))
+        with self.on_device():
+            for item in items:
+                value = to_namespace(item.array, self.xp)
+                array = empty(self.xp, value.shape, value.dtype)
+                kernels.sum_into(array, [value], compute=accumulator_dtype(value.dtype))
+                self._values[check_key(item.key)] = Stored(array, item.shape, item.slice)
+                self._key_type = type(check_key(item.key))
 
     def accumulate(self, total, value, owned=False):
         """``total + value`` for merging pushes, in place when ``total`` is not None.
 
-        The first value is copied (widened to float32 for bfloat16), so the caller's
-        arrays are never modified; an ``owned`` value (a receive buffer nobody else holds)
-        becomes the total itself when no copy is needed.
+        The first value is copied into a new total (float32 for float16 and bfloat16), so
+        the caller's arrays are never modified; an ``owned`` value (a receive buffer nobody
+        else holds) becomes the total itself when no copy is needed.
         """
-        value = to_namespace(value, self.xp)
-        if total is None and owned and value.dtype not in _WIDENED and type(value) is np.ndarray \
-                and self.xp is np and value.flags.writeable and value.flags.c_contiguous:
-            return value
-        if total is None:
-            dtype = np.float32 if value.dtype in _WIDENED else value.dtype
-            return self.xp.array(value, dtype=dtype, copy=True)
-        total += value
-        return total
+        with self.on_device():
+            value = to_namespace(value, self.xp)
+            if total is None:
+                dtype = accumulator_dtype(value.dtype)
+                if owned and dtype == value.dtype and type(value) is np.ndarray \
+                        and value.flags.writeable and value.flags.c_contiguous:
+                    return value
+                total = empty(self.xp, value.shape, dtype)
+                kernels.sum_into(total, [value])
+            else:
+                kernels.sum_into(total, [value], accumulate=True)
+            return total
 
     def apply(self, key, merged):
-        """Merge ``merged`` into ``key`` through the updater, or assign it when there is none."""
+        """Merge ``merged`` (a value or a sum from :meth:`merge`) into ``key`` through the
+        updater, or assign it when there is none."""
         stored = self.get(key).array
+        with self.on_device():
+            if self.updater is None:
+                kernels.sum_into(stored, [merged], compute=accumulator_dtype(stored.dtype))
+            elif isinstance(self.updater, Updater):
+                self.updater(key, merged, stored)  # a fused kernel reads the float32 sum as it is
+            else:
+                self._call_user_updater(key, merged, stored)
+
+    def _call_user_updater(self, key, merged, stored):
+        """``updater(key, merged, stored)`` with both in the stored dtype; a bfloat16 value on
+        the GPU is handed over in float32 (CuPy has none) and rounded back afterwards."""
+        if isinstance(stored, DeviceBFloat16):
+            wide = self.xp.empty(stored.shape, np.float32)
+            kernels.sum_into(wide, [stored])
+            grad = merged if merged.dtype == np.float32 else self.xp.empty(stored.shape, np.float32)
+            if grad is not merged:
+                kernels.sum_into(grad, [merged])
+            self.updater(key, grad, wide)
+            kernels.sum_into(stored, [wide])
+            return
         if merged.dtype != stored.dtype:
-            merged = merged.astype(stored.dtype)
-        if self.updater is None:
-            stored[...] = merged
-        else:
-            self.updater(key, merged, stored)
+            cast = empty(self.xp, stored.shape, stored.dtype)
+            kernels.sum_into(cast, [merged], compute=merged.dtype)
+            merged = cast
+        self.updater(key, merged, stored)
 
     def push(self, pairs):
         """Merge each (key, [values]) pair into its key: sum the list, then apply. All or none.
@@ -174,17 +215,30 @@ class Engine:
             self.apply(key, self.merge(values))
 
     def merge(self, values):
-        """The sum of ``values``; a single value is passed through without a copy."""
-        if len(values) == 1:
-            value = values[0]
-            if self.xp is np and type(value) is np.ndarray and value.dtype.byteorder != ">" \
-                    and value.flags.c_contiguous:
-                return value
-            return to_namespace(value, self.xp)
-        total = None
-        for value in values:
-            total = self.accumulate(total, value)
-        return total
+        """The sum of ``values`` in one pass (float32 for float16 and bfloat16); a single
+        value is passed through without a copy."""
+        with self.on_device():
+            if len(values) == 1:
+                value = values[0]
+                if self.xp is np and type(value) is np.ndarray and value.dtype.byteorder != ">" \
+                        and value.flags.c_contiguous:
+                    return value
+                return to_namespace(value, self.xp)
+            arrays = [to_namespace(value, self.xp) for value in values]
+            total = empty(self.xp, arrays[0].shape, accumulator_dtype(arrays[0].dtype))
+            kernels.sum_into(total, arrays)
+            return total
+
+    def sum(self, values):
+        """The sum of ``values`` in their own dtype (accumulated as :meth:`merge` does)."""
+        merged = self.merge(values)
+        dtype = shape_dtype(values[0])[1]
+        if merged.dtype == dtype:
+            return merged
+        with self.on_device():
+            total = empty(self.xp, merged.shape, dtype)
+            kernels.sum_into(total, [merged], compute=merged.dtype)
+            return total
 
     def pull(self, keys):
         """The stored arrays of ``keys`` (not copies); KeyNotFoundError before any is returned."""

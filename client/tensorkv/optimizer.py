@@ -1,10 +1,11 @@
 """Declarative optimizers with MXNet 1.9's argument names, defaults and update formulas.
 
 An optimizer is data, a name and numbers (``opt.name``, ``opt.params``), so it can
-travel to a server and be rebuilt there with :func:`create`. Its arithmetic is written
-against an array namespace ``xp`` (NumPy or CuPy), so the same code runs in an embedded
-store and on a GPU server. float16 and bfloat16 weights are updated in float32 and
-written back; optimizer states are float32 (float64 for float64 weights).
+travel to a server and be rebuilt there with :func:`create`. Its update is one
+:class:`tensorkv.kernels.Kernel`: a single fused pass over weight, gradient and states on
+a GPU (CuPy), the same statements as NumPy ufuncs on the host, so an embedded store and a
+GPU server run the same formula. float16 and bfloat16 weights are updated in float32 and
+rounded back; optimizer states are float32 (float64 for float64 weights).
 
 >>> import numpy as np
 >>> from tensorkv import optimizer
@@ -17,12 +18,14 @@ written back; optimizer states are float32 (float64 for float64 weights).
 >>> print(weight)
 [0.9 0.9 0.9]
 """
+import functools
 import inspect
 import math
 
 import numpy as np
 
 from .backend import array_module
+from .kernels import Kernel
 from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
 
 
@@ -91,43 +94,57 @@ class Optimizer:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{type(self).__name__}({args})"
 
-    def create_state(self, xp, weight):
-        """The tuple of state arrays (zeros) for ``weight``; empty when the update needs none."""
+    def state_names(self):
+        """The names of the per-key state arrays, in the order :meth:`create_state` returns them."""
         return ()
 
-    def update(self, xp, weight, grad, state, t):
-        """Update ``weight`` and ``state`` in place from ``grad``; ``t`` counts this key's updates from 1."""
+    def create_state(self, xp, weight):
+        """The tuple of state arrays (zeros) for ``weight``; empty when the update needs none."""
+        dtype = _compute_dtype(weight.dtype)
+        return tuple(xp.zeros(weight.shape, dtype) for _ in self.state_names())
+
+    def step(self, t):
+        """(statements, {scalar: value}) of the update, for this key's ``t``-th update.
+
+        The statements read ``grad``, ``weight``, the states and the scalars, and assign
+        ``weight`` and every state (see :class:`tensorkv.kernels.Kernel`).
+        """
         raise NotImplementedError
+
+    def update(self, xp, weight, grad, state, t):
+        """Update ``weight`` and ``state`` in place from ``grad``; ``t`` counts this key's
+        updates from 1. One fused kernel on a GPU; ``grad`` may be wider than ``weight``
+        (the float32 sum of float16 pushes)."""
+        body, scalars = self.step(t)
+        kernel = _kernel(self.name, self.state_names(), tuple(scalars), body)
+        arrays = dict(zip(self.state_names(), state), weight=weight, grad=grad)
+        kernel(arrays, scalars, _compute_dtype(weight.dtype))
 
     # ---- helpers for subclasses ---------------------------------------------------------
 
-    def _zeros(self, xp, weight, count):
-        return tuple(xp.zeros(weight.shape, _compute_dtype(weight.dtype)) for _ in range(count))
-
-    def _rescaled(self, xp, grad, dtype):
-        """A new array ``rescale_grad * grad`` in ``dtype``."""
-        return xp.multiply(grad, self.rescale_grad, dtype=dtype)
-
-    def _clip(self, xp, g):
-        """Clip ``g`` in place into ``[-clip_gradient, clip_gradient]`` when a bound is set."""
+    def _gradient(self, with_wd=False):
+        """The statements computing ``g``: rescaled (plus ``wd * weight``), then clipped."""
+        lines = ["g = rescale_grad * grad + wd * weight" if with_wd else "g = rescale_grad * grad"]
         if self.clip_gradient is not None:
-            xp.clip(g, -self.clip_gradient, self.clip_gradient, out=g)
+            lines.append("g = clip(g, clip_gradient)")
+        return lines
+
+    def _scalars(self, **more):
+        scalars = {"rescale_grad": self.rescale_grad, "wd": self.wd}
+        if self.clip_gradient is not None:
+            scalars["clip_gradient"] = self.clip_gradient
+        scalars.update(more)
+        return scalars
 
 
-def _in_compute_dtype(update):
-    """Run ``update`` on a float32 copy of a float16/bfloat16 weight and write the result back."""
+@functools.lru_cache(maxsize=None)
+def _kernel(name, states, scalars, body):
+    """One Kernel per update text: compiled once per dtype, shared by every optimizer."""
+    return Kernel(name, "grad", ("weight",) + states, scalars, body)
 
-    def wrapper(self, xp, weight, grad, state, t):
-        dtype = _compute_dtype(weight.dtype)
-        if weight.dtype == dtype:
-            update(self, xp, weight, grad, state, t)
-        else:
-            wide = weight.astype(dtype)
-            update(self, xp, wide, grad, state, t)
-            weight[...] = wide
 
-    wrapper.__doc__ = update.__doc__
-    return wrapper
+def _statements(*lines):
+    return "\n".join(lines)
 
 
 class SGD(Optimizer):
@@ -150,26 +167,17 @@ class SGD(Optimizer):
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
         self.momentum = _number("momentum", momentum)
 
-    def create_state(self, xp, weight):
-        return self._zeros(xp, weight, 1) if self.momentum != 0 else ()
+    def state_names(self):
+        return ("mom",) if self.momentum != 0 else ()
 
-    @_in_compute_dtype
-    def update(self, xp, weight, grad, state, t):
+    def step(self, t):
         lr = self.learning_rate
-        g = self._rescaled(xp, grad, weight.dtype)
-        self._clip(xp, g)
-        g *= lr
-        if not state:
-            weight *= 1 - lr * self.wd
-            weight -= g
-            return
-        (mom,) = state
-        mom *= self.momentum
-        mom -= g
-        if self.wd:
-            xp.multiply(weight, lr * self.wd, out=g)
-            mom -= g
-        weight += mom
+        if self.momentum == 0:
+            return _statements(*self._gradient(), "weight = keep * weight - lr * g"), \
+                self._scalars(lr=lr, keep=1 - lr * self.wd)
+        return _statements(*self._gradient(), "mom = momentum * mom - lr_wd * weight - lr * g",
+                           "weight = weight + mom"), \
+            self._scalars(lr=lr, lr_wd=lr * self.wd, momentum=self.momentum)
 
 
 class Adam(Optimizer):
@@ -194,29 +202,18 @@ class Adam(Optimizer):
         self.beta2 = _number("beta2", beta2)
         self.epsilon = _number("epsilon", epsilon)
 
-    def create_state(self, xp, weight):
-        return self._zeros(xp, weight, 2)
+    def state_names(self):
+        return ("mean", "var")
 
-    @_in_compute_dtype
-    def update(self, xp, weight, grad, state, t):
-        mean, var = state
-        lr = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
-        g = self._rescaled(xp, grad, weight.dtype)
-        scratch = xp.multiply(weight, self.wd)
-        g += scratch
-        self._clip(xp, g)
-        xp.multiply(g, g, out=scratch)
-        scratch *= 1 - self.beta2
-        var *= self.beta2
-        var += scratch
-        g *= 1 - self.beta1
-        mean *= self.beta1
-        mean += g
-        xp.sqrt(var, out=scratch)
-        scratch += self.epsilon
-        xp.divide(mean, scratch, out=scratch)
-        scratch *= lr
-        weight -= scratch
+    def step(self, t):
+        lr_t = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
+        return _statements(
+            *self._gradient(with_wd=True),
+            "mean = beta1 * mean + one_minus_beta1 * g",
+            "var = beta2 * var + one_minus_beta2 * g * g",
+            "weight = weight - lr_t * mean / (sqrt(var) + epsilon)",
+        ), self._scalars(beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
+                         one_minus_beta2=1 - self.beta2, lr_t=lr_t, epsilon=self.epsilon)
 
 
 class AdaGrad(Optimizer):
@@ -238,24 +235,15 @@ class AdaGrad(Optimizer):
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
         self.eps = _number("eps", eps)
 
-    def create_state(self, xp, weight):
-        return self._zeros(xp, weight, 1)
+    def state_names(self):
+        return ("history",)
 
-    @_in_compute_dtype
-    def update(self, xp, weight, grad, state, t):
-        (history,) = state
-        g = self._rescaled(xp, grad, weight.dtype)
-        self._clip(xp, g)
-        scratch = xp.multiply(g, g)
-        history += scratch
-        xp.add(history, self.eps, out=scratch)
-        xp.sqrt(scratch, out=scratch)
-        g /= scratch
-        if self.wd:
-            xp.multiply(weight, self.wd, out=scratch)
-            g += scratch
-        g *= self.learning_rate
-        weight -= g
+    def step(self, t):
+        return _statements(
+            *self._gradient(),
+            "history = history + g * g",
+            "weight = weight - lr * (g / sqrt(history + eps) + wd * weight)",
+        ), self._scalars(lr=self.learning_rate, eps=self.eps)
 
 
 class RMSProp(Optimizer):
@@ -287,41 +275,24 @@ class RMSProp(Optimizer):
         self.centered = centered if isinstance(centered, bool) else bool(_number("centered", centered))
         self.clip_weights = _bound("clip_weights", clip_weights)
 
-    def create_state(self, xp, weight):
-        return self._zeros(xp, weight, 3 if self.centered else 1)
+    def state_names(self):
+        return ("n", "mean", "delta") if self.centered else ("n",)
 
-    @_in_compute_dtype
-    def update(self, xp, weight, grad, state, t):
-        g = self._rescaled(xp, grad, weight.dtype)
-        scratch = xp.multiply(weight, self.wd)
-        g += scratch
-        self._clip(xp, g)
-        n = state[0]
-        xp.multiply(g, g, out=scratch)
-        scratch *= 1 - self.gamma1
-        n *= self.gamma1
-        n += scratch
+    def step(self, t):
+        lines = [*self._gradient(with_wd=True), "n = one_minus_gamma1 * g * g + gamma1 * n"]
+        scalars = self._scalars(lr=self.learning_rate, gamma1=self.gamma1, one_minus_gamma1=1 - self.gamma1,
+                                epsilon=self.epsilon)
         if self.centered:
-            _, mean, delta = state
-            xp.multiply(g, 1 - self.gamma1, out=scratch)
-            mean *= self.gamma1
-            mean += scratch
-            xp.multiply(mean, mean, out=scratch)
-            xp.subtract(n, scratch, out=scratch)
+            lines += ["mean = one_minus_gamma1 * g + gamma1 * mean",
+                      "delta = gamma2 * delta - lr * g / sqrt(n - mean * mean + epsilon)",
+                      "weight = weight + delta"]
+            scalars["gamma2"] = self.gamma2
         else:
-            scratch[...] = n
-        scratch += self.epsilon
-        xp.sqrt(scratch, out=scratch)
-        g /= scratch
-        g *= self.learning_rate
-        if self.centered:
-            delta *= self.gamma2
-            delta -= g
-            weight += delta
-        else:
-            weight -= g
+            lines.append("weight = weight - lr * g / sqrt(n + epsilon)")
         if self.clip_weights is not None:
-            xp.clip(weight, -self.clip_weights, self.clip_weights, out=weight)
+            lines.append("weight = clip(weight, clip_weights)")
+            scalars["clip_weights"] = self.clip_weights
+        return _statements(*lines), scalars
 
 
 class Signum(Optimizer):
@@ -346,31 +317,19 @@ class Signum(Optimizer):
         if self.momentum == 0 and self.wd_lh != 0:
             raise InvalidArgumentError("signum with momentum=0 is MXNet's signsgd_update, which has no wd_lh")
 
-    def create_state(self, xp, weight):
-        return self._zeros(xp, weight, 1) if self.momentum != 0 else ()
+    def state_names(self):
+        return ("mom",) if self.momentum != 0 else ()
 
-    @_in_compute_dtype
-    def update(self, xp, weight, grad, state, t):
+    def step(self, t):
         lr = self.learning_rate
-        if not state:
-            g = xp.sign(grad, dtype=weight.dtype)
-            g *= lr
-            weight *= 1 - lr * self.wd
-            weight -= g
-            return
-        (mom,) = state
-        g = self._rescaled(xp, grad, weight.dtype)
-        self._clip(xp, g)
-        g *= 1 - self.momentum
-        mom *= self.momentum
-        mom -= g
-        if self.wd:
-            xp.multiply(weight, (1 - self.momentum) * self.wd, out=g)
-            mom -= g
-        weight *= 1 - lr * self.wd_lh
-        xp.sign(mom, out=g)
-        g *= lr
-        weight += g
+        if self.momentum == 0:
+            return "weight = keep * weight - lr * sign(grad)", {"lr": lr, "keep": 1 - lr * self.wd}
+        return _statements(
+            *self._gradient(),
+            "mom = momentum * mom - one_minus_momentum * (wd * weight + g)",
+            "weight = keep * weight + lr * sign(mom)",
+        ), self._scalars(lr=lr, momentum=self.momentum, one_minus_momentum=1 - self.momentum,
+                         keep=1 - lr * self.wd_lh)
 
 
 OPTIMIZERS = {cls.name: cls for cls in (SGD, Adam, AdaGrad, RMSProp, Signum)}
@@ -434,7 +393,8 @@ class Updater:
 
     def check_states(self, key, weight, arrays):
         """Fresh states for ``weight`` holding copies of ``arrays``; errors name any count, shape or dtype mismatch."""
-        states = self.optimizer.create_state(array_module(weight), weight)
+        xp = array_module(weight)
+        states = self.optimizer.create_state(xp, weight)
         if len(arrays) != len(states):
             raise InvalidArgumentError(
                 f"key {key!r}: optimizer {self.optimizer.name!r} keeps {len(states)} state arrays, got {len(arrays)}"
@@ -444,7 +404,7 @@ class Updater:
                 raise ShapeMismatchError(f"key {key!r}: state of shape {tuple(array.shape)}, expected {state.shape}")
             if array.dtype != state.dtype:
                 raise DtypeMismatchError(f"key {key!r}: state of dtype {array.dtype}, expected {state.dtype}")
-            state[...] = array
+            state[...] = xp.asarray(array)
         return states
 
     def get_states(self):
