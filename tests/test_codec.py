@@ -223,6 +223,45 @@ def test_fast_decoder_writes_into_the_destination():
     assert items[0].owned and items[0].array.flags.writeable
 
 
+class _ChunkReceiver:
+    """A staging receiver as the codec drives it (a GPU server's copies each chunk on to the
+    device): records the chunks, in order, into host memory."""
+
+    def __init__(self, key, dtype, shape, nbytes):
+        self.key, self.shape, self.bytes, self.chunks = key, shape, np.zeros(nbytes, np.uint8), []
+
+    def __setitem__(self, where, data):
+        self.chunks.append((where.start or 0, where.stop))
+        self.bytes[where] = data
+
+    def view(self, dtype):
+        return self.bytes.view(dtype).reshape(self.shape)
+
+
+@pytest.mark.parametrize("plain_protobuf", [False, True])
+def test_values_that_span_messages_go_through_the_staging_receiver_chunk_by_chunk(plain_protobuf):
+    receivers = []
+
+    def staging(key, dtype, shape, nbytes):
+        receivers.append(_ChunkReceiver(key, dtype, shape, nbytes))
+        return receivers[-1]
+
+    if plain_protobuf:
+        messages = [kvstore_pb2.PushRequest(rank=1, frame=f).SerializeToString() for f in encode_frames(STREAM_ITEMS, 64)]
+    else:
+        messages = codec.encode_stream(kvstore_pb2.PushRequest, STREAM_ITEMS, {"rank": 1}, chunk_bytes=64)
+    _, items = stream_decode(kvstore_pb2.PushRequest, messages, staging=staging)
+    assert_same_items(items, STREAM_ITEMS)
+    spanning = [item for item in STREAM_ITEMS if item.array.nbytes > 64]
+    assert [r.key for r in receivers] == [item.key for item in spanning]
+    for receiver, item in zip(receivers, spanning):
+        # contiguous chunks of at most one message's data each, in order, covering the value
+        assert receiver.chunks[0][0] == 0 and receiver.chunks[-1][1] == item.array.nbytes
+        assert all(a[1] == b[0] for a, b in zip(receiver.chunks, receiver.chunks[1:]))
+        assert all(stop - start <= 64 for start, stop in receiver.chunks)
+    assert all(item.owned for item in items if item.key in {r.key for r in receivers})
+
+
 def _continuation(more, frame_field=2):
     body = b"\x12" + codec._varint(len(more)) + more
     return codec._tag(frame_field, 2) + codec._varint(len(body)) + body

@@ -20,6 +20,15 @@ def ones(value=1, dtype=np.float32, shape=SHAPE):
     return np.full(shape, value, dtype)
 
 
+@pytest.mark.parametrize("dtype, small", [(np.float16, 2.0 ** -11), (ml_dtypes.bfloat16, 2.0 ** -8)])
+def test_low_precision_pushes_are_summed_in_float32(kv, dtype, small):
+    # Each small value is half a unit in the last place of 1: summed in the dtype itself,
+    # every partial sum would round back to 1 (ties to even); in float32 the four make 2 ulps.
+    kv.init("w", np.zeros(4, dtype))
+    kv.push("w", [np.ones(4, dtype)] + [np.full(4, small, dtype)] * 4)
+    np.testing.assert_array_equal(kv.pull("w").astype(np.float64), 1 + 4 * small)
+
+
 def test_properties(kv):
     assert kv.type in ("local", "device")
     assert (kv.rank, kv.num_workers) == (0, 1)

@@ -196,7 +196,7 @@ class FrameDecoder:
     """
 
     def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None, resolve=None,
-                 copy_refs=False, channel=False):
+                 copy_refs=False, channel=False, staging=None):
         self.max_bytes = max_bytes
         self.with_data = with_data
         # resolve(region_id, offset, length): the uint8 array of a shared-memory reference,
@@ -213,6 +213,11 @@ class FrameDecoder:
         # buffers that receive those bytes, in entry order.
         self.channel = channel
         self.incoming = []
+        # staging(key, dtype, data_shape, nbytes) for an entry whose bytes continue in later
+        # frames: a receiver that takes them chunk by chunk (``receiver[start:end] = uint8
+        # array``) and gives the finished value with ``receiver.view(dtype)`` (a GPU server
+        # copies each chunk on to the device as it arrives); None: a host buffer.
+        self.staging = staging
         self._count = 0  # entries seen
         self._pending = None  # (item, buffer, bytes filled)
 
@@ -239,7 +244,7 @@ class FrameDecoder:
             elif len(data) == header.nbytes:
                 done.append(header.item(np.frombuffer(data, dtype=header.dtype)))
             elif len(data) < header.nbytes and i == len(frame.entries) - 1:
-                buffer, owned = self._buffer(index, header)
+                buffer, owned = self._receiver(index, header)
                 buffer[:len(data)] = np.frombuffer(data, dtype=np.uint8)
                 self._pending = (header, buffer, len(data), owned)
             else:
@@ -322,7 +327,7 @@ class FrameDecoder:
                     target.reshape(-1)[...] = flat
                     done.append(Item(header.key, target, header.shape))
             elif data_len < header.nbytes and pos == end:
-                buffer, owned = self._buffer(count, header)
+                buffer, owned = self._receiver(count, header)
                 buffer[:data_len] = np.frombuffer(source, np.uint8, data_len, data_start)
                 self._pending = (header, buffer, data_len, owned)
             elif data_len < header.nbytes and _only_more_follows(data, pos, end):
@@ -369,6 +374,14 @@ class FrameDecoder:
         buffer, owned = self._buffer(index, header)
         self.incoming.append(buffer)
         return header.item(buffer.view(header.dtype), owned)
+
+    def _receiver(self, index, header):
+        """Where the bytes of an entry that continues in later frames go, and whether it is owned."""
+        if self.staging is not None and self.destination is None:
+            receiver = self.staging(header.key, header.dtype, header.data_shape, header.nbytes)
+            if receiver is not None:
+                return receiver, True
+        return self._buffer(index, header)
 
     def _buffer(self, index, header):
         """The uint8 view of the array that receives an entry's bytes, chunk after chunk."""
@@ -628,7 +641,7 @@ class StreamDecoder:
     """
 
     def __init__(self, message_class, frame_field, max_bytes=MAX_TENSOR_BYTES, destination=None,
-                 with_data=None, resolve=None, copy_refs=False, channel=False):
+                 with_data=None, resolve=None, copy_refs=False, channel=False, staging=None):
         self.message_class = message_class
         self.frame_name = frame_field
         self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
@@ -636,7 +649,7 @@ class StreamDecoder:
         self.items = []
         self._with_data = with_data
         self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
-                                   channel=channel)
+                                   channel=channel, staging=staging)
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from . import allocator, optimizer as optimizers, states_file, states_wire
-from .backend import shape_dtype, to_host
+from .backend import on_gpu, shape_dtype, to_host
 from . import shm
 from .codec import (
     CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key,
@@ -44,7 +44,23 @@ _ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
 _MERGE = Engine()
+_GPU_MERGE = {}  # CUDA device id -> Engine that merges lists of GPU arrays there
 log = logging.getLogger(__name__)
+
+
+def _merge_engine(arrays):
+    """The engine that sums ``arrays``: on the GPU of the first when all are on GPUs (the sum
+    then crosses to the host once, slice by slice as it is sent), else on the host."""
+    if len(arrays) == 1 or not all(on_gpu(array) for array in arrays):
+        return _MERGE
+    import cupy
+    device = arrays[0].device
+    index = device.index if hasattr(device, "index") else device.id  # torch or CuPy
+    engine = _GPU_MERGE.get(index)
+    if engine is None:
+        with cupy.cuda.Device(index):
+            engine = _GPU_MERGE[index] = Engine(cupy)
+    return engine
 
 
 def parse_servers(servers):
@@ -343,7 +359,8 @@ class DistStore(KVStore):
             raise ShapeMismatchError(f"key {key!r}: {verb} shape {shape} does not match the stored shape {known[0]}")
 
     def _merged(self, pairs):
-        """{key: one host array}: the arrays pushed for each key, summed (a repeated key too)."""
+        """{key: one array}: the arrays pushed for each key, summed (a repeated key too); GPU
+        arrays are summed on their GPU."""
         grouped = {}
         for key, arrays in pairs:
             grouped.setdefault(key, []).extend(arrays)
@@ -353,8 +370,7 @@ class DistStore(KVStore):
             first = arrays[0]
             shape, dtype = (first.shape, first.dtype) if type(first) is np.ndarray else shape_dtype(first)
             self._check_known(key, shape, dtype, "pushed")
-            value = _MERGE.merge(arrays)
-            merged[key] = value if value.dtype == dtype else value.astype(dtype)
+            merged[key] = _merge_engine(arrays).sum(arrays)
         return merged
 
     def _plan(self, entries):

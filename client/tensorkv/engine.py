@@ -156,9 +156,9 @@ class Engine:
             value = to_namespace(value, self.xp)
             if total is None:
                 dtype = accumulator_dtype(value.dtype)
-                if owned and dtype == value.dtype and type(value) is np.ndarray \
-                        and value.flags.writeable and value.flags.c_contiguous:
-                    return value
+                if owned and dtype == value.dtype and isinstance(value, self.xp.ndarray) \
+                        and value.flags.c_contiguous and (self.xp is not np or value.flags.writeable):
+                    return value  # a receive buffer (host, or device from the server's staging)
                 total = empty(self.xp, value.shape, dtype)
                 kernels.sum_into(total, [value])
             else:

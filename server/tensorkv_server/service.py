@@ -10,13 +10,16 @@ import asyncio
 import logging
 
 import grpc
+import numpy as np
 
 from tensorkv import __version__, codec, states_wire
+from tensorkv.backend import on_gpu
 from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from . import datachan, shm
+from .staging import Staging
 
 log = logging.getLogger(__name__)
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
@@ -28,12 +31,14 @@ RAW_RESPONSES = {"Pull", "PushPull", "Session"}
 _ONE_MESSAGE = 1 << 62
 
 
-async def _read(requests, message_class, with_data=None):
+async def _read(requests, message_class, with_data=None, staging=None):
     """(first request or None, [codec.Item]) of a stream of serialized ``message_class``.
 
-    ``with_data(first)`` says whether the frames carry data (Init's wait_only does not).
+    ``with_data(first)`` says whether the frames carry data (Init's wait_only does not);
+    ``staging`` receives values that span several messages (a GPU server's Staging).
     """
-    decoder = codec.StreamDecoder(message_class, "frame", with_data=with_data)
+    decoder = codec.StreamDecoder(message_class, "frame", with_data=with_data,
+                                  staging=staging.receiver if staging else None)
     async for data in requests:
         decoder.feed(data)
     return decoder.first, decoder.finish()
@@ -85,6 +90,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         self.shared_memory = shared_memory and shm.available()
         # The datachan.DataPort that binds data channels to Session streams, or None.
         self.data_port = data_port
+        # Pinned buffers and a CUDA stream between the wire and a GPU engine, or None.
+        xp = coordinator.engine.xp
+        self.staging = Staging(xp) if xp is not np else None
+
+    def _host(self, items):
+        """``items`` with values on the GPU copied to the host through pinned memory."""
+        if self.staging is None:
+            return items
+        return [codec.Item(item.key, self.staging.download(item.array), item.shape, item.slice)
+                if on_gpu(item.array) else item for item in items]
 
     @translate_errors
     async def Register(self, request, context):
@@ -107,14 +122,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     @translate_errors
     async def Init(self, request_iterator, context):
         first, items = await _read(request_iterator, kvstore_pb2.InitRequest,
-                                   with_data=lambda first: not first.wait_only)
+                                   with_data=lambda first: not first.wait_only, staging=self.staging)
         if first is not None:
             await self.coordinator.init(first.rank, items, first.wait_only)
         return kvstore_pb2.InitResponse()
 
     @translate_errors
     async def Push(self, request_iterator, context):
-        first, items = await _read(request_iterator, kvstore_pb2.PushRequest)
+        first, items = await _read(request_iterator, kvstore_pb2.PushRequest, staging=self.staging)
         if first is not None:
             await self.coordinator.push(first.rank, items)
         return kvstore_pb2.PushResponse()
@@ -122,14 +137,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     @translate_errors
     async def Pull(self, request, context):
         keys = [codec.get_key(key) for key in request.keys]
-        for message in _responses(await self.coordinator.pull(request.rank, keys)):
+        for message in _responses(self._host(await self.coordinator.pull(request.rank, keys))):
             yield message
 
     @translate_errors
     async def PushPull(self, request_iterator, context):
-        first, items = await _read(request_iterator, kvstore_pb2.PushPullRequest)
+        first, items = await _read(request_iterator, kvstore_pb2.PushPullRequest, staging=self.staging)
         if first is not None:
-            for message in _responses(await self.coordinator.pushpull(first.rank, items)):
+            for message in _responses(self._host(await self.coordinator.pushpull(first.rank, items))):
                 yield message
 
     @translate_errors
@@ -153,7 +168,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
         to send on the data channel after it, seconds to send it in))."""
         decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame", resolve=regions.resolve,
-                                      with_data=lambda first: not first.wait_only, channel=channel is not None)
+                                      with_data=lambda first: not first.wait_only, channel=channel is not None,
+                                      staging=self.staging.receiver if self.staging else None)
         call_id, uses_channel = 0, True  # until the request says otherwise
         try:
             decoder.feed(data)
@@ -177,6 +193,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                     raise DeadlineExceededError(f"the call took longer than its {request.timeout_ms} ms") from None
             else:
                 items = await work
+            items = self._host(items)
             if output is not None:
                 items = output.place(items)
             outgoing = None
