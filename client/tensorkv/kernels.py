@@ -20,6 +20,7 @@ tested where there is no GPU.
 [1. 3. 5.]
 """
 import ast
+import threading
 
 import numpy as np
 
@@ -186,18 +187,33 @@ class Kernel:
             flat[name] = array.reshape(-1)
             if name in self.outputs and not (array.flags.c_contiguous and array.flags.writeable):
                 raise ValueError(f"kernel {self.name}: output {name!r} must be a writable C-contiguous array")
-        for name in self.loaded:
-            array = flat[name]
-            env[name] = array if array.dtype == compute else array.astype(compute)
-        for target, expression in self.statements:
-            direct = flat[target] if target in self.outputs and flat[target].dtype == compute else None
-            env[target] = self._evaluate(expression, env, scalar, direct)[0]
-        for name in self.outputs:
-            if env[name] is not flat[name]:
-                np.copyto(flat[name], env[name], casting="unsafe")
+        size = flat[self.outputs[0]].size
+        taken = []  # scratch arrays of this call
 
-    def _evaluate(self, node, env, scalar, out=None):
-        """(value, whether it is a temporary this evaluation may overwrite)."""
+        def scratch():
+            taken.append(_SCRATCH.take(size * compute.itemsize))
+            return taken[-1][:size * compute.itemsize].view(compute)
+
+        try:
+            for name in self.loaded:
+                array = flat[name]
+                if array.dtype == compute:
+                    env[name] = array
+                else:
+                    env[name] = scratch()
+                    np.copyto(env[name], array, casting="unsafe")
+            for target, expression in self.statements:
+                direct = flat[target] if target in self.outputs and flat[target].dtype == compute else None
+                env[target] = self._evaluate(expression, env, scalar, scratch, direct)[0]
+            for name in self.outputs:
+                if env[name] is not flat[name]:
+                    np.copyto(flat[name], env[name], casting="unsafe")
+        finally:
+            _SCRATCH.give_back(taken)
+
+    def _evaluate(self, node, env, scalar, scratch, out=None):
+        """(value, whether it is a temporary this evaluation may overwrite). New temporaries
+        come from ``scratch()``; ``out`` receives the value when given."""
         if isinstance(node, (ast.Name, ast.Constant)):
             value = env[node.id] if isinstance(node, ast.Name) else scalar(node.value)
             if out is None:
@@ -205,19 +221,26 @@ class Kernel:
             out[...] = value
             return out, False
         if isinstance(node, ast.Call):
-            args = [self._evaluate(arg, env, scalar) for arg in node.args]
-            target = _target(out, args[:1])
+            args = [self._evaluate(arg, env, scalar, scratch) for arg in node.args]
+            target = _target(out, args[:1], scratch)
             if node.func.id == "clip":
                 bound = args[1][0]
                 value = np.clip(args[0][0], -bound, bound, out=target)
             else:
                 value = getattr(np, node.func.id)(args[0][0], out=target)
         elif isinstance(node, ast.UnaryOp):
-            operand = self._evaluate(node.operand, env, scalar)
-            value = np.negative(operand[0], out=_target(out, [operand]))
+            operand = self._evaluate(node.operand, env, scalar, scratch)
+            value = np.negative(operand[0], out=_target(out, [operand], scratch))
         else:
-            left, right = self._evaluate(node.left, env, scalar), self._evaluate(node.right, env, scalar)
-            value = _BINARY[type(node.op)][1](left[0], right[0], out=_target(out, [left, right]))
+            left = self._evaluate(node.left, env, scalar, scratch)
+            right = self._evaluate(node.right, env, scalar, scratch)
+            same = _identity(type(node.op), left[0], right[0])
+            if same is not None:  # x * 1, x + 0, 0 * x...: no pass over the arrays
+                if out is None:
+                    return same
+                out[...] = same[0]
+                return out, False
+            value = _BINARY[type(node.op)][1](left[0], right[0], out=_target(out, [left, right], scratch))
         return value, out is None and isinstance(value, np.ndarray)
 
     # ---- CuPy -------------------------------------------------------------------------
@@ -280,14 +303,69 @@ class Kernel:
         kernel(*args[:len(self.inputs)], *scalars, *args[len(self.inputs):])
 
 
-def _target(out, operands):
-    """Where an operation writes: ``out``, else the first operand that is a temporary."""
+def _identity(op, left, right):
+    """The result, as (value, temporary), of ``left op right`` when a scalar operand makes it
+    one of the operands or zero (multiplying by 0 skips a pass; it would only differ where
+    the other operand is inf or NaN, and every update adds its weight unscaled, so a weight
+    that is NaN stays NaN); else None."""
+    def scalar_is(value, number):
+        return not isinstance(value, np.ndarray) and value == number
+
+    if op is ast.Mult:
+        if scalar_is(left, 1):
+            return right, False
+        if scalar_is(right, 1):
+            return left, False
+        if scalar_is(left, 0) or scalar_is(right, 0):
+            return (left if scalar_is(left, 0) else right), False
+    elif op is ast.Add:
+        if scalar_is(left, 0):
+            return right, False
+        if scalar_is(right, 0):
+            return left, False
+    elif op in (ast.Sub, ast.Div) and scalar_is(right, 0 if op is ast.Sub else 1):
+        return left, False
+    return None
+
+
+def _target(out, operands, scratch):
+    """Where an operation writes: ``out``, else the first operand that is a temporary, else
+    new scratch (None when every operand is a scalar)."""
     if out is not None:
         return out
     for value, temporary in operands:
         if temporary:
             return value
+    if any(isinstance(value, np.ndarray) for value, _ in operands):
+        return scratch()
     return None
+
+
+class _Scratch:
+    """Host scratch buffers kept between kernel calls, up to ``limit`` bytes: fresh large
+    allocations are mapped page by page on first touch, which costs more than the arithmetic."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self._free = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes):
+        """A uint8 buffer of at least ``nbytes``."""
+        with self._lock:
+            fitting = [i for i, b in enumerate(self._free) if len(b) >= nbytes]
+            if fitting:
+                return self._free.pop(min(fitting, key=lambda i: len(self._free[i])))
+        return np.empty(max(nbytes, 1), np.uint8)
+
+    def give_back(self, buffers):
+        with self._lock:
+            self._free = sorted(self._free + buffers, key=len, reverse=True)
+            while sum(len(b) for b in self._free) > self.limit:
+                self._free.pop(0)
+
+
+_SCRATCH = _Scratch(limit=256 << 20)
 
 
 def _load(dtype, param, c_compute):
