@@ -12,21 +12,13 @@ import contextlib
 import numpy as np
 
 from . import kernels
-from .backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
+from .backend import DeviceBFloat16, empty, shape_dtype, to_namespace
 from .codec import check_key, wire_dtype
 from .errors import (
     DtypeMismatchError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError, ShapeMismatchError,
 )
+from .kernels import accumulator_dtype
 from .optimizer import Updater
-
-# Low-precision dtypes whose sums are accumulated in float32.
-_WIDENED = {BFLOAT16, np.dtype(np.float16)}
-
-
-def accumulator_dtype(dtype):
-    """The dtype pushes of ``dtype`` are summed in: float32 for float16 and bfloat16."""
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if dtype in _WIDENED else dtype
 
 
 class Stored:
@@ -134,14 +126,19 @@ class Engine:
         """A context that makes the engine's GPU current (nothing on NumPy)."""
         return self._device if self._device is not None else contextlib.nullcontext()
 
+    def _copy(self, value, dtype):
+        """A new array of this namespace holding ``value`` converted to ``dtype``."""
+        array = empty(self.xp, value.shape, dtype)
+        kernels.sum_into(array, [value])
+        return array
+
     def init(self, items):
         """Store the values of ``items`` (codec.Item), all or none."""
         self.check_new(items)
         with self.on_device():
             for item in items:
                 value = to_namespace(item.array, self.xp)
-                array = empty(self.xp, value.shape, value.dtype)
-                kernels.sum_into(array, [value], compute=accumulator_dtype(value.dtype))
+                array = self._copy(value, value.dtype)
                 self._values[check_key(item.key)] = Stored(array, item.shape, item.slice)
                 self._key_type = type(check_key(item.key))
 
@@ -159,8 +156,7 @@ class Engine:
                 if owned and dtype == value.dtype and isinstance(value, self.xp.ndarray) \
                         and value.flags.c_contiguous and (self.xp is not np or value.flags.writeable):
                     return value  # a receive buffer (host, or device from the server's staging)
-                total = empty(self.xp, value.shape, dtype)
-                kernels.sum_into(total, [value])
+                total = self._copy(value, dtype)
             else:
                 kernels.sum_into(total, [value], accumulate=True)
             return total
@@ -171,7 +167,7 @@ class Engine:
         stored = self.get(key).array
         with self.on_device():
             if self.updater is None:
-                kernels.sum_into(stored, [merged], compute=accumulator_dtype(stored.dtype))
+                kernels.sum_into(stored, [merged])
             elif isinstance(self.updater, Updater):
                 self.updater(key, merged, stored)  # a fused kernel reads the float32 sum as it is
             else:
@@ -181,18 +177,13 @@ class Engine:
         """``updater(key, merged, stored)`` with both in the stored dtype; a bfloat16 value on
         the GPU is handed over in float32 (CuPy has none) and rounded back afterwards."""
         if isinstance(stored, DeviceBFloat16):
-            wide = self.xp.empty(stored.shape, np.float32)
-            kernels.sum_into(wide, [stored])
-            grad = merged if merged.dtype == np.float32 else self.xp.empty(stored.shape, np.float32)
-            if grad is not merged:
-                kernels.sum_into(grad, [merged])
+            wide = self._copy(stored, np.float32)
+            grad = merged if merged.dtype == np.float32 else self._copy(merged, np.float32)
             self.updater(key, grad, wide)
             kernels.sum_into(stored, [wide])
             return
         if merged.dtype != stored.dtype:
-            cast = empty(self.xp, stored.shape, stored.dtype)
-            kernels.sum_into(cast, [merged], compute=merged.dtype)
-            merged = cast
+            merged = self._copy(merged, stored.dtype)
         self.updater(key, merged, stored)
 
     def push(self, pairs):
@@ -236,9 +227,7 @@ class Engine:
         if merged.dtype == dtype:
             return merged
         with self.on_device():
-            total = empty(self.xp, merged.shape, dtype)
-            kernels.sum_into(total, [merged], compute=merged.dtype)
-            return total
+            return self._copy(merged, dtype)
 
     def pull(self, keys):
         """The stored arrays of ``keys`` (not copies); KeyNotFoundError before any is returned."""

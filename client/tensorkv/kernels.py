@@ -195,13 +195,10 @@ class Kernel:
             return taken[-1][:size * compute.itemsize].view(compute)
 
         try:
+            # Arrays are read as they are: each ufunc converts its operands to the compute
+            # dtype as it goes (dtype=), so a load costs no pass of its own.
             for name in self.loaded:
-                array = flat[name]
-                if array.dtype == compute:
-                    env[name] = array
-                else:
-                    env[name] = scratch()
-                    np.copyto(env[name], array, casting="unsafe")
+                env[name] = flat[name]
             for target, expression in self.statements:
                 direct = flat[target] if target in self.outputs and flat[target].dtype == compute else None
                 env[target] = self._evaluate(expression, env, scalar, scratch, direct)[0]
@@ -225,12 +222,12 @@ class Kernel:
             target = _target(out, args[:1], scratch)
             if node.func.id == "clip":
                 bound = args[1][0]
-                value = np.clip(args[0][0], -bound, bound, out=target)
+                value = np.clip(args[0][0], -bound, bound, out=target, dtype=scalar)
             else:
-                value = getattr(np, node.func.id)(args[0][0], out=target)
+                value = getattr(np, node.func.id)(args[0][0], out=target, dtype=scalar)
         elif isinstance(node, ast.UnaryOp):
             operand = self._evaluate(node.operand, env, scalar, scratch)
-            value = np.negative(operand[0], out=_target(out, [operand], scratch))
+            value = np.negative(operand[0], out=_target(out, [operand], scratch), dtype=scalar)
         else:
             left = self._evaluate(node.left, env, scalar, scratch)
             right = self._evaluate(node.right, env, scalar, scratch)
@@ -240,7 +237,8 @@ class Kernel:
                     return same
                 out[...] = same[0]
                 return out, False
-            value = _BINARY[type(node.op)][1](left[0], right[0], out=_target(out, [left, right], scratch))
+            value = _BINARY[type(node.op)][1](left[0], right[0], out=_target(out, [left, right], scratch),
+                                              dtype=scalar)
         return value, out is None and isinstance(value, np.ndarray)
 
     # ---- CuPy -------------------------------------------------------------------------
@@ -384,6 +382,16 @@ def _store(dtype, local):
 
 # ---- sums ---------------------------------------------------------------------------------
 
+# Low-precision dtypes whose sums (and copies) are computed in float32.
+_WIDENED = {BFLOAT16, np.dtype(np.float16)}
+
+
+def accumulator_dtype(dtype):
+    """The dtype values of ``dtype`` are summed in: float32 for float16 and bfloat16."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype in _WIDENED else dtype
+
+
 # Values summed per kernel launch; more are added into the total by further launches.
 MAX_SUMMED = 8
 
@@ -398,11 +406,11 @@ _SUMS = {(count, accumulate): _sum_kernel(count, accumulate)
          for count in range(1, MAX_SUMMED + 1) for accumulate in (False, True)}
 
 
-def sum_into(total, values, accumulate=False, compute=None):
+def sum_into(total, values, accumulate=False):
     """Write the sum of ``values`` (arrays of one size) into ``total``, plus ``total``'s own
-    value when ``accumulate``; one pass per :data:`MAX_SUMMED` values. ``compute`` is the
-    dtype the additions run in (default: ``total``'s)."""
-    compute = np.dtype(total.dtype if compute is None else compute)
+    value when ``accumulate``; one pass per :data:`MAX_SUMMED` values, computed in
+    ``accumulator_dtype(total.dtype)``. One value is a copy, converted to ``total``'s dtype."""
+    compute = accumulator_dtype(total.dtype)
     for start in range(0, len(values), MAX_SUMMED):
         batch = values[start:start + MAX_SUMMED]
         arrays = {f"x{i}": value for i, value in enumerate(batch)}
