@@ -175,6 +175,44 @@ def test_create_rejects_unknown_names_and_bad_values():
         Updater(lambda key, grad, weight: None)
 
 
+# The probing cases of issue 10 first: each broke a job on its first push before it was refused.
+@pytest.mark.parametrize("make, words", [
+    (lambda: Adam(beta1=1.0), "beta1=1 is outside its range [0, 1)"),
+    (lambda: Adam(beta2=-0.1), "beta2=-0.1 is outside its range [0, 1)"),
+    (lambda: Adam(epsilon=0), "epsilon=0 is outside its range (0, inf)"),
+    (lambda: RMSProp(gamma1=2), "gamma1=2 is outside its range [0, 1)"),
+    (lambda: RMSProp(centered=True, gamma2=1), "gamma2=1 is outside its range [0, 1)"),
+    (lambda: RMSProp(epsilon=-1e-8), "epsilon=-1e-08 is outside its range (0, inf)"),
+    (lambda: RMSProp(clip_weights=0), "clip_weights=0 is outside its range (0, inf)"),
+    (lambda: AdaGrad(eps=-1), "eps=-1 is outside its range (0, inf)"),
+    (lambda: SGD(momentum=5), "momentum=5 is outside its range [0, 1)"),
+    (lambda: SGD(momentum=-0.5), "momentum=-0.5 is outside its range [0, 1)"),
+    (lambda: SGD(wd=-0.1), "wd=-0.1 is outside its range [0, inf)"),
+    (lambda: SGD(rescale_grad=0), "rescale_grad=0 is outside its range (0, inf)"),
+    (lambda: SGD(clip_gradient=-1), "clip_gradient=-1 is outside its range (0, inf)"),
+    (lambda: Signum(momentum=1), "momentum=1 is outside its range [0, 1)"),
+    (lambda: Signum(wd_lh=-1), "wd_lh=-1 is outside its range [0, inf)"),
+    (lambda: optimizer.create("adam", beta1=1.0), "beta1=1 is outside its range [0, 1)"),
+])
+def test_parameters_outside_their_range_are_refused(make, words):
+    with pytest.raises(tensorkv.InvalidArgumentError) as caught:
+        make()
+    assert words in str(caught.value)
+
+
+def test_every_parameter_has_a_range():
+    names = {name for cls in optimizer.OPTIMIZERS.values() for name in cls.parameter_names()} - {"centered"}
+    assert names == set(optimizer.RANGES)
+
+
+def test_range_edges_are_accepted():
+    """Closed ends are valid values; the learning rate may be negative (the tutorial's -2)."""
+    SGD(learning_rate=-2.0, momentum=0.0, wd=0.0)
+    Adam(beta1=0.0, beta2=0.0)
+    RMSProp(gamma1=0.0, gamma2=0.0, centered=True)
+    Signum(momentum=0.0)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_low_precision_weights_are_updated_in_float32(dtype):
     opt = Adam(learning_rate=0.1, wd=0.01)

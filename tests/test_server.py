@@ -174,6 +174,12 @@ def test_malformed_calls_of_other_kinds(raw_stub):
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
             optimizer=kvstore_pb2.Optimizer(name="sgd", params={"lr": 1}))]), timeout=5),
          "INVALID_ARGUMENT", "has no parameter lr"),
+        (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
+            optimizer=kvstore_pb2.Optimizer(name="adam", params={"beta1": 1.0}))]), timeout=5),
+         "INVALID_ARGUMENT", "beta1=1 is outside its range [0, 1)"),
+        (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
+            optimizer=kvstore_pb2.Optimizer(name="sgd", params={"momentum": 5.0}))]), timeout=5),
+         "INVALID_ARGUMENT", "momentum=5 is outside its range [0, 1)"),
         (lambda: raw_stub.Push(iter([
             kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(entries=[_entry(1, b"\0" * 4)])),
             kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(more=b"\0" * 8))]), timeout=5),

@@ -29,23 +29,53 @@ from .kernels import Kernel
 from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
 
 
+# The valid range of each hyper-parameter, by MXNet's name: (low, low included, high, high
+# included), None for no bound. A value outside its range fails at once, in the constructor,
+# on the client and on the server alike (a server rebuilds optimizers with :func:`create`),
+# instead of dividing by zero or turning weights into NaN on the first push. The learning
+# rate may be negative: the tutorial's ``stored += 2 * input`` is ``SGD(learning_rate=-2)``.
+RANGES = {
+    "learning_rate": (None, False, None, False),
+    "wd": (0.0, True, None, False),
+    "rescale_grad": (0.0, False, None, False),
+    "clip_gradient": (0.0, False, None, False),
+    "clip_weights": (0.0, False, None, False),
+    "momentum": (0.0, True, 1.0, False),
+    "beta1": (0.0, True, 1.0, False),
+    "beta2": (0.0, True, 1.0, False),
+    "gamma1": (0.0, True, 1.0, False),
+    "gamma2": (0.0, True, 1.0, False),
+    "epsilon": (0.0, False, None, False),
+    "eps": (0.0, False, None, False),
+    "wd_lh": (0.0, True, None, False),
+}
+
+
+def _range_text(low, low_in, high, high_in):
+    """A range in interval notation: [0, 1), (0, inf)."""
+    return (("[" if low_in else "(") + ("-inf" if low is None else f"{low:g}") + ", "
+            + ("inf" if high is None else f"{high:g}") + ("]" if high_in else ")"))
+
+
 def _number(name, value):
+    """``value`` as a float, checked against ``RANGES[name]``; InvalidArgumentError naming the
+    parameter and its range otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise InvalidArgumentError(f"optimizer parameter {name}={value!r} is not a number")
     value = float(value)
     if not math.isfinite(value):
         raise InvalidArgumentError(f"optimizer parameter {name}={value!r} is not finite")
+    low, low_in, high, high_in = RANGES.get(name, (None, False, None, False))
+    if (low is not None and (value < low or (value == low and not low_in))) or \
+            (high is not None and (value > high or (value == high and not high_in))):
+        raise InvalidArgumentError(
+            f"optimizer parameter {name}={value:g} is outside its range {_range_text(low, low_in, high, high_in)}")
     return value
 
 
 def _bound(name, value):
     """A clipping bound: None (no clipping) or a positive number."""
-    if value is None:
-        return None
-    value = _number(name, value)
-    if value <= 0:
-        raise InvalidArgumentError(f"optimizer parameter {name}={value} must be positive, or None for no clipping")
-    return value
+    return None if value is None else _number(name, value)
 
 
 def _compute_dtype(dtype):
