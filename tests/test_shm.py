@@ -1,6 +1,10 @@
 """The shared-memory path (a client on its server's host), with real server processes:
-values, negotiation and fallback to TCP, cleanup on every exit path, and isolation."""
+values, negotiation and fallback to TCP, cleanup on every exit path, isolation, and clients
+that attack the server through their regions."""
+import contextlib
+import fcntl
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,18 +21,32 @@ from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import WAIT, WORKERS, Cluster, stop, wait_until
 
-pytestmark = pytest.mark.skipif(not shm.available(), reason="no POSIX shared memory (/dev/shm)")
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memory files (memfd_create)")
 
 
-def leftovers():
-    """Names of tensorkv segments in /dev/shm."""
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(shm.PREFIX))
+def fds_on(name, pid="self"):
+    """The descriptors of process ``pid`` open on the region file ``name`` (its own, and
+    those that its mappings keep)."""
+    fds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if name in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                fds.append(int(fd))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return fds
 
 
-def mapped(pid, name):
-    """Whether process ``pid`` maps the segment ``name``."""
+def holds(pid, name):
+    """Whether process ``pid`` maps the region file ``name`` or has a descriptor open on it."""
     with open(f"/proc/{pid}/maps") as maps:
-        return name in maps.read()
+        return name in maps.read() or bool(fds_on(name, pid))
+
+
+def sealed_memfd(fd):
+    """Whether ``fd`` is a memory file with no name in any directory, sealed as regions are."""
+    return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:") and \
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS) == shm.SEALS
 
 
 def regions(kv):
@@ -42,13 +60,6 @@ def _value(size, dtype, scale):
     return ((np.arange(size) % 50) * scale).astype(dtype)
 
 
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    before = leftovers()
-    yield
-    wait_until(lambda: [n for n in leftovers() if n not in before] == [], "no new segment in /dev/shm")
-
-
 def test_values_over_shared_memory_two_servers(tmp_path):
     sizes = [3, 5000, 70_000]  # inline, and through the region (16 KiB and more)
     with Cluster(servers=2, tmp_path=tmp_path) as cluster, \
@@ -59,7 +70,7 @@ def test_values_over_shared_memory_two_servers(tmp_path):
         kv.init(keys + ["big"], values + [big])
         # init was the first call: the regions were negotiated by it, on both servers
         assert all(r is not None and r.id for r in regions(kv))
-        assert leftovers() == []  # names are unlinked as soon as the server attached them
+        assert all(sealed_memfd(r.fd) for r in regions(kv))
         for key, value in zip(keys + ["big"], kv.pull(keys + ["big"])):
             want = big if key == "big" else values[keys.index(key)]
             assert value.dtype == want.dtype and np.array_equal(value, want), key
@@ -127,27 +138,42 @@ def test_tcp_when_shared_memory_is_off(tmp_path, monkeypatch, how):
         tensorkv.create("dist_sync", servers=cluster.addresses, transport="udp")
 
 
-class _WrongToken(shm.Region):
-    """A segment whose token is not the one written in it: as a server on another host (or
-    in another /dev/shm) sees it, the proof fails."""
+class _Recorded(shm.Region):
+    """Regions that a client makes, each kept in ``made``."""
+    made = []
 
-    def __init__(self, size):
-        super().__init__(size)
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.made.append(self)
+
+
+class _WrongToken(_Recorded):
+    """A region whose token is not the one written in it: as a server on another host sees
+    it, the proof fails."""
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
         self.token = bytes(len(self.token))
 
 
-def test_failed_proof_falls_back_to_tcp_and_leaves_nothing(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(shm, "Region", _WrongToken)
+@pytest.mark.parametrize("how", ["wrong token", "unsealed"])
+def test_refused_region_falls_back_to_tcp_and_leaves_nothing(tmp_path, monkeypatch, caplog, how):
+    monkeypatch.setattr(shm, "Region", _WrongToken if how == "wrong token" else _Recorded)
+    if how == "unsealed":  # a client that does not seal its file
+        monkeypatch.setattr(shm, "available", lambda: True)
+        monkeypatch.setattr(shm, "SEALS", 0)
+    monkeypatch.setattr(_Recorded, "made", [])
     caplog.set_level("INFO", logger="tensorkv.rpc")
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
             assert np.array_equal(_push_pull(kv), np.arange(100_000) * 3.0)
             assert regions(kv) == [None] and not kv._sessions[0].shm_allowed  # not tried again
-            assert leftovers() == []
-    assert "the token does not match" in caplog.text
+            [made] = _Recorded.made
+            assert not holds(os.getpid(), made.name) and not holds(cluster.processes[0].pid, made.name)
+    assert ("the token does not match" if how == "wrong token" else "is not sealed") in caplog.text
 
 
-def test_killed_worker_segments_are_released(tmp_path):
+def test_killed_worker_regions_are_released(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster:
         server = cluster.processes[0]
         worker = subprocess.Popen([sys.executable, str(WORKERS / "shm_hold.py")], env=cluster.env,
@@ -155,47 +181,35 @@ def test_killed_worker_segments_are_released(tmp_path):
         try:
             name = worker.stdout.readline().strip()
             assert name.startswith(shm.PREFIX), worker.stderr.read() if worker.poll() is not None else name
-            assert mapped(server.pid, name) and mapped(worker.pid, name)
-            assert name not in leftovers()  # unlinked once attached: nothing to leak from here on
+            assert holds(server.pid, name) and holds(worker.pid, name)
             worker.send_signal(signal.SIGKILL)
             worker.wait(WAIT)
-            wait_until(lambda: not mapped(server.pid, name), "the server unmapping the killed worker's segment")
+            # the server's mapping was the last hold on the file: its memory is gone with it
+            wait_until(lambda: not holds(server.pid, name), "the server releasing the killed worker's region")
         finally:
             stop(worker)
         assert server.poll() is None
     assert "released 1 shared-memory region(s)" in (tmp_path / "server0.log").read_text()
 
 
-@pytest.mark.parametrize("mode", ["exit", "wait"])
-def test_unregistered_segments_are_unlinked_on_exit_and_on_kill(mode):
-    process = subprocess.Popen([sys.executable, str(WORKERS / "shm_orphan.py"), mode], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        name = process.stdout.readline().strip()
-        assert name.startswith(shm.PREFIX)
-        if mode == "wait":
-            assert name in leftovers()
-            process.send_signal(signal.SIGKILL)  # the resource tracker outlives it and unlinks
-        process.wait(WAIT)
-    finally:
-        stop(process)
-    wait_until(lambda: name not in leftovers(), f"{name} unlinked")
-
-
-def test_close_and_garbage_collection_release_segments(tmp_path):
+def test_close_and_garbage_collection_release_regions(tmp_path):
     region = shm.Region(1 << 20)
     name = region.name
-    assert name in leftovers()
-    del region  # never registered: the finalizer unlinks it
-    wait_until(lambda: name not in leftovers(), "the segment unlinked by garbage collection")
+    assert sealed_memfd(region.fd) and holds(os.getpid(), name)
+    with pytest.raises(PermissionError):  # sealed: nobody can resize it, or change its seals
+        os.ftruncate(region.fd, 0)
+    with pytest.raises(PermissionError):
+        fcntl.fcntl(region.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    del region  # never registered: the finalizer unmaps it and closes its descriptor
+    wait_until(lambda: not holds(os.getpid(), name), "the region released by garbage collection")
     with Cluster(tmp_path=tmp_path) as cluster:
         kv = tensorkv.create("dist_sync", servers=cluster.addresses)
         _push_pull(kv)
         name = regions(kv)[0].name
-        assert mapped(os.getpid(), name) and mapped(cluster.processes[0].pid, name)
+        assert holds(os.getpid(), name) and holds(cluster.processes[0].pid, name)
         kv.close()
-        assert not mapped(os.getpid(), name)
-        wait_until(lambda: not mapped(cluster.processes[0].pid, name), "the server unmapping a closed client's segment")
+        assert not holds(os.getpid(), name)
+        wait_until(lambda: not holds(cluster.processes[0].pid, name), "the server releasing a closed client's region")
 
 
 def _raw_session(address):
@@ -212,6 +226,12 @@ def _ask(session, shm_bytes=0, **fields):
         return request.SerializeToString(), ()
     call_id, data = session.call(build, 5.0, shm_bytes=shm_bytes)
     return kvstore_pb2.SessionResponse.FromString(data)
+
+
+def _register(session, pid, fd, size, token):
+    """The SessionResponse to registering descriptor ``fd`` of process ``pid`` as a region."""
+    return _ask(session, op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
+                region=kvstore_pb2.SharedMemoryRegion(pid=pid, fd=fd, size=size, token=token))
 
 
 def _entry(key, n, ref):
@@ -239,14 +259,13 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
             answer = _ask(session, rank=1, op=kvstore_pb2.SESSION_OP_PULL, keys=[tensor_pb2.Key(str_key="w")],
                           output=tensor_pb2.SharedMemoryRef(region_id=region.id, offset=0, length=n * 8))
             assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-            # it cannot attach a's segment by name: the name is gone, and the token unknown
-            answer = _ask(session, op=kvstore_pb2.SESSION_OP_REGISTER_REGION, region=kvstore_pb2.SharedMemoryRegion(
-                name=region.name, size=region.size, token=region.token))
-            assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and not answer.region_id
-            # names that are not tensorkv segment names are refused before anything is opened
-            answer = _ask(session, op=kvstore_pb2.SESSION_OP_REGISTER_REGION, region=kvstore_pb2.SharedMemoryRegion(
-                name="../../etc/passwd", size=4096, token=bytes(32)))
-            assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            # it cannot attach a's file, which stays open in a's process: the server replaced the
+            # token with bytes of its own, so neither a's token nor zeros prove anything any more
+            assert bytes(region.buffer[:shm.TOKEN_BYTES]) not in (region.token, bytes(shm.TOKEN_BYTES))
+            for token in (region.token, bytes(shm.TOKEN_BYTES)):
+                answer = _register(session, os.getpid(), region.fd, region.size, token)
+                assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and not answer.region_id
+                assert "the token does not match" in answer.message
             # with a region of its own, references outside it are refused
             own = _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL,
                        keys=[tensor_pb2.Key(str_key="w")])
@@ -273,3 +292,119 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
             session.close()
             channel.close()
             a.close()
+
+
+@pytest.mark.parametrize("use", ["push", "pull into it"])
+def test_a_client_that_shrinks_its_region_cannot_kill_the_server(tmp_path, use):
+    # Issue 10: a client that shrank its segment after registering it, then sent one push from
+    # it (or a pull into it), killed the server with SIGBUS.
+    n, offset = 100_000, 64  # past the region's header
+    value, pushed = np.arange(n, dtype=np.float64), np.arange(n, dtype=np.float64) * 7
+    with Cluster(tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, timeout=10) as kv:
+        server, key = cluster.processes[0], [tensor_pb2.Key(str_key="w")]
+        kv.init("w", value)
+        channel, session = _raw_session(cluster.addresses[0])
+        try:
+            # a region registered the documented way (the client's own code), filled, then shrunk
+            assert _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL, keys=key).code == 0
+            region = session.region
+            region.buffer[offset:offset + n * 8] = pushed.view(np.uint8)
+            fds = fds_on(region.name)
+            assert fds
+            for fd in fds:
+                with contextlib.suppress(PermissionError):  # sealed: the kernel refuses (EPERM)
+                    os.ftruncate(fd, 0)
+            # the server stays up whatever the region's size: pushes from it and pulls into it
+            ref = (region.id, offset, n * 8)
+            if use == "push":
+                answer = _ask(session, rank=kv.rank, op=kvstore_pb2.SESSION_OP_PUSH, entries=[_entry("w", n, ref)])
+            else:
+                answer = _ask(session, rank=kv.rank, op=kvstore_pb2.SESSION_OP_PULL, keys=key,
+                              output=tensor_pb2.SharedMemoryRef(region_id=ref[0], offset=ref[1], length=ref[2]))
+            assert answer.code == 0, answer.message
+            want = pushed if use == "push" else value
+            assert server.poll() is None
+            assert np.array_equal(kv.pull("w"), want)
+            assert all(os.fstat(fd).st_size == region.size for fd in fds)  # it never shrank
+            assert np.array_equal(region.buffer[offset:offset + n * 8].view(np.float64), want)
+        finally:
+            session.close()
+            channel.close()
+
+
+# Files that a server must not map, with what its refusal says: any of them could shrink
+# under a mapping (or, on hugetlbfs, lose a page that nothing can refill), or is no memory
+# file at all. Each has ATTACK_BYTES (the size registered) unless said.
+ATTACK_BYTES = 1 << 21
+UNSAFE = {
+    "a segment in /dev/shm": "is not a memfd",  # the earlier scheme: its creator may shrink it
+    "a regular file": "is not a memfd",
+    "a memfd left unsealed": "is not sealed",
+    "a memfd that cannot be sealed": "is not sealed",
+    "a memfd sealed against shrinking only": "is not sealed",
+    "a sealed memfd of another size": f"has {ATTACK_BYTES + 1} bytes, not {ATTACK_BYTES}",
+    "a sealed memfd on hugetlbfs": "is not a memfd",
+}
+
+
+def _unsafe_file(kind, marker, token, tmp_path):
+    """A descriptor on a file of ``kind`` whose path or name holds ``marker``, with ``token``
+    at offset 0; None where this host cannot make one."""
+    if kind == "a segment in /dev/shm":
+        path = f"/dev/shm/{marker}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.unlink(path)
+    elif kind == "a regular file":
+        fd = os.open(tmp_path / marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    elif kind == "a sealed memfd on hugetlbfs":
+        try:
+            fd = os.memfd_create(marker, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+            os.ftruncate(fd, ATTACK_BYTES)  # no token: a huge page may not be had to write it
+        except OSError:
+            return None
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shm.SEALS)
+        return fd
+    else:
+        sealing = 0 if kind == "a memfd that cannot be sealed" else os.MFD_ALLOW_SEALING
+        fd = os.memfd_create(marker, os.MFD_CLOEXEC | sealing)
+    os.ftruncate(fd, ATTACK_BYTES + (kind == "a sealed memfd of another size"))
+    os.pwrite(fd, token, 0)
+    seals = {"a memfd sealed against shrinking only": fcntl.F_SEAL_SHRINK,
+             "a sealed memfd of another size": shm.SEALS}.get(kind)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_the_server_maps_only_sealed_memfds(tmp_path):
+    value = np.arange(100_000, dtype=np.float64)
+    with Cluster(tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, timeout=10) as kv:
+        server = cluster.processes[0]
+        kv.init("w", value)
+        channel, session = _raw_session(cluster.addresses[0])
+        fds = []
+        try:
+            for kind, reason in UNSAFE.items():
+                marker, token = f"{shm.PREFIX}attack_{secrets.token_hex(8)}", secrets.token_bytes(shm.TOKEN_BYTES)
+                fd = _unsafe_file(kind, marker, token, tmp_path)
+                if fd is None:
+                    continue
+                fds.append(fd)
+                answer = _register(session, os.getpid(), fd, ATTACK_BYTES, token)
+                assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and not answer.region_id, kind
+                assert reason in answer.message, (kind, answer.message)
+                assert not holds(server.pid, marker), kind
+            # descriptors that name no memory file: the server's own log, one not open, no process
+            for pid, fd, reason in [(server.pid, 2, "is not a memfd"), (os.getpid(), 1 << 20, "cannot open"),
+                                    ((1 << 32) - 1, 3, "cannot open")]:
+                answer = _register(session, pid, fd, ATTACK_BYTES, bytes(shm.TOKEN_BYTES))
+                assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and reason in answer.message
+            assert server.poll() is None
+            assert np.array_equal(kv.pull("w"), value)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            session.close()
+            channel.close()

@@ -261,14 +261,15 @@ class DistStore(KVStore):
             if wait_only:
                 fields["wait_only"] = True
             if region is not None and use_output:
-                fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=0, length=region.size)
+                fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=shm.HEADER_BYTES,
+                                                             length=region.capacity)
             if channel is not None and use_output:
                 fields["data_channel_min_bytes"] = min_bytes
             if keys is not None:
                 return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(keys), ()
             sent, arrays = items, ()
             if region is not None and in_bytes:
-                placement = Placement(region.buffer, region.id)
+                placement = Placement(region.buffer, region.id, shm.HEADER_BYTES)
                 sent = [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in items]
             elif channel is not None and in_bytes:
                 sent, arrays = following(items, min_bytes)

@@ -9,6 +9,7 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -286,10 +287,10 @@ class Session:
         """The registered region, grown to ``nbytes`` if the server agrees; None or a smaller
         region when it does not (the call then carries what does not fit inline)."""
         region = self.region
-        if (region is not None and region.size >= nbytes) or not self.shm_allowed:
+        if (region is not None and region.capacity >= nbytes) or not self.shm_allowed:
             return region
         try:
-            new = shm.Region(shm.region_size(nbytes))
+            new = shm.Region(shm.capacity_for(nbytes))
         except OSError as error:
             log.info("no shared memory for server %s (%s): values travel over gRPC", self._address, error)
             self.shm_allowed = False
@@ -298,16 +299,15 @@ class Session:
             request = kvstore_pb2.SessionRequest(
                 id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
                 timeout_ms=max(1, int(timeout * 1000)),
-                region=kvstore_pb2.SharedMemoryRegion(name=new.name, size=new.size, token=new.token))
+                region=kvstore_pb2.SharedMemoryRegion(pid=os.getpid(), fd=new.fd, size=new.size, token=new.token))
             response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout))
         except BaseException:
             new.close()
             raise
-        new.unlink()  # attached (and unlinked) by the server, or refused: the name goes either way
         if response.code or not response.region_id:
             new.close()
             self.shm_allowed = False
-            log.info("server %s did not attach a shared-memory segment (%s): values travel over gRPC",
+            log.info("server %s did not attach a shared-memory region (%s): values travel over gRPC",
                      self._address, response.message)
             return region
         new.id = response.region_id

@@ -1,84 +1,94 @@
-"""Shared-memory segments of a client on its server's host (the client's half of the
+"""Shared-memory regions of a client on its server's host (the client's half of the
 shared-memory path; the server's is ``tensorkv_server.shm``).
 
-A :class:`Region` is a POSIX shared-memory segment (``multiprocessing.shared_memory``) that
-this process creates with an unguessable name (``tensorkv_`` + 128 random bits, mode 0600)
-and a 32-byte random token at offset 0. The client registers it on its Session stream; a
-server that reads the same token there has proved that it shares this host and may use the
-segment, and it unlinks the name at once (the client does too), so nothing stays in
-/dev/shm after that point whatever happens to either process: the memory goes when both
-mappings do. Until then ``close()``, garbage collection and ``atexit`` (a
-``weakref.finalize``) unlink it, and Python's resource tracker does if this process is
-killed.
+A :class:`Region` is a memory file (``memfd_create``) that this process creates, sizes,
+and seals against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``)
+before anything maps it: its size can never change again, so no process's mapping of it
+can fault (SIGBUS) past its end, whatever any process does to the file. Its first
+HEADER_BYTES hold a 32-byte random token; values go after them. The client registers it on
+its Session stream with its pid and the descriptor's number: a server that can open
+``/proc/<pid>/fd/<fd>`` (the same host, user and pid namespace) and reads the same token
+there has proved that it shares this host, and maps the file. The file has no name in any
+directory: the memory goes when the last descriptor and mapping of it do, whichever
+process holds them and however it ends.
 """
+import mmap
 import os
 import secrets
 import weakref
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-from .codec import check_ref
+from .codec import SHM_ALIGN, check_ref
 from .errors import InvalidTensorError
 
+# The name a region's file shows in /proc/PID/maps and /proc/PID/fd (for people and tests:
+# nothing opens it by name).
 PREFIX = "tensorkv_"
 TOKEN_BYTES = 32
-# Smallest segment made; larger ones are powers of two, so that growth is rare.
+# The token's area at the start of a region. Values go only after it: the server replaces the
+# token there with random bytes that must stay unknown to anyone who cannot read the file
+# (see tensorkv_server.shm).
+HEADER_BYTES = SHM_ALIGN
+try:  # the seals of a region: its size is fixed for good
+    import fcntl
+    SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+except (ImportError, AttributeError):  # not Linux: no sealed memory files, values travel over TCP
+    SEALS = 0
+# Smallest area for values made; larger ones are powers of two, so that growth is rare.
 MIN_REGION_BYTES = 1 << 20
 
 
 def available():
-    """Whether this platform has POSIX shared memory that a server could attach by name."""
-    return os.path.isdir("/dev/shm")
+    """Whether this platform has sealed memory files (Linux)."""
+    return SEALS != 0 and hasattr(os, "memfd_create")
 
 
-def region_size(nbytes):
-    """The segment size for ``nbytes``: a power of two, at least MIN_REGION_BYTES."""
+def capacity_for(nbytes):
+    """The area for values to make for ``nbytes``: a power of two, at least MIN_REGION_BYTES."""
     return max(MIN_REGION_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
-def _release(shm, state):
+def _release(fd, mapping, state):
     state["buffer"] = None  # the array over the mapping goes first, so that it can be unmapped
     try:
-        shm.close()
+        mapping.close()
     except BufferError:  # a view is still alive somewhere: the mapping goes with it
         pass
-    if state["linked"]:
-        state["linked"] = False
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            resource_tracker.unregister(shm._name, "shared_memory")
+    os.close(fd)
 
 
 class Region:
-    """A segment of ``size`` bytes created by this process; ``buffer`` is a uint8 array over
-    it, ``id`` the region id once a server registered it."""
+    """A sealed memory file with ``capacity`` bytes for values after its header, created by
+    this process: ``size`` bytes in all, ``fd`` its descriptor here, ``buffer`` a uint8 array
+    over all of it, ``id`` the region id once a server registered it."""
 
-    def __init__(self, size):
+    def __init__(self, capacity):
         self.name = PREFIX + secrets.token_hex(16)
-        self.size = size
+        self.size = HEADER_BYTES + capacity
         self.id = None
-        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=size)
-        self._state = {"linked": True, "buffer": np.frombuffer(self._shm.buf, np.uint8)}
-        self._finalizer = weakref.finalize(self, _release, self._shm, self._state)
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self.buffer[:TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            os.pwrite(self.fd, self.token, 0)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+            mapping = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._state = {"buffer": np.frombuffer(mapping, np.uint8)}
+        self._finalizer = weakref.finalize(self, _release, self.fd, mapping, self._state)
 
     @property
     def buffer(self):
-        """A uint8 array over the whole segment (None once closed)."""
+        """A uint8 array over the whole region (None once closed)."""
         return self._state["buffer"]
 
-    def unlink(self):
-        """Remove the segment's name (the server has attached it, or will not): the mapping
-        stays valid."""
-        if self._state["linked"]:
-            self._state["linked"] = False
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:  # the server unlinked it first
-                resource_tracker.unregister(self._shm._name, "shared_memory")
+    @property
+    def capacity(self):
+        """Bytes for values, from HEADER_BYTES on."""
+        return self.size - HEADER_BYTES
 
     def resolve(self, region_id, offset, length):
         """The uint8 array of bytes [offset, offset + length) that a response references;
@@ -89,5 +99,6 @@ class Region:
         return self.buffer[offset:offset + length]
 
     def close(self):
-        """Unmap the segment (and unlink it if still named)."""
+        """Unmap the region and close its descriptor (the memory goes once the server's
+        mapping does too)."""
         self._finalizer()

@@ -1,48 +1,82 @@
-"""Shared-memory regions on the server: the segments that clients on this host registered on
-their Session streams (the client's half is ``tensorkv.shm``).
+"""Shared-memory regions on the server: the sealed memory files that clients on this host
+registered on their Session streams (the client's half is ``tensorkv.shm``).
 
-A client proves that it created a segment, and that it runs on this host, by sending over
-its own stream the random token it wrote at offset 0 of the segment. The server attaches
-(maps) the segment only when it reads the same token there, zeroes the token (no replay)
-and unlinks the name. A region is known only to the stream that registered it, by an id of
-64 random bits, and is unmapped when that stream ends however it ends (close, error, the
-client killed). Every reference is bounds-checked against the mapped size, so a client can
-make the server read or write only memory that it could read and write itself.
+A client names a file by its pid and a descriptor it holds open on it; the server opens
+``/proc/<pid>/fd/<fd>``, which only works on the same host, as the same user (or root) and in
+the same pid namespace. It maps the file only when
+
+- the file is sealed against shrinking, growing and further sealing (``tensorkv.shm.SEALS``):
+  seals can never be removed, so the size checked is the size for good and no access to the
+  mapping can fault past the end of the file (SIGBUS), whatever the client does afterwards;
+- it is a memfd of the kernel's shared memory (checked before the file is opened, so that
+  no other kind of file is ever opened; on hugetlbfs, a hole punched in a mapped file may
+  have no huge page to refill it, which is SIGBUS too) of the size registered;
+- its first bytes are the random token that the client sent over its own stream: the caller
+  can read the file.
+
+The server then overwrites the token with random bytes of its own (no replay). Clients write
+no values in a region's header, so these bytes stay unknown to anyone who cannot read the
+file, and the file, which stays openable through /proc while a process holds it, cannot be
+registered again by someone who could not read and write it anyway. A region is known only
+to the stream that registered it, by an id of 64 random bits, and is unmapped when that
+stream ends however it ends (close, error, the client killed). Every reference is
+bounds-checked against the mapped size, so a client can make the server read or write only
+memory that it could read and write itself.
 """
+import fcntl
+import functools
 import hmac
 import logging
 import mmap
 import os
-import re
 import secrets
-import stat
 
 import numpy as np
 
+from tensorkv import shm
 from tensorkv.codec import Placement, check_ref
 from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, InvalidTensorError
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"tensorkv_[0-9a-f]{32}\Z")
-TOKEN_BYTES = 32
 # The most regions one stream may hold, and the largest region.
 MAX_REGIONS = 16
 MAX_REGION_BYTES = 1 << 40
 
 
+def _mount_id(fd):
+    """The id of the mount that the file of descriptor ``fd`` is on."""
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        for line in info:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    return None
+
+
+@functools.cache
+def _memfd_mount_id():
+    """The id of the kernel's shared-memory mount, where every plain memfd lives."""
+    fd = os.memfd_create("tensorkv_probe", os.MFD_CLOEXEC)
+    try:
+        return _mount_id(fd)
+    finally:
+        os.close(fd)
+
+
 def available():
-    """Whether this host has POSIX shared memory under /dev/shm."""
-    return os.path.isdir(SHM_DIR)
+    """Whether this host has sealed memory files, and /proc to find them by and tell them."""
+    try:
+        return shm.available() and _memfd_mount_id() is not None
+    except OSError:  # no /proc, or memfds refused (a sandbox)
+        return False
 
 
 class _Attached:
-    """One mapped segment: ``readable`` (read-only view, for pushed values) and ``writable``
-    (for the values the server returns into it)."""
+    """One mapped region, ``what`` names it: ``readable`` (read-only view, for pushed values)
+    and ``writable`` (for the values the server returns into it)."""
 
-    def __init__(self, name, mapping, size):
-        self.name, self.mapping, self.size = name, mapping, size
+    def __init__(self, what, mapping, size):
+        self.what, self.mapping, self.size = what, mapping, size
         self.writable = np.frombuffer(mapping, np.uint8)
         self.readable = self.writable.view()
         self.readable.flags.writeable = False
@@ -55,39 +89,47 @@ class _Attached:
             pass
 
 
-def attach(name, size, token):
-    """Map the segment ``name`` of ``size`` bytes if its first bytes are ``token``; then zero
-    them and unlink the name. FailedPreconditionError when it cannot be attached."""
-    if not _NAME.match(name):
-        raise InvalidArgumentError(f"shared-memory segment name {name!r} is not 'tensorkv_' and 32 hex digits")
-    if len(token) != TOKEN_BYTES:
-        raise InvalidArgumentError(f"shared-memory token has {len(token)} bytes, not {TOKEN_BYTES}")
-    if not TOKEN_BYTES <= size <= MAX_REGION_BYTES:
-        raise InvalidArgumentError(f"shared-memory region of {size} bytes is outside [{TOKEN_BYTES}, "
+def attach(pid, fd, size, token):
+    """Map the memory file that process ``pid`` holds open as ``fd``, of ``size`` bytes, if it
+    is sealed and its first bytes are ``token``; then overwrite them. FailedPreconditionError
+    when it cannot be attached."""
+    if len(token) != shm.TOKEN_BYTES:
+        raise InvalidArgumentError(f"shared-memory token has {len(token)} bytes, not {shm.TOKEN_BYTES}")
+    if not shm.HEADER_BYTES <= size <= MAX_REGION_BYTES:
+        raise InvalidArgumentError(f"shared-memory region of {size} bytes is outside [{shm.HEADER_BYTES}, "
                                    f"{MAX_REGION_BYTES}]")
-    path = os.path.join(SHM_DIR, name)
+    what = f"descriptor {fd} of process {pid}"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Found, not opened (O_PATH): nothing of the file runs before it is known to be a memfd
+        # (a device's open, a FUSE server that never answers).
+        found = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
     except OSError as error:
-        raise FailedPreconditionError(f"cannot open shared-memory segment {name} on the server's host "
-                                      f"({error.strerror}): not the same host, or not the same user") from None
+        raise FailedPreconditionError(f"cannot open {what} on the server's host ({error.strerror}): not the "
+                                      "same host, user or pid namespace") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-            raise FailedPreconditionError(f"shared-memory segment {name} is not a segment of {size} bytes")
-        mapping = mmap.mmap(fd, size)
+        if _mount_id(found) != _memfd_mount_id():
+            raise FailedPreconditionError(f"{what} is not a memfd (a memory file of the kernel's shared memory)")
+        opened = os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_CLOEXEC)
     finally:
-        os.close(fd)
-    if not hmac.compare_digest(mapping[:TOKEN_BYTES], token):
-        mapping.close()
-        raise FailedPreconditionError(f"shared-memory segment {name}: the token does not match; the caller "
-                                      "did not prove that it created the segment")
-    mapping[:TOKEN_BYTES] = bytes(TOKEN_BYTES)
+        os.close(found)
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    return _Attached(name, mapping, size)
+        if fcntl.fcntl(opened, fcntl.F_GET_SEALS) & shm.SEALS != shm.SEALS:
+            raise FailedPreconditionError(f"{what} is not sealed with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: "
+                                          "its size could change under the server's mapping")
+        actual = os.fstat(opened).st_size  # after the seals: it cannot change any more
+        if actual != size:
+            raise FailedPreconditionError(f"{what} has {actual} bytes, not {size}")
+        if not hmac.compare_digest(os.pread(opened, shm.TOKEN_BYTES, 0), token):
+            raise FailedPreconditionError(f"{what}: the token does not match; the caller did not prove that it "
+                                          "can read the file")
+        try:
+            mapping = mmap.mmap(opened, size)
+        except OSError as error:
+            raise FailedPreconditionError(f"cannot map {what} ({error.strerror})") from None
+    finally:
+        os.close(opened)
+    mapping[:shm.TOKEN_BYTES] = secrets.token_bytes(shm.TOKEN_BYTES)
+    return _Attached(what, mapping, size)
 
 
 class Regions:
@@ -101,10 +143,10 @@ class Regions:
         """Attach ``region`` (a SharedMemoryRegion message); its new id."""
         if len(self._by_id) >= MAX_REGIONS:
             raise FailedPreconditionError(f"a stream may register at most {MAX_REGIONS} shared-memory regions")
-        attached = attach(region.name, region.size, region.token)
+        attached = attach(region.pid, region.fd, region.size, region.token)
         region_id = secrets.randbits(64) or 1
         self._by_id[region_id] = attached
-        log.info("shared-memory region %s (%d bytes) attached for %s", attached.name, attached.size, self.peer)
+        log.info("shared-memory region (%s, %d bytes) attached for %s", attached.what, attached.size, self.peer)
         return region_id
 
     def unregister(self, region_id):

@@ -1,5 +1,5 @@
 """A dist_sync worker that moves a 4 MiB value through shared memory, prints the name of its
-segment, then waits to be killed (its stdin closing ends it otherwise)."""
+region, then waits to be killed (its stdin closing ends it otherwise)."""
 import sys
 
 import numpy as np
