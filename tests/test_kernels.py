@@ -178,7 +178,7 @@ def _cases():
     size = 4099
     for opt, (weight_dtype, grad_dtype) in itertools.product(OPTIMIZERS, OPTIMIZER_DTYPES):
         compute = optimizer._compute_dtype(np.dtype(weight_dtype))
-        body, scalars = opt.step(t=3)
+        body, scalars = opt.step(t=3, lr=opt.learning_rate)
         kernel = optimizer._kernel(opt.name, opt.state_names(), tuple(scalars), body)
         arrays = {"weight": _random(rng, weight_dtype, size), "grad": _random(rng, grad_dtype, size)}
         for name in opt.state_names():

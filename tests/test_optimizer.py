@@ -222,8 +222,8 @@ def test_low_precision_weights_are_updated_in_float32(dtype):
     wide = weight.astype(np.float32)
     wide_state = opt.create_state(np, wide)
     grad = np.array(GRADS[0], dtype)
-    opt.update(np, weight, grad, state, 1)
-    opt.update(np, wide, grad.astype(np.float32), wide_state, 1)
+    opt.update(np, weight, grad, state, 1, opt.learning_rate)
+    opt.update(np, wide, grad.astype(np.float32), wide_state, 1, opt.learning_rate)
     assert weight.dtype == dtype
     np.testing.assert_array_equal(weight, wide.astype(dtype))
 

@@ -8,7 +8,7 @@
 [[4. 4. 4.]
  [4. 4. 4.]]
 """
-from . import optimizer
+from . import lr_scheduler, optimizer
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError,
     InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,
@@ -46,7 +46,7 @@ def create(name="local", **kwargs):
 
 
 __all__ = [
-    "create", "KVStore", "optimizer", "KVStoreError", "InvalidArgumentError", "InvalidTensorError",
+    "create", "KVStore", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError", "InvalidTensorError",
     "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError", "KeyExistsError",
     "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError", "DeadlineExceededError",
     "InternalError",

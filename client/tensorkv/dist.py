@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, optimizer as optimizers, states_file, states_wire
+from . import allocator, states_file, states_wire
 from .backend import on_gpu, shape_dtype, to_host
 from . import shm
 from .codec import (
@@ -542,27 +542,32 @@ class DistStore(KVStore):
             "declarative optimizer of tensorkv.optimizer, which runs on the servers")
 
     def _set_optimizer(self, optimizer):
-        self._send_optimizer(optimizer.name, optimizer.params, {})
+        self._send_optimizer(optimizer, {})
 
-    def _send_optimizer(self, name, params, by_server):
+    def _send_optimizer(self, optimizer, by_server):
         """SetUpdater on every server, with that server's states {index: {key: (n, [Item])}}."""
         self._each({index: lambda stub, index=index: stub.SetUpdater(states_wire.to_messages(
-            kvstore_pb2.SetUpdaterRequest, name, params, by_server.get(index, {})), timeout=self._timeout)
+            kvstore_pb2.SetUpdaterRequest, optimizer, by_server.get(index, {})), timeout=self._timeout)
             for index in range(len(self._stubs))})
+
+    def _set_learning_rate(self, learning_rate):
+        request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)
+        self._each({index: lambda stub: stub.SetLearningRate(request, timeout=self._timeout)
+                    for index in range(len(self._stubs))})
 
     def _save_optimizer_states(self, fname):
         results = self._each({index: lambda stub: states_wire.from_messages(stub.GetOptimizerStates(
             kvstore_pb2.GetOptimizerStatesRequest(), timeout=self._timeout)) for index in range(len(self._stubs))})
-        name, params, merged = "", {}, {}
+        optimizer, merged = None, {}
         for index in sorted(results):
-            server_name, server_params, key_states = results[index]
-            name, params = (server_name, server_params) if server_name else (name, params)
+            server_optimizer, key_states = results[index]
+            optimizer = server_optimizer or optimizer
             for key, (num_update, items) in key_states.items():
                 arrays = merged.setdefault(key, (num_update, [None] * len(items)))[1]
                 self._assemble(arrays, {0: list(enumerate(items))}, {0: items})
-        if not name:
+        if optimizer is None:
             raise FailedPreconditionError("no optimizer is set on the servers: call kv.set_optimizer(...) first")
-        states_file.save(fname, optimizers.create(name, **params), merged)
+        states_file.save(fname, optimizer, merged)
 
     def _load_optimizer_states(self, fname):
         optimizer, key_states = states_file.load(fname)
@@ -573,7 +578,7 @@ class DistStore(KVStore):
                 for index, item in split:
                     entry = by_server.setdefault(index, {}).setdefault(key, (num_update, [None] * len(arrays)))
                     entry[1][j] = item
-        self._send_optimizer(optimizer.name, optimizer.params, by_server)
+        self._send_optimizer(optimizer, by_server)
 
     # ---- the rest ---------------------------------------------------------------------
 

@@ -182,10 +182,29 @@ class KVStore:
     def set_optimizer(self, optimizer):
         """Apply ``optimizer`` (see :mod:`tensorkv.optimizer`) to every push from now on.
 
+        As in MXNet, this starts afresh: every key's optimizer states (momentum, Adam's
+        moments) and update counts start from zero again, and so does an ``lr_scheduler``'s
+        count (on a server, an optimizer equal to the installed one, as every worker of a
+        job sends, keeps it as it is). To change only the learning rate, keeping states and
+        counts, use :meth:`set_learning_rate`.
+
         >>> kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
         """
         self._check_open()
         self._set_optimizer(optimizer)
+
+    def set_learning_rate(self, lr):
+        """Make ``lr`` the learning rate of the optimizer's updates from now on (on every
+        server of a dist store); its states and update counts stay.
+
+        Raises FailedPreconditionError before ``set_optimizer``, and when the optimizer has an
+        ``lr_scheduler`` (as MXNet's ``Optimizer.set_learning_rate``). In ``dist_sync`` call it
+        at the same point on every worker (or between rounds on one).
+
+        >>> kv.set_learning_rate(0.01)
+        """
+        self._check_open()
+        self._set_learning_rate(lr)
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Save the optimizer's per-key states to ``fname``, with the optimizer itself (its name

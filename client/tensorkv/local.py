@@ -74,6 +74,10 @@ class LocalStore(KVStore):
             )
         self._set_updater(Updater(optimizer))
 
+    def _set_learning_rate(self, learning_rate):
+        with self._lock:
+            self._optimizer_updater().set_learning_rate(learning_rate)
+
     def _optimizer_updater(self):
         updater = self._engine.updater
         if not isinstance(updater, Updater):

@@ -14,9 +14,13 @@ rounded back; optimizer states are float32 (float64 for float64 weights).
 0.9
 >>> weight, grad = np.ones(3, np.float32), np.ones(3, np.float32)
 >>> state = sgd.create_state(np, weight)
->>> sgd.update(np, weight, grad, state, t=1)
+>>> sgd.update(np, weight, grad, state, t=1, lr=sgd.learning_rate)
 >>> print(weight)
 [0.9 0.9 0.9]
+
+With ``lr_scheduler=`` (see :mod:`tensorkv.lr_scheduler`) the learning rate of each update
+comes from the schedule, at the update count MXNet uses: the largest number of updates
+applied to any key so far (:class:`Updater` counts them).
 """
 import functools
 import inspect
@@ -26,7 +30,8 @@ import numpy as np
 
 from .backend import array_module
 from .kernels import Kernel
-from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
+from .lr_scheduler import LRScheduler
 
 
 # The valid range of each hyper-parameter, by MXNet's name: (low, low included, high, high
@@ -88,28 +93,38 @@ class Optimizer:
 
     Parameters
     ----------
-    learning_rate : float
-        The step size.
+    learning_rate : float or None
+        The step size. None (where the default is None): the ``lr_scheduler``'s ``base_lr``,
+        else 0.01, as MXNet's.
     wd : float, default 0
         Weight decay (L2 regularization) coefficient.
     rescale_grad : float, default 1
         The gradient is multiplied by it first, e.g. ``1.0 / batch_size``.
     clip_gradient : float or None, default None
         Clip the (rescaled) gradient into ``[-clip_gradient, clip_gradient]``.
+    lr_scheduler : tensorkv.lr_scheduler.LRScheduler or None, default None
+        The learning rate of each update comes from it (``learning_rate`` replaces its
+        ``base_lr`` as in MXNet: see :mod:`tensorkv.lr_scheduler`). It is not in ``params``.
     """
 
     name = None
 
-    def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None):
+    def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
+        if lr_scheduler is not None and not isinstance(lr_scheduler, LRScheduler):
+            raise InvalidArgumentError(
+                f"lr_scheduler must be a tensorkv.lr_scheduler schedule, got {type(lr_scheduler).__name__}")
+        if learning_rate is None:
+            learning_rate = lr_scheduler.base_lr if lr_scheduler is not None else 0.01
         self.learning_rate = _number("learning_rate", learning_rate)
         self.wd = _number("wd", wd)
         self.rescale_grad = _number("rescale_grad", rescale_grad)
         self.clip_gradient = _bound("clip_gradient", clip_gradient)
+        self.lr_scheduler = lr_scheduler
 
     @classmethod
     def parameter_names(cls):
-        """The names of the constructor's hyper-parameters."""
-        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        """The names of the constructor's numeric hyper-parameters (all but ``lr_scheduler``)."""
+        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "lr_scheduler")]
 
     @property
     def params(self):
@@ -118,11 +133,20 @@ class Optimizer:
         return {name: float(value) for name, value in values.items() if value is not None}
 
     def __eq__(self, other):
-        return isinstance(other, Optimizer) and (self.name, self.params) == (other.name, other.params)
+        return isinstance(other, Optimizer) and \
+            (self.name, self.params, self.lr_scheduler) == (other.name, other.params, other.lr_scheduler)
 
     def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
-        return f"{type(self).__name__}({args})"
+        args = [f"{k}={v!r}" for k, v in self.params.items()]
+        if self.lr_scheduler is not None:
+            args.append(f"lr_scheduler={self.lr_scheduler!r}")
+        return f"{type(self).__name__}({', '.join(args)})"
+
+    def learning_rate_at(self, num_update):
+        """The learning rate of an update when the largest update count of any key is ``num_update``."""
+        if self.lr_scheduler is None:
+            return self.learning_rate
+        return self.lr_scheduler.at(num_update, self.learning_rate)
 
     def state_names(self):
         """The names of the per-key state arrays, in the order :meth:`create_state` returns them."""
@@ -133,19 +157,20 @@ class Optimizer:
         dtype = _compute_dtype(weight.dtype)
         return tuple(xp.zeros(weight.shape, dtype) for _ in self.state_names())
 
-    def step(self, t):
-        """(statements, {scalar: value}) of the update, for this key's ``t``-th update.
+    def step(self, t, lr):
+        """(statements, {scalar: value}) of the update, for this key's ``t``-th update at
+        learning rate ``lr`` (see :meth:`learning_rate_at`).
 
         The statements read ``grad``, ``weight``, the states and the scalars, and assign
         ``weight`` and every state (see :class:`tensorkv.kernels.Kernel`).
         """
         raise NotImplementedError
 
-    def update(self, xp, weight, grad, state, t):
-        """Update ``weight`` and ``state`` in place from ``grad``; ``t`` counts this key's
-        updates from 1. One fused kernel on a GPU; ``grad`` may be wider than ``weight``
-        (the float32 sum of float16 pushes)."""
-        body, scalars = self.step(t)
+    def update(self, xp, weight, grad, state, t, lr):
+        """Update ``weight`` and ``state`` in place from ``grad`` at learning rate ``lr``; ``t``
+        counts this key's updates from 1. One fused kernel on a GPU; ``grad`` may be wider
+        than ``weight`` (the float32 sum of float16 pushes)."""
+        body, scalars = self.step(t, lr)
         kernel = _kernel(self.name, self.state_names(), tuple(scalars), body)
         arrays = dict(zip(self.state_names(), state), weight=weight, grad=grad)
         kernel(arrays, scalars, _compute_dtype(weight.dtype))
@@ -193,15 +218,15 @@ class SGD(Optimizer):
 
     name = "sgd"
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
         self.momentum = _number("momentum", momentum)
 
     def state_names(self):
         return ("mom",) if self.momentum != 0 else ()
 
-    def step(self, t):
-        lr = self.learning_rate
+    def step(self, t, lr):
         if self.momentum == 0:
             return _statements(*self._gradient(), "weight = keep * weight - lr * g"), \
                 self._scalars(lr=lr, keep=1 - lr * self.wd)
@@ -226,8 +251,8 @@ class Adam(Optimizer):
     name = "adam"
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
-                 rescale_grad=1.0, clip_gradient=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+                 rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
         self.beta1 = _number("beta1", beta1)
         self.beta2 = _number("beta2", beta2)
         self.epsilon = _number("epsilon", epsilon)
@@ -235,8 +260,8 @@ class Adam(Optimizer):
     def state_names(self):
         return ("mean", "var")
 
-    def step(self, t):
-        lr_t = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
+    def step(self, t, lr):
+        lr_t = lr * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
         return _statements(
             *self._gradient(with_wd=True),
             "mean = beta1 * mean + one_minus_beta1 * g",
@@ -261,19 +286,19 @@ class AdaGrad(Optimizer):
 
     name = "adagrad"
 
-    def __init__(self, learning_rate=0.01, eps=1e-7, wd=0.0, rescale_grad=1.0, clip_gradient=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+    def __init__(self, learning_rate=None, eps=1e-7, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
         self.eps = _number("eps", eps)
 
     def state_names(self):
         return ("history",)
 
-    def step(self, t):
+    def step(self, t, lr):
         return _statements(
             *self._gradient(),
             "history = history + g * g",
             "weight = weight - lr * (g / sqrt(history + eps) + wd * weight)",
-        ), self._scalars(lr=self.learning_rate, eps=self.eps)
+        ), self._scalars(lr=lr, eps=self.eps)
 
 
 class RMSProp(Optimizer):
@@ -297,8 +322,8 @@ class RMSProp(Optimizer):
     name = "rmsprop"
 
     def __init__(self, learning_rate=0.001, gamma1=0.9, gamma2=0.9, epsilon=1e-8, centered=False,
-                 clip_weights=None, wd=0.0, rescale_grad=1.0, clip_gradient=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+                 clip_weights=None, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
         self.gamma1 = _number("gamma1", gamma1)
         self.gamma2 = _number("gamma2", gamma2)
         self.epsilon = _number("epsilon", epsilon)
@@ -308,9 +333,9 @@ class RMSProp(Optimizer):
     def state_names(self):
         return ("n", "mean", "delta") if self.centered else ("n",)
 
-    def step(self, t):
+    def step(self, t, lr):
         lines = [*self._gradient(with_wd=True), "n = one_minus_gamma1 * g * g + gamma1 * n"]
-        scalars = self._scalars(lr=self.learning_rate, gamma1=self.gamma1, one_minus_gamma1=1 - self.gamma1,
+        scalars = self._scalars(lr=lr, gamma1=self.gamma1, one_minus_gamma1=1 - self.gamma1,
                                 epsilon=self.epsilon)
         if self.centered:
             lines += ["mean = one_minus_gamma1 * g + gamma1 * mean",
@@ -340,8 +365,9 @@ class Signum(Optimizer):
 
     name = "signum"
 
-    def __init__(self, learning_rate=0.01, momentum=0.9, wd_lh=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient)
+    def __init__(self, learning_rate=0.01, momentum=0.9, wd_lh=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
         self.momentum = _number("momentum", momentum)
         self.wd_lh = _number("wd_lh", wd_lh)
         if self.momentum == 0 and self.wd_lh != 0:
@@ -350,8 +376,7 @@ class Signum(Optimizer):
     def state_names(self):
         return ("mom",) if self.momentum != 0 else ()
 
-    def step(self, t):
-        lr = self.learning_rate
+    def step(self, t, lr):
         if self.momentum == 0:
             return "weight = keep * weight - lr * sign(grad)", {"lr": lr, "keep": 1 - lr * self.wd}
         return _statements(
@@ -365,10 +390,10 @@ class Signum(Optimizer):
 OPTIMIZERS = {cls.name: cls for cls in (SGD, Adam, AdaGrad, RMSProp, Signum)}
 
 
-def create(name, **params):
+def create(name, lr_scheduler=None, **params):
     """The optimizer called ``name`` (case-insensitive) with hyper-parameters ``params``.
 
-    This is how a server rebuilds an optimizer from ``(opt.name, opt.params)``.
+    This is how a server rebuilds an optimizer from ``(opt.name, opt.params, opt.lr_scheduler)``.
 
     >>> create('adam', learning_rate=0.01)
     Adam(learning_rate=0.01, beta1=0.9, beta2=0.999, epsilon=1e-08, wd=0.0, rescale_grad=1.0)
@@ -382,14 +407,16 @@ def create(name, **params):
             f"optimizer {cls.name!r} has no parameter {', '.join(unknown)}; "
             f"its parameters are {', '.join(cls.parameter_names())}"
         )
-    return cls(**params)
+    return cls(**params, lr_scheduler=lr_scheduler)
 
 
 class Updater:
     """Applies an optimizer to pushed values, key by key: ``updater(key, grad, weight)``.
 
-    Holds each key's optimizer states and update count (Adam's ``t``). This is what a
-    store's engine calls when ``set_optimizer`` is used.
+    Holds each key's optimizer states and update count (Adam's ``t``), and their largest,
+    ``num_update``, at which the optimizer's ``lr_scheduler`` gives each update's learning
+    rate (MXNet's ``Optimizer._update_count``). This is what a store's engine calls when
+    ``set_optimizer`` is used.
 
     >>> updater = Updater(SGD(learning_rate=0.5))
     >>> w = np.ones(2, np.float32)
@@ -404,6 +431,7 @@ class Updater:
         self.optimizer = optimizer
         self._states = {}
         self._num_updates = {}
+        self.num_update = 0
 
     def check(self, key, weight):
         """Raise DtypeMismatchError unless ``weight`` has a floating-point dtype the optimizer can update."""
@@ -418,8 +446,22 @@ class Updater:
         if state is None:
             state = self._states[key] = self.optimizer.create_state(xp, weight)
         t = self._num_updates.get(key, 0) + 1
-        self.optimizer.update(xp, weight, grad, state, t)
+        num_update = max(self.num_update, t)
+        self.optimizer.update(xp, weight, grad, state, t, self.optimizer.learning_rate_at(num_update))
         self._num_updates[key] = t
+        self.num_update = num_update
+
+    def set_learning_rate(self, lr):
+        """Make ``lr`` the learning rate of the updates to come; states and counts stay.
+
+        As MXNet's ``Optimizer.set_learning_rate``, refused when the optimizer has an lr_scheduler.
+        """
+        if self.optimizer.lr_scheduler is not None:
+            raise FailedPreconditionError(
+                f"the optimizer has an lr_scheduler ({self.optimizer.lr_scheduler!r}): its learning rate comes "
+                "from the schedule and set_learning_rate cannot change it, as in MXNet; "
+                "set_optimizer with a new schedule starts fresh states")
+        self.optimizer = create(self.optimizer.name, **{**self.optimizer.params, "learning_rate": lr})
 
     def check_states(self, key, weight, arrays):
         """Fresh states for ``weight`` holding copies of ``arrays``; errors name any count, shape or dtype mismatch."""
@@ -447,3 +489,4 @@ class Updater:
         the updater takes the arrays over and updates them in place."""
         self._states = {key: tuple(arrays) for key, (_, arrays) in states.items()}
         self._num_updates = {key: int(num_update) for key, (num_update, _) in states.items()}
+        self.num_update = max(self._num_updates.values(), default=0)

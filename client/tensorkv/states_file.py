@@ -3,10 +3,12 @@
 The file is a NumPy ``.npz`` archive (read with ``allow_pickle=False``) holding a JSON
 header and one array per state tensor::
 
-    header    uint8 array: UTF-8 JSON {"format": "tensorkv-optimizer-states", "version": 1,
-              "optimizer": {"name": ..., "params": {...}},
+    header    uint8 array: UTF-8 JSON {"format": "tensorkv-optimizer-states", "version": 2,
+              "optimizer": {"name": ..., "params": {...}, "lr_scheduler": null or {"name": ..., "params": {...}}},
               "keys": [{"key": 3 or "w", "num_update": n, "num_states": m}, ...]}
     state_i   the i-th state tensor, key after key in the header's order
+
+Version 1 files, written before schedules existed, have no "lr_scheduler" and are read too.
 
 >>> import os, tempfile
 >>> import numpy as np
@@ -24,10 +26,12 @@ import numpy as np
 from .backend import to_host
 from .codec import check_key
 from .errors import InvalidArgumentError
+from . import lr_scheduler
 from .optimizer import create
 
 FORMAT = "tensorkv-optimizer-states"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
 
 
 def save(fname, optimizer, states):
@@ -37,8 +41,10 @@ def save(fname, optimizer, states):
         keys.append({"key": key, "num_update": int(num_update), "num_states": len(tensors)})
         for tensor in tensors:
             arrays[f"state_{len(arrays)}"] = to_host(tensor)
-    header = {"format": FORMAT, "version": VERSION,
-              "optimizer": {"name": optimizer.name, "params": optimizer.params}, "keys": keys}
+    schedule = optimizer.lr_scheduler
+    header = {"format": FORMAT, "version": VERSION, "keys": keys,
+              "optimizer": {"name": optimizer.name, "params": optimizer.params,
+                            "lr_scheduler": schedule and {"name": schedule.name, "params": schedule.params}}}
     with open(fname, "wb") as file:
         np.savez(file, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
 
@@ -54,10 +60,13 @@ def load(fname):
             arrays = {name: archive[name] for name in archive.files if name != "header"}
     except (OSError, ValueError, KeyError) as error:
         raise InvalidArgumentError(f"{fname}: not a tensorkv optimizer-states file ({error})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
-        raise InvalidArgumentError(f"{fname}: not a version {VERSION} {FORMAT} file")
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") not in READABLE:
+        raise InvalidArgumentError(f"{fname}: not a {FORMAT} file of version {' or '.join(map(str, READABLE))}")
     try:
-        optimizer = create(header["optimizer"]["name"], **header["optimizer"]["params"])
+        schedule = header["optimizer"].get("lr_scheduler")
+        if schedule is not None:
+            schedule = lr_scheduler.create(schedule["name"], **schedule["params"])
+        optimizer = create(header["optimizer"]["name"], lr_scheduler=schedule, **header["optimizer"]["params"])
         states, index = {}, 0
         for entry in header["keys"]:
             num_update, count = entry["num_update"], entry["num_states"]
@@ -65,7 +74,7 @@ def load(fname):
                 raise InvalidArgumentError(f"bad entry {entry}")
             states[check_key(entry["key"])] = (num_update, [arrays.pop(f"state_{index + i}") for i in range(count)])
             index += count
-    except (KeyError, TypeError) as error:
+    except (KeyError, TypeError, AttributeError) as error:
         raise InvalidArgumentError(f"{fname}: malformed optimizer-states header ({error!r})") from None
     except InvalidArgumentError as error:
         raise InvalidArgumentError(f"{fname}: {error}") from None

@@ -1,20 +1,20 @@
 """Optimizer states on the wire, as SetUpdater and GetOptimizerStates carry them.
 
-States are ``{key: (num_update, [codec.Item])}``. The first message names the optimizer and
-lists the keys with their number of states and updates; the state tensors follow as
-frames, key after key. (Files of states are :mod:`tensorkv.states_file`.)
+States are ``{key: (num_update, [codec.Item])}``. The first message names the optimizer (and
+its lr_scheduler) and lists the keys with their number of states and updates; the state
+tensors follow as frames, key after key. (Files of states are :mod:`tensorkv.states_file`.)
 """
-from . import codec
+from . import codec, lr_scheduler, optimizer as optimizers
 from .errors import InvalidArgumentError, InvalidTensorError
 from .v1 import tensor_pb2
 
 
-def to_messages(message_type, name, params, states):
-    """Messages of ``message_type`` (SetUpdaterRequest or GetOptimizerStatesResponse) for the
-    optimizer ``name(**params)`` (empty name: none) and ``states`` {key: (num_update, [codec.Item])}."""
+def to_messages(message_type, optimizer, states):
+    """Messages of ``message_type`` (SetUpdaterRequest or GetOptimizerStatesResponse) for
+    ``optimizer`` (None: none) and ``states`` {key: (num_update, [codec.Item])}."""
     first = message_type()
-    first.optimizer.name = name
-    first.optimizer.params.update(params)
+    if optimizer is not None:
+        set_optimizer(first.optimizer, optimizer)
     for key, (num_update, items) in states.items():
         codec.set_key(first.key_states.add(num_states=len(items), num_update=num_update).key, key)
     frames = codec.encode_frames([item for _, items in states.values() for item in items])
@@ -25,16 +25,43 @@ def to_messages(message_type, name, params, states):
 
 
 def from_messages(messages):
-    """(name, params, {key: (num_update, [codec.Item])}) from such messages; name '' when
+    """(optimizer or None, {key: (num_update, [codec.Item])}) from such messages; None when
     the stream named no optimizer."""
     first, decoder, items = None, codec.FrameDecoder(), []
     for message in messages:
         first = message if first is None else first
         items.extend(decoder.feed(message.states))
     decoder.finish()
-    if first is None:
-        return "", {}, {}
-    return first.optimizer.name, dict(first.optimizer.params), _group(first.key_states, items)
+    if first is None or not first.optimizer.name:
+        return None, {}
+    return get_optimizer(first.optimizer), _group(first.key_states, items)
+
+
+def set_optimizer(message, optimizer):
+    """Fill the Optimizer ``message`` from ``optimizer``."""
+    message.name = optimizer.name
+    message.params.update(optimizer.params)
+    schedule = optimizer.lr_scheduler
+    if schedule is not None:
+        message.lr_scheduler.name = schedule.name
+        for name, value in schedule.params.items():
+            if name == "warmup_mode":
+                message.lr_scheduler.warmup_mode = value
+            elif isinstance(value, list):  # MultiFactorScheduler's step
+                message.lr_scheduler.steps.extend(value)
+            else:
+                message.lr_scheduler.params[name] = value
+
+
+def get_optimizer(message):
+    """The optimizer an Optimizer ``message`` describes; InvalidArgumentError naming what is wrong."""
+    schedule = None
+    if message.HasField("lr_scheduler"):
+        params = dict(message.lr_scheduler.params, warmup_mode=message.lr_scheduler.warmup_mode or "linear")
+        if message.lr_scheduler.steps:
+            params["step"] = list(message.lr_scheduler.steps)
+        schedule = lr_scheduler.create(message.lr_scheduler.name, **params)
+    return optimizers.create(message.name, lr_scheduler=schedule, **message.params)
 
 
 def _group(key_states, items):

@@ -312,13 +312,12 @@ class Coordinator:
 
     # ---- optimizer --------------------------------------------------------------------
 
-    def set_optimizer(self, name, params, states):
-        """Install the optimizer ``name(**params)`` with ``states`` {key: (num_update, [Item])}.
+    def set_optimizer(self, optimizer, states):
+        """Install ``optimizer`` with ``states`` {key: (num_update, [Item])}.
 
         Every worker sends the same optimizer: one equal to the installed one, without
         states, keeps the installed one and its states.
         """
-        optimizer = optimizers.create(name, **params)
         if not states and optimizer == self.optimizer:
             return
         updater = optimizers.Updater(optimizer)
@@ -335,6 +334,14 @@ class Coordinator:
         self.engine.updater = updater
         self.optimizer = optimizer
         log.info("optimizer %s %s installed with states for %d keys", optimizer.name, optimizer.params, len(states))
+
+    def set_learning_rate(self, learning_rate):
+        """Change the installed optimizer's learning rate; its states and counts stay."""
+        if self.optimizer is None:
+            raise FailedPreconditionError("no optimizer is installed: SetUpdater first")
+        self.engine.updater.set_learning_rate(learning_rate)
+        self.optimizer = self.engine.updater.optimizer
+        log.info("learning rate of optimizer %s set to %g", self.optimizer.name, self.optimizer.learning_rate)
 
     def optimizer_states(self):
         """(optimizer or None, {key: (num_update, [Item])}) with copies of the states."""

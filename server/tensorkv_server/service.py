@@ -252,16 +252,22 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def SetUpdater(self, request_iterator, context):
-        name, params, key_states = states_wire.from_messages([r async for r in request_iterator])
-        self.coordinator.set_optimizer(name, params, key_states)
+        optimizer, key_states = states_wire.from_messages([r async for r in request_iterator])
+        if optimizer is None:
+            raise InvalidArgumentError("SetUpdater names no optimizer")
+        self.coordinator.set_optimizer(optimizer, key_states)
         return kvstore_pb2.SetUpdaterResponse()
 
     @translate_errors
     async def GetOptimizerStates(self, request, context):
         optimizer, key_states = self.coordinator.optimizer_states()
-        name, params = (optimizer.name, optimizer.params) if optimizer else ("", {})
-        for message in states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse, name, params, key_states):
+        for message in states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse, optimizer, key_states):
             yield message
+
+    @translate_errors
+    async def SetLearningRate(self, request, context):
+        self.coordinator.set_learning_rate(request.learning_rate)
+        return kvstore_pb2.SetLearningRateResponse()
 
     @translate_errors
     async def Barrier(self, request, context):
