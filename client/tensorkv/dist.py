@@ -126,7 +126,7 @@ class DistStore(KVStore):
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
         self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
-        self._registered = []  # indexes of the servers that gave this worker its rank
+        self._registered = {}  # server index -> the incarnation of this worker's registration there
         try:
             infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
                                    connect_timeout)
@@ -170,9 +170,9 @@ class DistStore(KVStore):
             infos.append(info)
         for index in range(len(self._addresses)):
             request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
-            rank = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout)).rank
-            self._registered.append(index)
-            self._rank = rank
+            response = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout))
+            rank = self._rank = response.rank
+            self._registered[index] = response.incarnation
         self._num_workers = num_workers
         return infos
 
@@ -181,15 +181,19 @@ class DistStore(KVStore):
         gone or slow to answer is left as it is)."""
         if not self._registered:
             return
-        request = kvstore_pb2.UnregisterRequest(rank=self._rank)
         timeout = min(self._timeout, UNREGISTER_TIMEOUT)
-        calls = {index: self._stubs[index].Unregister.future(request, timeout=timeout) for index in self._registered}
+        calls = {index: self._stubs[index].Unregister.future(
+            kvstore_pb2.UnregisterRequest(**self._caller(index)), timeout=timeout) for index in self._registered}
         for index, call in calls.items():  # all servers at once
             try:
                 call.result()
             except grpc.RpcError as error:
                 log.info("server %s: rank %d not given back: %s", self._addresses[index], self._rank, error.code())
-        self._registered = []
+        self._registered = {}
+
+    def _caller(self, index):
+        """The fields that say who calls server ``index``: this worker's rank and incarnation."""
+        return dict(rank=self._rank, incarnation=self._registered[index])
 
     # ---- RPC plumbing -----------------------------------------------------------------
 
@@ -257,7 +261,7 @@ class DistStore(KVStore):
         shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
 
         def build(call_id, timeout_ms, region, channel):
-            fields = dict(id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms)
+            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, **self._caller(index))
             if wait_only:
                 fields["wait_only"] = True
             if region is not None and use_output:
@@ -294,9 +298,9 @@ class DistStore(KVStore):
 
         return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output))
 
-    def _frames(self, message_type, items, **fields):
-        """The serialized request messages that carry ``items``."""
-        return encode_stream(message_type, items, dict(rank=self._rank, **fields),
+    def _frames(self, index, message_type, items, **fields):
+        """The serialized request messages to server ``index`` that carry ``items``."""
+        return encode_stream(message_type, items, dict(self._caller(index), **fields),
                              with_data=not fields.get("wait_only", False))
 
     @staticmethod
@@ -416,7 +420,7 @@ class DistStore(KVStore):
         plan = self._plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, kvstore_pb2.SESSION_OP_INIT, part, wait_only=wait_only) is not None or stub.init_raw(
-            self._frames(kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
+            self._frames(index, kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
             timeout=self._timeout) for index, part in plan.items()})
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)
@@ -426,7 +430,7 @@ class DistStore(KVStore):
         plan = self._plan((key, key, value) for key, value in merged.items())
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, kvstore_pb2.SESSION_OP_PUSH, part) is not None or stub.push_raw(
-            self._frames(kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
+            self._frames(index, kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
@@ -444,7 +448,7 @@ class DistStore(KVStore):
         results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
             index, kvstore_pb2.SESSION_OP_PUSH_PULL, part, outs=first_outs), lambda: self._decode(
             kvstore_pb2.PushPullResponse,
-            stub.pushpull_raw(self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part]),
+            stub.pushpull_raw(self._frames(index, kvstore_pb2.PushPullRequest, [item for _, item in part]),
                               timeout=self._timeout), part, first_outs))
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
@@ -487,7 +491,7 @@ class DistStore(KVStore):
         results = self._each({index: lambda stub, index=index, part=part: self._or(
             self._session(index, kvstore_pb2.SESSION_OP_PULL, part, outs=outs, keys=[key for _, key in part]),
             lambda: self._decode(kvstore_pb2.PullResponse, stub.pull_raw(
-                self._pull_request(key for _, key in part), timeout=self._timeout), part, outs))
+                self._pull_request(index, (key for _, key in part)), timeout=self._timeout), part, outs))
             for index, part in plan.items()})
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
@@ -526,8 +530,8 @@ class DistStore(KVStore):
             sizes.append(math.prod(known[0]) * known[1].itemsize)
         return sizes
 
-    def _pull_request(self, keys):
-        request = kvstore_pb2.PullRequest(rank=self._rank)
+    def _pull_request(self, index, keys):
+        request = kvstore_pb2.PullRequest(**self._caller(index))
         for key in keys:
             set_key(request.keys.add(), key)
         return request
@@ -577,7 +581,7 @@ class DistStore(KVStore):
     # ---- the rest ---------------------------------------------------------------------
 
     def _barrier(self):
-        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(rank=self._rank), timeout=self._timeout)})
+        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(**self._caller(0)), timeout=self._timeout)})
 
     def close(self):
         if not self._closed:

@@ -1,10 +1,13 @@
-"""The server's state: membership, init, sync rounds, barriers and the optimizer, over one
-:class:`tensorkv.engine.Engine`, which stays the only place values change.
+"""The server's state: init, sync rounds, barriers and the optimizer, over one
+:class:`tensorkv.engine.Engine`, which stays the only place values change, for the workers
+of a :class:`~.membership.Membership`.
 
 Everything runs on the server's event loop, so there are no locks: each method validates
 its whole input, then changes state without awaiting in between, so a call that fails
-changes nothing. Waits (for a round, a barrier, an init by rank 0) are bounded by
-``round_timeout``; one that does not complete is aborted with RoundAbortedError.
+changes nothing. A call that awaited checks its caller's registration again before it
+changes anything: the rank may have been given back meanwhile. Waits (for a round, a
+barrier, an init by rank 0) are bounded by ``round_timeout``; one that does not complete
+is aborted with RoundAbortedError.
 """
 import asyncio
 import logging
@@ -15,9 +18,11 @@ from tensorkv import optimizer as optimizers
 from tensorkv.backend import to_host
 from tensorkv.codec import Item
 from tensorkv.errors import (
-    FailedPreconditionError, InvalidArgumentError, KeyExistsError, RoundAbortedError,
+    InvalidArgumentError, KeyExistsError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError,
 )
+
+from .membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ class Coordinator:
         self.mode = mode
         self.round_timeout = round_timeout
         self.device = device
-        self.ranks = set()
+        self.members = Membership(num_workers)
         self.optimizer = None
         self._rounds = {}  # key -> _KeyRounds
         self._initialized = {}  # key -> ranks that have called init on it
@@ -87,45 +92,24 @@ class Coordinator:
     # ---- membership -------------------------------------------------------------------
 
     def register(self, rank=None):
-        """Give a worker ``rank``, or the lowest free rank; FailedPreconditionError if taken."""
-        if rank is None:
-            free = [r for r in range(self.num_workers) if r not in self.ranks]
-            if not free:
-                raise FailedPreconditionError(f"all {self.num_workers} ranks are taken")
-            rank = free[0]
-        self._check_rank(rank)
-        if rank in self.ranks:
-            raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
-        self.ranks.add(rank)
-        log.info("worker registered with rank %d (%d of %d)", rank, len(self.ranks), self.num_workers)
-        return rank
+        """(rank, incarnation) of a new registration: see :meth:`Membership.register`."""
+        return self.members.register(rank)
 
-    def unregister(self, rank):
+    def unregister(self, rank, incarnation):
         """Give ``rank`` back. Its next holder may init its keys again (stored values are
         kept) and does not get the errors of rounds that were aborted before."""
-        self._check_rank(rank)
-        if rank not in self.ranks:
-            return
-        self.ranks.discard(rank)
+        self.members.unregister(rank, incarnation)
         for ranks in self._initialized.values():
             ranks.discard(rank)
         for rounds in self._rounds.values():
             rounds.aborted.pop(rank, None)
-        log.info("worker with rank %d unregistered (%d of %d left)", rank, len(self.ranks), self.num_workers)
-
-    def _check_rank(self, rank):
-        if not 0 <= rank < self.num_workers:
-            raise FailedPreconditionError(
-                f"rank {rank} is out of range: this server expects {self.num_workers} workers "
-                f"(ranks 0 to {self.num_workers - 1})"
-            )
 
     # ---- init -------------------------------------------------------------------------
 
-    async def init(self, rank, items, wait_only):
+    async def init(self, rank, incarnation, items, wait_only):
         """Rank 0 stores ``items``; every other rank (or a wait_only call) waits until the keys
         exist, then checks its dtypes and shapes against them."""
-        self._check_rank(rank)
+        self.members.check(rank, incarnation)
         keys = self._check_distinct(items, "init")
         for key in keys:
             if rank in self._initialized.get(key, ()):
@@ -142,6 +126,7 @@ class Coordinator:
                     waiter.set_result(None)
         else:
             await self._wait_for_keys(keys)
+            self.members.check(rank, incarnation)
             for item in items:
                 self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
         for key in keys:
@@ -167,10 +152,10 @@ class Coordinator:
 
     # ---- push and pull ----------------------------------------------------------------
 
-    async def push(self, rank, items):
+    async def push(self, rank, incarnation, items):
         """Merge ``items`` (codec.Item) into their keys: in async mode at once, in sync mode
         into each key's current round, applied when all workers have pushed."""
-        self._check_rank(rank)
+        self.members.check(rank, incarnation)
         self._check_distinct(items, "push")
         check_updater = getattr(self.engine.updater, "check", None)
         for item in items:
@@ -190,24 +175,25 @@ class Coordinator:
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settle(rank, [item.key for item in items]):
             pass
+        self.members.check(rank, incarnation)
         for item in items:
             self._add_to_round(rank, item)
 
-    async def pull(self, rank, keys):
+    async def pull(self, rank, incarnation, keys):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
         until the caller next awaits), after the current round of each key this rank has
         pushed to (sync mode)."""
-        self._check_rank(rank)
+        self.members.check(rank, incarnation)
         keys = self.engine.check_keys(keys)
         for key in keys:
             self.engine.get(key)
-        if self.mode == SYNC:
-            await self._settle(rank, keys)
+        if self.mode == SYNC and await self._settle(rank, keys):
+            self.members.check(rank, incarnation)
         return [self._snapshot(key) for key in keys]
 
-    async def pushpull(self, rank, items):
-        await self.push(rank, items)
-        return await self.pull(rank, [item.key for item in items])
+    async def pushpull(self, rank, incarnation, items):
+        await self.push(rank, incarnation, items)
+        return await self.pull(rank, incarnation, [item.key for item in items])
 
     def _add_to_round(self, rank, item):
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
@@ -284,9 +270,9 @@ class Coordinator:
 
     # ---- barrier ----------------------------------------------------------------------
 
-    async def barrier(self, rank):
+    async def barrier(self, rank, incarnation):
         """Return once every rank has entered the barrier."""
-        self._check_rank(rank)
+        self.members.check(rank, incarnation)
         self._check_open()
         barrier = self._barrier
         if barrier is None:
@@ -350,7 +336,7 @@ class Coordinator:
 
     def info(self):
         return {
-            "mode": self.mode, "num_workers": self.num_workers, "registered_ranks": sorted(self.ranks),
+            "mode": self.mode, "num_workers": self.num_workers, "registered_ranks": self.members.ranks,
             "num_keys": len(self.engine), "device": self.device,
             "optimizer": self.optimizer.name if self.optimizer else "",
         }
