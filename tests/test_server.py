@@ -235,7 +235,8 @@ def test_a_closed_store_gives_its_rank_back_and_the_next_continues_the_job(tmp_p
             kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.5))
             kv.init(["w", "big"], [np.ones(4, np.float32), big])
             kv.push(["w", "big"], [np.ones(4, np.float32), np.ones_like(big)])
-        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0) as kv:
+        # the only worker left: a new run, which resumes the keys of the first
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, if_exists="resume") as kv:
             assert kv.rank == 0
             with pytest.raises(tensorkv.ShapeMismatchError, match="key 'w'"):
                 kv.init("w", np.zeros(5, np.float32))

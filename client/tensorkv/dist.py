@@ -42,6 +42,9 @@ DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10)
 TRANSPORTS = ("auto", "tcp", "grpc")
 _ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
+# What a new run does with the keys earlier runs left on a server (RegisterRequest.if_exists).
+IF_EXISTS = {"fail": kvstore_pb2.IF_EXISTS_FAIL, "resume": kvstore_pb2.IF_EXISTS_RESUME,
+             "replace": kvstore_pb2.IF_EXISTS_REPLACE}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
 _MERGE = Engine()
 _GPU_MERGE = {}  # CUDA device id -> Engine that merges lists of GPU arrays there
@@ -75,6 +78,18 @@ def parse_servers(servers):
     return servers
 
 
+def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT):
+    """Reset each server, one after the other: see :func:`tensorkv.reset`."""
+    dropped = 0
+    for address in parse_servers(servers):
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            try:
+                dropped += Stub(channel).Reset(kvstore_pb2.ResetRequest(), timeout=timeout).num_keys
+            except grpc.RpcError as error:
+                raise error_from_rpc(error, address) from None
+    return dropped
+
+
 def home(key, num_servers):
     """The server index of ``key``: a hash that is the same in every process and run."""
     if num_servers == 1:
@@ -104,14 +119,21 @@ class DistStore(KVStore):
     default, or ``TENSORKV_TRANSPORT``) passes values through shared memory to a server that
     proves it is on this host and on the server's raw-TCP data channel otherwise; 'tcp'
     uses the data channel only; 'grpc' always sends them in the gRPC messages.
+    ``if_exists`` (or ``TENSORKV_IF_EXISTS``) is what a new run does with the keys that an
+    earlier run left on a server: 'fail' (the default), 'resume' or 'replace'.
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
-                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None):
+                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
+                 if_exists=None):
         super().__init__(name)
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+        if_exists = if_exists or os.environ.get("TENSORKV_IF_EXISTS") or "fail"
+        if if_exists not in IF_EXISTS:
+            raise InvalidArgumentError(
+                f"unknown if_exists {if_exists!r}; use one of {', '.join(map(repr, IF_EXISTS))}")
         self.transport = transport
         self._addresses = parse_servers(servers)
         allocator.tune_this_process()
@@ -129,7 +151,7 @@ class DistStore(KVStore):
         self._registered = {}  # server index -> the incarnation of this worker's registration there
         try:
             infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
-                                   connect_timeout)
+                                   connect_timeout, IF_EXISTS[if_exists])
             # Shared memory, then the data channel, are tried (lazily, by the first call that
             # moves enough bytes) with servers that offer them; the proof of the same host
             # happens then (tensorkv.shm).
@@ -148,7 +170,7 @@ class DistStore(KVStore):
     def num_workers(self):
         return self._num_workers
 
-    def _register(self, rank, num_workers, connect_timeout):
+    def _register(self, rank, num_workers, connect_timeout, if_exists):
         """Check every server's mode and size, then join them: the first assigns the rank
         when none is given. The servers' InfoResponses."""
         infos = []
@@ -169,7 +191,7 @@ class DistStore(KVStore):
             num_workers = info.num_workers
             infos.append(info)
         for index in range(len(self._addresses)):
-            request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
+            request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists)
             response = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout))
             rank = self._rank = response.rank
             self._registered[index] = response.incarnation

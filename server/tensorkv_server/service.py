@@ -19,10 +19,14 @@ from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from . import datachan, shm
+from .membership import FAIL, REPLACE, RESUME
 from .staging import Staging
 
 log = logging.getLogger(__name__)
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
+_IF_EXISTS = {FAIL: kvstore_pb2.IF_EXISTS_FAIL, RESUME: kvstore_pb2.IF_EXISTS_RESUME,
+              REPLACE: kvstore_pb2.IF_EXISTS_REPLACE}
+_IF_EXISTS_BY_VALUE = {value: name for name, value in _IF_EXISTS.items()} | {kvstore_pb2.IF_EXISTS_UNSPECIFIED: FAIL}
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 # Methods whose requests, or responses, the handlers see as bytes.
 RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
@@ -103,7 +107,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def Register(self, request, context):
-        rank, incarnation = self.coordinator.register(request.rank if request.HasField("rank") else None)
+        if_exists = _IF_EXISTS_BY_VALUE.get(request.if_exists)
+        if if_exists is None:
+            raise InvalidArgumentError(f"unknown if_exists value {request.if_exists}")
+        rank, incarnation = self.coordinator.register(request.rank if request.HasField("rank") else None, if_exists)
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation)
 
@@ -117,7 +124,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         info = self.coordinator.info()
         return kvstore_pb2.InfoResponse(
             mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
-            data_port=self.data_port.port if self.data_port else 0, **info)
+            data_port=self.data_port.port if self.data_port else 0,
+            if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED), **info)
 
     @translate_errors
     async def Init(self, request_iterator, context):
@@ -265,6 +273,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         name, params = (optimizer.name, optimizer.params) if optimizer else ("", {})
         for message in states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse, name, params, key_states):
             yield message
+
+    @translate_errors
+    async def Reset(self, request, context):
+        return kvstore_pb2.ResetResponse(num_keys=self.coordinator.reset())
 
     @translate_errors
     async def Barrier(self, request, context):
