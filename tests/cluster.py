@@ -60,18 +60,18 @@ class Cluster:
 
     def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=()):
         self.num_workers = num_workers
-        self.addresses, self.processes, self.logs = [], [], []
+        self.addresses, self.processes, self.logs, self.commands = [], [], [], []
         log_dir = Path(tmp_path) if tmp_path else None
         try:
             for i in range(servers):
                 port = free_port()
                 log = open(log_dir / f"server{i}.log", "w+") if log_dir else subprocess.DEVNULL
                 self.logs.append(log)
-                self.processes.append(subprocess.Popen(
+                self.commands.append(
                     [sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers",
                      str(num_workers), "--mode", mode, "--round-timeout", str(round_timeout),
-                     "--device", "cpu", "--grace", "2", *server_args],
-                    stdout=log, stderr=subprocess.STDOUT))
+                     "--device", "cpu", "--grace", "2", *server_args])
+                self.processes.append(subprocess.Popen(self.commands[-1], stdout=log, stderr=subprocess.STDOUT))
                 self.addresses.append(f"127.0.0.1:{port}")
             for address, process in zip(self.addresses, self.processes):
                 self._wait_serving(address, process)
@@ -93,6 +93,14 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT} s")
             time.sleep(0.05)
+
+    def restart(self, index=0):
+        """Kill server ``index`` (SIGKILL, by its PID) and start it again on the same port."""
+        self.processes[index].kill()
+        self.processes[index].wait(STOP_TIMEOUT)
+        self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
+                                                 stderr=subprocess.STDOUT)
+        self._wait_serving(self.addresses[index], self.processes[index])
 
     @property
     def env(self):

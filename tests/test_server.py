@@ -114,7 +114,7 @@ def test_health_and_reflection(tmp_path):
 
 def _push(stub, entries, rank=0):
     frame = tensor_pb2.TensorFrame(entries=entries)
-    return stub.Push(iter([kvstore_pb2.PushRequest(rank=rank, frame=frame)]), timeout=5)
+    return stub.Push(iter([kvstore_pb2.PushRequest(rank=rank, incarnation=stub.incarnation, frame=frame)]), timeout=5)
 
 
 def _entry(key, data, dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,)):
@@ -127,7 +127,7 @@ def _entry(key, data, dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,)):
 
 
 def _pull(stub, key):
-    request = kvstore_pb2.PullRequest(rank=0, keys=[tensor_pb2.Key(int_key=key)])
+    request = kvstore_pb2.PullRequest(rank=0, incarnation=stub.incarnation, keys=[tensor_pb2.Key(int_key=key)])
     frames = [reply.frame for reply in stub.Pull(request, timeout=5)]
     return np.frombuffer(b"".join(f.entries[0].tensor.data for f in frames[:1]), np.float32)
 
@@ -136,8 +136,9 @@ def _pull(stub, key):
 def raw_stub(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster, grpc.insecure_channel(cluster.addresses[0]) as channel:
         stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        stub.incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=5).incarnation
         frame = tensor_pb2.TensorFrame(entries=[_entry(1, np.ones(2, np.float32).tobytes())])
-        stub.Init(iter([kvstore_pb2.InitRequest(rank=0, frame=frame)]), timeout=5)
+        stub.Init(iter([kvstore_pb2.InitRequest(rank=0, incarnation=stub.incarnation, frame=frame)]), timeout=5)
         yield stub
         assert stub.Info(kvstore_pb2.InfoRequest(), timeout=5).num_keys == 1  # nothing was created
         assert _pull(stub, 1).tolist() == [1, 1]  # nor changed
@@ -186,13 +187,14 @@ def test_malformed_calls_of_other_kinds(raw_stub):
          "INVALID_ARGUMENT", "12 bytes sent for a tensor of 8 bytes"),
         (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=-1), timeout=5),
          "FAILED_PRECONDITION", "rank -1 is out of range"),
+        (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=0), timeout=5),
+         "FAILED_PRECONDITION", "not by this call's incarnation 0"),
     ]
     for call, code, words in cases:
         with pytest.raises(grpc.RpcError) as caught:
             call()
         assert (caught.value.code().name, words in caught.value.details()) == (code, True), caught.value.details()
     assert raw_stub.Info(kvstore_pb2.InfoRequest(), timeout=5).optimizer == ""
-    raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=0), timeout=5)  # a rank nobody holds: nothing to do
 
 
 # ---- the client against servers in this process's view ----------------------------------------
@@ -239,7 +241,8 @@ def test_a_closed_store_gives_its_rank_back_and_the_next_continues_the_job(tmp_p
             kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.5))
             kv.init(["w", "big"], [np.ones(4, np.float32), big])
             kv.push(["w", "big"], [np.ones(4, np.float32), np.ones_like(big)])
-        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0) as kv:
+        # the only worker left: a new run, which resumes the keys of the first
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, if_exists="resume") as kv:
             assert kv.rank == 0
             with pytest.raises(tensorkv.ShapeMismatchError, match="key 'w'"):
                 kv.init("w", np.zeros(5, np.float32))

@@ -267,7 +267,8 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
                 assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and not answer.region_id
                 assert "the token does not match" in answer.message
             # with a region of its own, references outside it are refused
-            own = _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL,
+            incarnation = Stub(channel).Register(kvstore_pb2.RegisterRequest(rank=1), timeout=5).incarnation
+            own = _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL, rank=1, incarnation=incarnation,
                        keys=[tensor_pb2.Key(str_key="w")])
             mine = session.region
             assert own.code == 0 and mine is not None and mine.id != region.id

@@ -30,6 +30,14 @@ def create(name="local", **kwargs):
     - ``'dist_sync'`` / ``'dist_async'``: a client of one or more tensorkv servers, given
       by ``servers=`` (a comma-separated string or a list) or ``TENSORKV_SERVERS``.
 
+    The workers registered together on a server make a *run*, which ends when all of them
+    have closed their stores. ``if_exists=`` (else ``TENSORKV_IF_EXISTS``) says what a new
+    run does with the keys an earlier run left on a server: ``'fail'`` (the default): their
+    ``init`` raises KeyExistsError and changes nothing; ``'resume'``: ``init`` keeps the
+    stored values, and the optimizer and its states stay, so training continues from them;
+    ``'replace'``: the earlier run's keys, optimizer and states are dropped before the new
+    run's first ``init``, as on a new server. Every worker of a run passes the same.
+
     >>> kv = tensorkv.create('local')
     >>> kv.type
     'local'
@@ -45,9 +53,20 @@ def create(name="local", **kwargs):
     )
 
 
+def reset(servers=None, **options):
+    """Drop everything the servers hold (keys, optimizer, states), as if they had just
+    started; the number of keys dropped. A server where a run is registered (some worker
+    has not closed its store) refuses with FailedPreconditionError naming its ranks, and
+    the servers after it in ``servers`` (or ``TENSORKV_SERVERS``) are left as they are.
+    ``timeout=`` bounds each server's answer (seconds, default 10).
+    """
+    from .dist import reset as reset_servers
+    return reset_servers(servers, **options)
+
+
 __all__ = [
-    "create", "KVStore", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError", "InvalidTensorError",
-    "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError", "KeyExistsError",
-    "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError", "DeadlineExceededError",
-    "InternalError",
+    "create", "reset", "KVStore", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
+    "InvalidTensorError", "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError",
+    "KeyExistsError", "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError",
+    "DeadlineExceededError", "InternalError",
 ]

@@ -42,6 +42,9 @@ DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10)
 TRANSPORTS = ("auto", "tcp", "grpc")
 _ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
+# What a new run does with the keys earlier runs left on a server (RegisterRequest.if_exists).
+IF_EXISTS = {"fail": kvstore_pb2.IF_EXISTS_FAIL, "resume": kvstore_pb2.IF_EXISTS_RESUME,
+             "replace": kvstore_pb2.IF_EXISTS_REPLACE}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
 _MERGE = Engine()
 _GPU_MERGE = {}  # CUDA device id -> Engine that merges lists of GPU arrays there
@@ -75,6 +78,18 @@ def parse_servers(servers):
     return servers
 
 
+def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT):
+    """Reset each server, one after the other: see :func:`tensorkv.reset`."""
+    dropped = 0
+    for address in parse_servers(servers):
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            try:
+                dropped += Stub(channel).Reset(kvstore_pb2.ResetRequest(), timeout=timeout).num_keys
+            except grpc.RpcError as error:
+                raise error_from_rpc(error, address) from None
+    return dropped
+
+
 def home(key, num_servers):
     """The server index of ``key``: a hash that is the same in every process and run."""
     if num_servers == 1:
@@ -104,14 +119,21 @@ class DistStore(KVStore):
     default, or ``TENSORKV_TRANSPORT``) passes values through shared memory to a server that
     proves it is on this host and on the server's raw-TCP data channel otherwise; 'tcp'
     uses the data channel only; 'grpc' always sends them in the gRPC messages.
+    ``if_exists`` (or ``TENSORKV_IF_EXISTS``) is what a new run does with the keys that an
+    earlier run left on a server: 'fail' (the default), 'resume' or 'replace'.
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
-                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None):
+                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
+                 if_exists=None):
         super().__init__(name)
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
             raise InvalidArgumentError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+        if_exists = if_exists or os.environ.get("TENSORKV_IF_EXISTS") or "fail"
+        if if_exists not in IF_EXISTS:
+            raise InvalidArgumentError(
+                f"unknown if_exists {if_exists!r}; use one of {', '.join(map(repr, IF_EXISTS))}")
         self.transport = transport
         self._addresses = parse_servers(servers)
         allocator.tune_this_process()
@@ -126,10 +148,10 @@ class DistStore(KVStore):
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
         self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
-        self._registered = []  # indexes of the servers that gave this worker its rank
+        self._registered = {}  # server index -> the incarnation of this worker's registration there
         try:
             infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
-                                   connect_timeout)
+                                   connect_timeout, IF_EXISTS[if_exists])
             # Shared memory, then the data channel, are tried (lazily, by the first call that
             # moves enough bytes) with servers that offer them; the proof of the same host
             # happens then (tensorkv.shm).
@@ -148,7 +170,7 @@ class DistStore(KVStore):
     def num_workers(self):
         return self._num_workers
 
-    def _register(self, rank, num_workers, connect_timeout):
+    def _register(self, rank, num_workers, connect_timeout, if_exists):
         """Check every server's mode and size, then join them: the first assigns the rank
         when none is given. The servers' InfoResponses."""
         infos = []
@@ -169,10 +191,10 @@ class DistStore(KVStore):
             num_workers = info.num_workers
             infos.append(info)
         for index in range(len(self._addresses)):
-            request = kvstore_pb2.RegisterRequest(rank=rank) if rank is not None else kvstore_pb2.RegisterRequest()
-            rank = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout)).rank
-            self._registered.append(index)
-            self._rank = rank
+            request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists)
+            response = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout))
+            rank = self._rank = response.rank
+            self._registered[index] = response.incarnation
         self._num_workers = num_workers
         return infos
 
@@ -181,15 +203,19 @@ class DistStore(KVStore):
         gone or slow to answer is left as it is)."""
         if not self._registered:
             return
-        request = kvstore_pb2.UnregisterRequest(rank=self._rank)
         timeout = min(self._timeout, UNREGISTER_TIMEOUT)
-        calls = {index: self._stubs[index].Unregister.future(request, timeout=timeout) for index in self._registered}
+        calls = {index: self._stubs[index].Unregister.future(
+            kvstore_pb2.UnregisterRequest(**self._caller(index)), timeout=timeout) for index in self._registered}
         for index, call in calls.items():  # all servers at once
             try:
                 call.result()
             except grpc.RpcError as error:
                 log.info("server %s: rank %d not given back: %s", self._addresses[index], self._rank, error.code())
-        self._registered = []
+        self._registered = {}
+
+    def _caller(self, index):
+        """The fields that say who calls server ``index``: this worker's rank and incarnation."""
+        return dict(rank=self._rank, incarnation=self._registered[index])
 
     # ---- RPC plumbing -----------------------------------------------------------------
 
@@ -257,7 +283,7 @@ class DistStore(KVStore):
         shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
 
         def build(call_id, timeout_ms, region, channel):
-            fields = dict(id=call_id, rank=self._rank, op=op, timeout_ms=timeout_ms)
+            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, **self._caller(index))
             if wait_only:
                 fields["wait_only"] = True
             if region is not None and use_output:
@@ -295,9 +321,9 @@ class DistStore(KVStore):
 
         return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output))
 
-    def _frames(self, message_type, items, **fields):
-        """The serialized request messages that carry ``items``."""
-        return encode_stream(message_type, items, dict(rank=self._rank, **fields),
+    def _frames(self, index, message_type, items, **fields):
+        """The serialized request messages to server ``index`` that carry ``items``."""
+        return encode_stream(message_type, items, dict(self._caller(index), **fields),
                              with_data=not fields.get("wait_only", False))
 
     @staticmethod
@@ -417,7 +443,7 @@ class DistStore(KVStore):
         plan = self._plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, kvstore_pb2.SESSION_OP_INIT, part, wait_only=wait_only) is not None or stub.init_raw(
-            self._frames(kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
+            self._frames(index, kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
             timeout=self._timeout) for index, part in plan.items()})
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)
@@ -427,7 +453,7 @@ class DistStore(KVStore):
         plan = self._plan((key, key, value) for key, value in merged.items())
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, kvstore_pb2.SESSION_OP_PUSH, part) is not None or stub.push_raw(
-            self._frames(kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
+            self._frames(index, kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
@@ -445,7 +471,7 @@ class DistStore(KVStore):
         results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
             index, kvstore_pb2.SESSION_OP_PUSH_PULL, part, outs=first_outs), lambda: self._decode(
             kvstore_pb2.PushPullResponse,
-            stub.pushpull_raw(self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part]),
+            stub.pushpull_raw(self._frames(index, kvstore_pb2.PushPullRequest, [item for _, item in part]),
                               timeout=self._timeout), part, first_outs))
             for index, part in plan.items()})
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
@@ -488,7 +514,7 @@ class DistStore(KVStore):
         results = self._each({index: lambda stub, index=index, part=part: self._or(
             self._session(index, kvstore_pb2.SESSION_OP_PULL, part, outs=outs, keys=[key for _, key in part]),
             lambda: self._decode(kvstore_pb2.PullResponse, stub.pull_raw(
-                self._pull_request(key for _, key in part), timeout=self._timeout), part, outs))
+                self._pull_request(index, (key for _, key in part)), timeout=self._timeout), part, outs))
             for index, part in plan.items()})
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
@@ -527,8 +553,8 @@ class DistStore(KVStore):
             sizes.append(math.prod(known[0]) * known[1].itemsize)
         return sizes
 
-    def _pull_request(self, keys):
-        request = kvstore_pb2.PullRequest(rank=self._rank)
+    def _pull_request(self, index, keys):
+        request = kvstore_pb2.PullRequest(**self._caller(index))
         for key in keys:
             set_key(request.keys.add(), key)
         return request
@@ -583,7 +609,7 @@ class DistStore(KVStore):
     # ---- the rest ---------------------------------------------------------------------
 
     def _barrier(self):
-        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(rank=self._rank), timeout=self._timeout)})
+        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(**self._caller(0)), timeout=self._timeout)})
 
     def close(self):
         if not self._closed:

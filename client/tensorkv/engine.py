@@ -142,6 +142,12 @@ class Engine:
                 self._values[check_key(item.key)] = Stored(array, item.shape, item.slice)
                 self._key_type = type(check_key(item.key))
 
+    def clear(self):
+        """Forget every value, the updater and the key type, as a new engine."""
+        self._values.clear()
+        self.updater = None
+        self._key_type = None
+
     def accumulate(self, total, value, owned=False):
         """``total + value`` for merging pushes, in place when ``total`` is not None.
 

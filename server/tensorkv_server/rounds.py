@@ -1,10 +1,13 @@
-"""The server's state: membership, init, sync rounds, barriers and the optimizer, over one
-:class:`tensorkv.engine.Engine`, which stays the only place values change.
+"""The server's state: init, sync rounds, barriers and the optimizer, over one
+:class:`tensorkv.engine.Engine`, which stays the only place values change, for the workers
+of a :class:`~.membership.Membership`.
 
 Everything runs on the server's event loop, so there are no locks: each method validates
 its whole input, then changes state without awaiting in between, so a call that fails
-changes nothing. Waits (for a round, a barrier, an init by rank 0) are bounded by
-``round_timeout``; one that does not complete is aborted with RoundAbortedError.
+changes nothing. A call that awaited checks its caller's registration again before it
+changes anything: the rank may have been given back meanwhile. Waits (for a round, a
+barrier, an init by rank 0) are bounded by ``round_timeout``; one that does not complete
+is aborted with RoundAbortedError.
 """
 import asyncio
 import logging
@@ -15,9 +18,11 @@ from tensorkv import optimizer as optimizers
 from tensorkv.backend import to_host
 from tensorkv.codec import Item
 from tensorkv.errors import (
-    FailedPreconditionError, InvalidArgumentError, KeyExistsError, RoundAbortedError,
+    FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError,
 )
+
+from .membership import FAIL, REPLACE, Membership
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +80,11 @@ class Coordinator:
         self.mode = mode
         self.round_timeout = round_timeout
         self.device = device
-        self.ranks = set()
+        self.members = Membership(num_workers)
         self.optimizer = None
         self._rounds = {}  # key -> _KeyRounds
+        self._updates = {}  # key -> updates applied to it (sync rounds, async pushes)
+        self._initialized_in = {}  # key -> the number of the run that initialized it
         self._initialized = {}  # key -> ranks that have called init on it
         self._init_waiters = {}  # key -> future done when rank 0 has stored it
         self._barrier = None
@@ -86,66 +93,107 @@ class Coordinator:
 
     # ---- membership -------------------------------------------------------------------
 
-    def register(self, rank=None):
-        """Give a worker ``rank``, or the lowest free rank; FailedPreconditionError if taken."""
-        if rank is None:
-            free = [r for r in range(self.num_workers) if r not in self.ranks]
-            if not free:
-                raise FailedPreconditionError(f"all {self.num_workers} ranks are taken")
-            rank = free[0]
-        self._check_rank(rank)
-        if rank in self.ranks:
-            raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
-        self.ranks.add(rank)
-        log.info("worker registered with rank %d (%d of %d)", rank, len(self.ranks), self.num_workers)
-        return rank
+    def register(self, rank=None, if_exists=FAIL):
+        """(rank, incarnation) of a new registration: see :meth:`Membership.register`. The
+        first registration of a run with if_exists 'replace' drops what earlier runs left."""
+        rank, incarnation, started = self.members.register(rank, if_exists)
+        if started and if_exists == REPLACE:
+            log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
+                     len(self.engine))
+            self._drop_state()
+        return rank, incarnation
 
-    def unregister(self, rank):
+    def unregister(self, rank, incarnation):
         """Give ``rank`` back. Its next holder may init its keys again (stored values are
-        kept) and does not get the errors of rounds that were aborted before."""
-        self._check_rank(rank)
-        if rank not in self.ranks:
-            return
-        self.ranks.discard(rank)
+        kept) and does not get the errors of rounds that were aborted before. The last rank
+        of a run to leave ends it: nobody can complete its incomplete rounds any more, so
+        their pushes are discarded."""
+        ended = self.members.unregister(rank, incarnation)
         for ranks in self._initialized.values():
             ranks.discard(rank)
         for rounds in self._rounds.values():
             rounds.aborted.pop(rank, None)
-        log.info("worker with rank %d unregistered (%d of %d left)", rank, len(self.ranks), self.num_workers)
+        if ended:
+            self._abort_waits(f"aborted: every rank of run {self.members.run.number} left", RoundAbortedError)
+            for rounds in self._rounds.values():
+                rounds.aborted.clear()  # the errors of ranks that left
 
-    def _check_rank(self, rank):
-        if not 0 <= rank < self.num_workers:
+    def reset(self):
+        """Drop every key, the optimizer and its states, the rounds and the key type, when
+        no run is registered; the number of keys dropped."""
+        if self.members.running:
             raise FailedPreconditionError(
-                f"rank {rank} is out of range: this server expects {self.num_workers} workers "
-                f"(ranks 0 to {self.num_workers - 1})"
-            )
+                f"cannot reset while run {self.members.run.number} is registered (ranks {self.members.ranks}): "
+                "reset once every worker has closed its store")
+        count = len(self.engine)
+        self._drop_state()
+        log.info("reset: %d keys, the optimizer and its states dropped", count)
+        return count
+
+    def _drop_state(self):
+        """Forget every key, the optimizer and its states, the rounds and the key type, as a
+        server that just started. Only while no rank is registered: no wait is in progress."""
+        self.engine.clear()
+        self.optimizer = None
+        self._rounds.clear()
+        self._updates.clear()
+        self._initialized_in.clear()
+        self._initialized.clear()
+        self._barriers_done = 0
 
     # ---- init -------------------------------------------------------------------------
 
-    async def init(self, rank, items, wait_only):
+    async def init(self, rank, incarnation, items, wait_only):
         """Rank 0 stores ``items``; every other rank (or a wait_only call) waits until the keys
         exist, then checks its dtypes and shapes against them."""
-        self._check_rank(rank)
-        keys = self._check_distinct(items, "init")
+        self.members.check(rank, incarnation)
+        try:
+            keys = self._check_distinct(items, "init")
+        except KeyTypeError as error:
+            if self._left_by_earlier_runs(self.engine.keys()):  # which fixed the key type
+                raise KeyTypeError(f"{error}: the keys on this server are those an earlier run left; "
+                                   "pass if_exists='replace' to start afresh") from None
+            raise
+        if self.members.run.if_exists == FAIL:
+            self._check_not_left_by_earlier_runs(keys)
         for key in keys:
             if rank in self._initialized.get(key, ()):
                 raise KeyExistsError(f"key {key!r} is already initialized (rank {rank} called init on it before)")
         if rank == 0 and not wait_only:
-            # Keys already stored are those of a rank 0 that registered again: kept.
+            # Keys already stored are those of a rank 0 that registered again, or those an
+            # earlier run left for this one to resume: kept.
             stored = [item for item in items if item.key in self.engine]
             for item in stored:
                 self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
-            self.engine.init([item for item in items if item.key not in self.engine])
+            new = [item for item in items if item.key not in self.engine]
+            self.engine.init(new)
+            self._initialized_in.update((item.key, self.members.run.number) for item in new)
             for key in keys:
                 waiter = self._init_waiters.pop(key, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
         else:
             await self._wait_for_keys(keys)
+            self.members.check(rank, incarnation)
             for item in items:
                 self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
         for key in keys:
             self._initialized.setdefault(key, set()).add(rank)
+
+    def _left_by_earlier_runs(self, keys):
+        """The keys of ``keys`` that an earlier run initialized."""
+        run = self.members.run.number
+        return [key for key in keys if self._initialized_in.get(key, run) < run]
+
+    def _check_not_left_by_earlier_runs(self, keys):
+        earlier = self._left_by_earlier_runs(keys)
+        if earlier:
+            updates = self._updates.get(earlier[0], 0)
+            more = f" (and {len(earlier) - 1} more keys)" if len(earlier) > 1 else ""
+            raise KeyExistsError(
+                f"key {earlier[0]!r}{more} holds what an earlier run left on this server ({updates} "
+                f"round{'' if updates == 1 else 's'} applied to it): pass if_exists='resume' to continue from "
+                "it, or if_exists='replace' to start afresh")
 
     async def _wait_for_keys(self, keys):
         loop = asyncio.get_running_loop()
@@ -167,10 +215,10 @@ class Coordinator:
 
     # ---- push and pull ----------------------------------------------------------------
 
-    async def push(self, rank, items):
+    async def push(self, rank, incarnation, items):
         """Merge ``items`` (codec.Item) into their keys: in async mode at once, in sync mode
         into each key's current round, applied when all workers have pushed."""
-        self._check_rank(rank)
+        self.members.check(rank, incarnation)
         self._check_distinct(items, "push")
         check_updater = getattr(self.engine.updater, "check", None)
         for item in items:
@@ -179,35 +227,36 @@ class Coordinator:
                 check_updater(item.key, self.engine.get(item.key).array)
         if self.mode == ASYNC:
             for item in items:
-                self.engine.apply(item.key, self.engine.merge([item.array]))
+                self._apply(item.key, self.engine.merge([item.array]))
             return
         if self.num_workers == 1:
             # Every round of one worker is complete with its push: applied at once, as
             # _add_to_round would (such a round never waits, so it is never aborted).
             for item in items:
-                self.engine.apply(item.key, self.engine.merge([item.array]))
+                self._apply(item.key, self.engine.merge([item.array]))
             return
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settle(rank, [item.key for item in items]):
             pass
+        self.members.check(rank, incarnation)
         for item in items:
             self._add_to_round(rank, item)
 
-    async def pull(self, rank, keys):
+    async def pull(self, rank, incarnation, keys):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
         until the caller next awaits), after the current round of each key this rank has
         pushed to (sync mode)."""
-        self._check_rank(rank)
+        self.members.check(rank, incarnation)
         keys = self.engine.check_keys(keys)
         for key in keys:
             self.engine.get(key)
-        if self.mode == SYNC:
-            await self._settle(rank, keys)
+        if self.mode == SYNC and await self._settle(rank, keys):
+            self.members.check(rank, incarnation)
         return [self._snapshot(key) for key in keys]
 
-    async def pushpull(self, rank, items):
-        await self.push(rank, items)
-        return await self.pull(rank, [item.key for item in items])
+    async def pushpull(self, rank, incarnation, items):
+        await self.push(rank, incarnation, items)
+        return await self.pull(rank, incarnation, [item.key for item in items])
 
     def _add_to_round(self, rank, item):
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
@@ -221,7 +270,7 @@ class Coordinator:
         else:
             current.total = total = self.engine.accumulate(current.total, item.array, item.owned)
         if complete:
-            self.engine.apply(item.key, total)
+            self._apply(item.key, total)
             if current.timer is not None:
                 current.timer.cancel()
             rounds.current = _Wait(current.number + 1)
@@ -230,6 +279,10 @@ class Coordinator:
         elif len(current.ranks) == 1:
             loop = asyncio.get_running_loop()
             current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
+
+    def _apply(self, key, merged):
+        self.engine.apply(key, merged)
+        self._updates[key] = self._updates.get(key, 0) + 1
 
     def _abort_round(self, key, round_, why=None, error_class=RoundAbortedError):
         rounds = self._rounds[key]
@@ -284,9 +337,9 @@ class Coordinator:
 
     # ---- barrier ----------------------------------------------------------------------
 
-    async def barrier(self, rank):
+    async def barrier(self, rank, incarnation):
         """Return once every rank has entered the barrier."""
-        self._check_rank(rank)
+        self.members.check(rank, incarnation)
         self._check_open()
         barrier = self._barrier
         if barrier is None:
@@ -356,10 +409,12 @@ class Coordinator:
     # ---- life cycle -------------------------------------------------------------------
 
     def info(self):
+        run = self.members.run
         return {
-            "mode": self.mode, "num_workers": self.num_workers, "registered_ranks": sorted(self.ranks),
+            "mode": self.mode, "num_workers": self.num_workers, "registered_ranks": self.members.ranks,
             "num_keys": len(self.engine), "device": self.device,
             "optimizer": self.optimizer.name if self.optimizer else "",
+            "run": run.number if run else 0, "if_exists": run.if_exists if run else None,
         }
 
     def _check_open(self):
@@ -369,11 +424,16 @@ class Coordinator:
     def shutdown(self):
         """Fail every wait in progress, and every later one, with ServerUnavailableError."""
         self._closing = True
-        why = "aborted: the server is shutting down"
+        self._abort_waits("aborted: the server is shutting down", ServerUnavailableError)
+
+    def _abort_waits(self, why, error_class):
+        """Fail every wait in progress with ``error_class`` saying ``why``: the rounds (their
+        pushes are discarded), the barrier, the inits waiting for rank 0."""
         for key, rounds in self._rounds.items():
             if rounds.current.ranks:
-                self._abort_round(key, rounds.current, why, ServerUnavailableError)
+                self._abort_round(key, rounds.current, why, error_class)
         if self._barrier is not None:
-            self._abort_barrier(self._barrier, why, ServerUnavailableError)
+            self._abort_barrier(self._barrier, why, error_class)
         for waiter in self._init_waiters.values():
-            _fail(waiter, ServerUnavailableError("the server is shutting down"))
+            _fail(waiter, error_class(f"init {why}"))
+        self._init_waiters.clear()

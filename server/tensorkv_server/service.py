@@ -19,10 +19,14 @@ from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from . import datachan, shm
+from .membership import FAIL, REPLACE, RESUME
 from .staging import Staging
 
 log = logging.getLogger(__name__)
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
+_IF_EXISTS = {FAIL: kvstore_pb2.IF_EXISTS_FAIL, RESUME: kvstore_pb2.IF_EXISTS_RESUME,
+              REPLACE: kvstore_pb2.IF_EXISTS_REPLACE}
+_IF_EXISTS_BY_VALUE = {value: name for name, value in _IF_EXISTS.items()} | {kvstore_pb2.IF_EXISTS_UNSPECIFIED: FAIL}
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 # Methods whose requests, or responses, the handlers see as bytes.
 RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
@@ -103,13 +107,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def Register(self, request, context):
-        rank = self.coordinator.register(request.rank if request.HasField("rank") else None)
-        return kvstore_pb2.RegisterResponse(
-            rank=rank, num_workers=self.coordinator.num_workers, mode=_MODES[self.coordinator.mode])
+        if_exists = _IF_EXISTS_BY_VALUE.get(request.if_exists)
+        if if_exists is None:
+            raise InvalidArgumentError(f"unknown if_exists value {request.if_exists}")
+        rank, incarnation = self.coordinator.register(request.rank if request.HasField("rank") else None, if_exists)
+        return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
+                                            mode=_MODES[self.coordinator.mode], incarnation=incarnation)
 
     @translate_errors
     async def Unregister(self, request, context):
-        self.coordinator.unregister(request.rank)
+        self.coordinator.unregister(request.rank, request.incarnation)
         return kvstore_pb2.UnregisterResponse()
 
     @translate_errors
@@ -117,34 +124,37 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         info = self.coordinator.info()
         return kvstore_pb2.InfoResponse(
             mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
-            data_port=self.data_port.port if self.data_port else 0, **info)
+            data_port=self.data_port.port if self.data_port else 0,
+            if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED), **info)
 
     @translate_errors
     async def Init(self, request_iterator, context):
         first, items = await _read(request_iterator, kvstore_pb2.InitRequest,
                                    with_data=lambda first: not first.wait_only, staging=self.staging)
         if first is not None:
-            await self.coordinator.init(first.rank, items, first.wait_only)
+            await self.coordinator.init(first.rank, first.incarnation, items, first.wait_only)
         return kvstore_pb2.InitResponse()
 
     @translate_errors
     async def Push(self, request_iterator, context):
         first, items = await _read(request_iterator, kvstore_pb2.PushRequest, staging=self.staging)
         if first is not None:
-            await self.coordinator.push(first.rank, items)
+            await self.coordinator.push(first.rank, first.incarnation, items)
         return kvstore_pb2.PushResponse()
 
     @translate_errors
     async def Pull(self, request, context):
         keys = [codec.get_key(key) for key in request.keys]
-        for message in _responses(self._host(await self.coordinator.pull(request.rank, keys))):
+        items = await self.coordinator.pull(request.rank, request.incarnation, keys)
+        for message in _responses(self._host(items)):
             yield message
 
     @translate_errors
     async def PushPull(self, request_iterator, context):
         first, items = await _read(request_iterator, kvstore_pb2.PushPullRequest, staging=self.staging)
         if first is not None:
-            for message in _responses(self._host(await self.coordinator.pushpull(first.rank, items))):
+            pulled = await self.coordinator.pushpull(first.rank, first.incarnation, items)
+            for message in _responses(self._host(pulled)):
                 yield message
 
     @translate_errors
@@ -239,14 +249,15 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if incoming:  # the bytes first, so that the channel stays in step whatever the work does
             await channel.receive(incoming, timeout)
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
-            await self.coordinator.push(request.rank, items)
+            await self.coordinator.push(request.rank, request.incarnation, items)
             return []
         if request.op == kvstore_pb2.SESSION_OP_PULL:
-            return await self.coordinator.pull(request.rank, [codec.get_key(key) for key in request.keys])
+            keys = [codec.get_key(key) for key in request.keys]
+            return await self.coordinator.pull(request.rank, request.incarnation, keys)
         if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
-            return await self.coordinator.pushpull(request.rank, items)
+            return await self.coordinator.pushpull(request.rank, request.incarnation, items)
         if request.op == kvstore_pb2.SESSION_OP_INIT:
-            await self.coordinator.init(request.rank, items, request.wait_only)
+            await self.coordinator.init(request.rank, request.incarnation, items, request.wait_only)
             return []
         raise InvalidArgumentError(f"unknown session op {request.op}")
 
@@ -270,7 +281,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return kvstore_pb2.SetLearningRateResponse()
 
     @translate_errors
+    async def Reset(self, request, context):
+        return kvstore_pb2.ResetResponse(num_keys=self.coordinator.reset())
+
+    @translate_errors
     async def Barrier(self, request, context):
-        await self.coordinator.barrier(request.rank)
+        await self.coordinator.barrier(request.rank, request.incarnation)
         return kvstore_pb2.BarrierResponse()
 

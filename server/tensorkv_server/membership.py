@@ -1,0 +1,111 @@
+"""Who may call a server: the ranks registered on it, each held by one registration, and
+the run they make up.
+
+Every registration gets a new *incarnation* number, unique on this server and across its
+restarts: a counter that starts from the server's start time in microseconds and grows by
+one per registration. Every call that names a rank carries the incarnation its caller
+registered with, and :meth:`Membership.check` refuses a call from a rank that nobody holds
+(the server restarted, or the rank was given back) or from an earlier holder of the rank,
+so that such a call never merges into a round.
+
+A *run* is the set of workers registered together: it starts with a registration while no
+rank is registered, and ends when all of its ranks have been given back. Its first
+registration chooses its ``if_exists``, what it does with the keys that earlier runs left
+(FAIL, RESUME or REPLACE), and the run's other registrations must ask for the same.
+"""
+import logging
+import time
+
+from tensorkv.errors import FailedPreconditionError
+
+log = logging.getLogger(__name__)
+
+FAIL, RESUME, REPLACE = "fail", "resume", "replace"
+
+
+class Run:
+    """One run: its number (1, 2, ... since the server started) and its ``if_exists``."""
+
+    __slots__ = ("number", "if_exists")
+
+    def __init__(self, number, if_exists):
+        self.number = number
+        self.if_exists = if_exists
+
+
+class Membership:
+    """The ranks 0 <= rank < ``num_workers`` registered on one server and their incarnations."""
+
+    def __init__(self, num_workers):
+        self.num_workers = num_workers
+        self.incarnations = {}  # rank -> the incarnation of its registration
+        self.run = None  # the current Run (the last one while no rank is registered)
+        self._next_incarnation = time.time_ns() // 1000
+
+    @property
+    def ranks(self):
+        """The registered ranks, ascending."""
+        return sorted(self.incarnations)
+
+    @property
+    def running(self):
+        """Whether a run is going on: some rank is registered."""
+        return bool(self.incarnations)
+
+    def register(self, rank=None, if_exists=FAIL):
+        """(rank, incarnation, whether it started a new run) of a new registration of
+        ``rank``, or of the lowest free rank; FailedPreconditionError if it is taken, or if
+        ``if_exists`` is not that of the run going on."""
+        if self.running and if_exists != self.run.if_exists:
+            raise FailedPreconditionError(
+                f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
+                f"(ranks {self.ranks} registered) started with if_exists={self.run.if_exists!r}: every worker "
+                "of a run must ask for the same")
+        if rank is None:
+            free = [r for r in range(self.num_workers) if r not in self.incarnations]
+            if not free:
+                raise FailedPreconditionError(f"all {self.num_workers} ranks are taken")
+            rank = free[0]
+        self._check_range(rank)
+        if rank in self.incarnations:
+            raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
+        started = not self.running
+        if started:
+            self.run = Run(self.run.number + 1 if self.run else 1, if_exists)
+            log.info("run %d starts (if_exists=%r)", self.run.number, if_exists)
+        incarnation = self.incarnations[rank] = self._next_incarnation
+        self._next_incarnation += 1
+        log.info("worker registered with rank %d, incarnation %d (%d of %d)",
+                 rank, incarnation, len(self.incarnations), self.num_workers)
+        return rank, incarnation, started
+
+    def unregister(self, rank, incarnation):
+        """Give ``rank`` back (only its current holder may); whether that ended the run."""
+        self.check(rank, incarnation)
+        del self.incarnations[rank]
+        log.info("worker with rank %d, incarnation %d unregistered (%d of %d left)",
+                 rank, incarnation, len(self.incarnations), self.num_workers)
+        if not self.running:
+            log.info("run %d ended: every rank left", self.run.number)
+        return not self.running
+
+    def check(self, rank, incarnation):
+        """FailedPreconditionError unless ``rank`` is registered with ``incarnation``."""
+        self._check_range(rank)
+        current = self.incarnations.get(rank)
+        if current is None:
+            raise FailedPreconditionError(
+                f"rank {rank} is not registered on this server (it restarted, or the rank was given back): "
+                "create the store again to register")
+        if incarnation != current:
+            raise FailedPreconditionError(
+                f"rank {rank} is held by incarnation {current}, not by this call's incarnation {incarnation}: "
+                "the rank was registered again since this caller registered (after it gave the rank back, "
+                "or after a server restart)")
+
+    def _check_range(self, rank):
+        if not 0 <= rank < self.num_workers:
+            raise FailedPreconditionError(
+                f"rank {rank} is out of range: this server expects {self.num_workers} workers "
+                f"(ranks 0 to {self.num_workers - 1})"
+            )

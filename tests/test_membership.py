@@ -1,0 +1,153 @@
+"""Membership: a call counts only when it comes from the registration it names (rank and
+incarnation). Real server processes on 127.0.0.1; the callers that must be refused use
+the raw generated stub and a raw Session stream, as an old worker would keep calling."""
+import grpc
+import numpy as np
+import pytest
+
+import tensorkv
+from tensorkv.rpc import CHANNEL_OPTIONS, Session, status_code
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
+
+from cluster import Cluster, wait_until
+
+REFUSED = 100.0  # what every refused push carries: a round that merged one would show it
+
+
+def _entry(key, value):
+    return tensor_pb2.Entry(key=tensor_pb2.Key(str_key=key), tensor=tensor_pb2.Tensor(
+        dtype=tensor_pb2.DTYPE_FLOAT32, shape=value.shape, data=value.tobytes()))
+
+
+def _session_call(session, **fields):
+    """The SessionResponse to one SessionRequest with ``fields`` on a raw Session stream."""
+    def build(call_id, timeout_ms, region, channel):
+        return kvstore_pb2.SessionRequest(id=call_id, timeout_ms=timeout_ms, **fields).SerializeToString(), ()
+    _, data = session.call(build, 5.0)
+    return kvstore_pb2.SessionResponse.FromString(data)
+
+
+def _calls(address, rank, incarnation):
+    """{name: call} for every call that names a rank, made as ``rank`` with ``incarnation``
+    on the raw stub and on a raw Session stream; and the channel and session to close."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    stub, session = kvstore_pb2_grpc.KVStoreServiceStub(channel), Session(channel, address)
+    who = dict(rank=rank, incarnation=incarnation)
+    frame = tensor_pb2.TensorFrame(entries=[_entry("w", np.full(4, REFUSED, np.float32))])
+    keys = [tensor_pb2.Key(str_key="w")]
+    calls = {
+        "Init": lambda: stub.Init(iter([kvstore_pb2.InitRequest(frame=frame, **who)]), timeout=5),
+        "Push": lambda: stub.Push(iter([kvstore_pb2.PushRequest(frame=frame, **who)]), timeout=5),
+        "Pull": lambda: list(stub.Pull(kvstore_pb2.PullRequest(keys=keys, **who), timeout=5)),
+        "PushPull": lambda: list(stub.PushPull(iter([kvstore_pb2.PushPullRequest(frame=frame, **who)]), timeout=5)),
+        "Barrier": lambda: stub.Barrier(kvstore_pb2.BarrierRequest(**who), timeout=5),
+        "Unregister": lambda: stub.Unregister(kvstore_pb2.UnregisterRequest(**who), timeout=5),
+    }
+    for op in ("PUSH", "PULL", "PUSH_PULL", "INIT"):
+        calls[f"Session {op}"] = lambda op=op: _session_call(
+            session, op=kvstore_pb2.SessionOp.Value(f"SESSION_OP_{op}"), frame=frame,
+            keys=keys if op == "PULL" else (), **who)
+    return calls, channel, session
+
+
+def _refusal(call):
+    """(status code name, message, error class) of ``call``, which must fail."""
+    try:
+        answer = call()
+    except grpc.RpcError as error:
+        return error.code().name, error.details(), dict(error.trailing_metadata()).get("tensorkv-error")
+    assert isinstance(answer, kvstore_pb2.SessionResponse) and answer.code, f"not refused: {answer}"
+    return status_code(answer.code).name, answer.message, answer.error_class
+
+
+def _assert_all_refused(address, rank, incarnation, words):
+    calls, channel, session = _calls(address, rank, incarnation)
+    try:
+        for name, call in calls.items():
+            code, message, error_class = _refusal(call)
+            assert (code, error_class) == ("FAILED_PRECONDITION", "FailedPreconditionError"), (name, message)
+            assert words in message, (name, message)
+    finally:
+        session.close()
+        channel.close()
+
+
+def _info(address):
+    with grpc.insecure_channel(address) as channel:
+        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+
+
+def _round(stores, key="w"):
+    """Each store pushes rank + 1 into ``key`` (one sync round); the value after it."""
+    for kv in stores:
+        kv.push(key, np.full(4, kv.rank + 1.0, np.float32))
+    return [kv.pull(key) for kv in stores]
+
+
+def test_calls_from_a_rank_that_never_registered_are_refused(tmp_path):
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        with tensorkv.create("dist_sync", servers=address, rank=0) as kv0:
+            kv0.init("w", np.zeros(4, np.float32))
+            _assert_all_refused(address, 1, 0, "rank 1 is not registered on this server (it restarted, or the "
+                                               "rank was given back): create the store again to register")
+            incarnation = kv0._registered[0]
+            _assert_all_refused(address, 0, 0, f"rank 0 is held by incarnation {incarnation}, "
+                                               "not by this call's incarnation 0")
+            assert list(_info(address).registered_ranks) == [0]
+            with tensorkv.create("dist_sync", servers=address, rank=1) as kv1:
+                kv1.init("w", np.zeros(4, np.float32))
+                for value in _round([kv0, kv1]):
+                    np.testing.assert_array_equal(value, [3.0] * 4)  # 1 + 2: no refused push merged
+
+
+def test_a_stale_incarnation_is_refused_and_cannot_give_the_rank_back(tmp_path):
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        with grpc.insecure_channel(address) as channel:
+            stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+            old = stub.Register(kvstore_pb2.RegisterRequest(rank=1), timeout=5).incarnation
+            stub.Unregister(kvstore_pb2.UnregisterRequest(rank=1, incarnation=old), timeout=5)
+        with tensorkv.create("dist_sync", servers=address, rank=0) as kv0, \
+                tensorkv.create("dist_sync", servers=address, rank=1) as kv1:
+            current = kv1._registered[0]
+            assert current > old
+            kv0.init("w", np.zeros(4, np.float32))
+            kv1.init("w", np.zeros(4, np.float32))
+            _assert_all_refused(address, 1, old, f"rank 1 is held by incarnation {current}, "
+                                                 f"not by this call's incarnation {old}")
+            assert list(_info(address).registered_ranks) == [0, 1]  # the stale Unregister freed nothing
+            for value in _round([kv0, kv1]):
+                np.testing.assert_array_equal(value, [3.0] * 4)
+
+
+def test_after_a_server_restart_an_old_workers_push_is_refused(tmp_path):
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        old = tensorkv.create("dist_sync", servers=address, rank=0, timeout=10)
+        try:
+            old.init("w", np.zeros(4, np.float32))
+            cluster.restart()
+            with tensorkv.create("dist_sync", servers=address, rank=0) as kv0, \
+                    tensorkv.create("dist_sync", servers=address, rank=1) as kv1:
+                kv0.init("w", np.zeros(4, np.float32))
+                kv1.init("w", np.zeros(4, np.float32))
+                refusals = []
+
+                def old_push_refused():  # the old worker's connection comes back after the restart
+                    try:
+                        old.push("w", np.full(4, REFUSED, np.float32))
+                    except tensorkv.ServerUnavailableError:
+                        return False
+                    except tensorkv.FailedPreconditionError as error:
+                        refusals.append(str(error))
+                        return True
+                    raise AssertionError("the old worker's push was accepted")
+                wait_until(old_push_refused, "the old worker's push refused")
+                assert f"rank 0 is held by incarnation {kv0._registered[0]}" in refusals[0]
+                for value in _round([kv0, kv1]):
+                    np.testing.assert_array_equal(value, [3.0] * 4)  # only the new workers' gradients
+                old.close()  # its Unregister is refused: the new rank 0 keeps its rank
+                assert list(_info(address).registered_ranks) == [0, 1]
+        finally:
+            old.close()
