@@ -9,7 +9,7 @@ from tensorkv.backend import select
 from tensorkv.engine import Engine
 
 from .rounds import ASYNC, SYNC, Coordinator
-from .server import serve
+from .server import ListenError, serve
 
 
 def parse_args(argv=None):
@@ -54,8 +54,11 @@ def main(argv=None):
     except (RuntimeError, ValueError) as error:  # a device this machine does not have
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
-    asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None))
+    try:
+        asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
+                          args.data_port if args.data_channel else None))
+    except ListenError as error:
+        raise SystemExit(f"tensorkv-server: {error}") from None
 
 
 if __name__ == "__main__":
