@@ -22,14 +22,15 @@ from . import shm
 from .codec import (
     CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key,
 )
-from .engine import Engine
+from .engine import Engine, dtype_mismatch
 from .errors import (
-    DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError, InvalidArgumentError,
+    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
     ServerUnavailableError, ShapeMismatchError,
 )
 from .kvstore import KVStore
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
+from .words import plural
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -209,12 +210,14 @@ class DistStore(KVStore):
                     f"server {address} is unreachable: no answer within {connect_timeout:g} s; "
                     f"is tensorkv-server running on {address}?") from None
             if info.mode != _MODES[self.type]:
+                mode = kvstore_pb2.Mode.Name(info.mode).removeprefix("MODE_").lower()
                 raise FailedPreconditionError(
-                    f"server {address} runs in {kvstore_pb2.Mode.Name(info.mode)}; "
-                    f"a '{self.type}' store needs {kvstore_pb2.Mode.Name(_MODES[self.type])}")
+                    f"server {address} runs in {mode} mode; a '{self.type}' store needs a server started with "
+                    f"--mode {self.type.removeprefix('dist_')} (for this one, create a 'dist_{mode}' store)")
             if num_workers is not None and info.num_workers != num_workers:
                 raise FailedPreconditionError(
-                    f"server {address} expects {info.num_workers} workers, this worker was told {num_workers}")
+                    f"server {address} expects {plural(info.num_workers, 'worker')}, "
+                    f"this worker was told {num_workers}")
             num_workers = info.num_workers
             infos.append(info)
         for index in range(len(self._addresses)):
@@ -407,7 +410,7 @@ class DistStore(KVStore):
         if known is None:
             return
         if dtype != known[1]:
-            raise DtypeMismatchError(f"key {key!r}: {verb} dtype {dtype} does not match the stored dtype {known[1]}")
+            raise dtype_mismatch(key, verb, dtype, known[1])
         if shape != known[0]:
             raise ShapeMismatchError(f"key {key!r}: {verb} shape {shape} does not match the stored shape {known[0]}")
 

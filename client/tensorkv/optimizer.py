@@ -27,6 +27,7 @@ import numpy as np
 from .backend import array_module
 from .kernels import Kernel
 from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from .words import plural
 
 
 def _number(name, value):
@@ -397,7 +398,8 @@ class Updater:
         states = self.optimizer.create_state(xp, weight)
         if len(arrays) != len(states):
             raise InvalidArgumentError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {len(states)} state arrays, got {len(arrays)}"
+                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {plural(len(states), 'state array')}, "
+                f"got {len(arrays)}"
             )
         for state, array in zip(states, arrays):
             if tuple(array.shape) != tuple(state.shape):

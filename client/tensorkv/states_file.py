@@ -25,6 +25,7 @@ from .backend import to_host
 from .codec import check_key
 from .errors import InvalidArgumentError
 from .optimizer import create
+from .words import plural
 
 FORMAT = "tensorkv-optimizer-states"
 VERSION = 1
@@ -70,5 +71,5 @@ def load(fname):
     except InvalidArgumentError as error:
         raise InvalidArgumentError(f"{fname}: {error}") from None
     if arrays:
-        raise InvalidArgumentError(f"{fname}: {len(arrays)} state arrays belong to no key")
+        raise InvalidArgumentError(f"{fname}: {plural(len(arrays), 'state array')} of no key")
     return optimizer, states

@@ -18,6 +18,7 @@ from tensorkv.errors import (
     FailedPreconditionError, InvalidArgumentError, KeyExistsError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError,
 )
+from tensorkv.words import plural
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Coordinator:
         if rank is None:
             free = [r for r in range(self.num_workers) if r not in self.ranks]
             if not free:
-                raise FailedPreconditionError(f"all {self.num_workers} ranks are taken")
+                raise FailedPreconditionError(f"every rank is taken: this server expects {self._workers()}")
             rank = free[0]
         self._check_rank(rank)
         if rank in self.ranks:
@@ -116,9 +117,12 @@ class Coordinator:
     def _check_rank(self, rank):
         if not 0 <= rank < self.num_workers:
             raise FailedPreconditionError(
-                f"rank {rank} is out of range: this server expects {self.num_workers} workers "
-                f"(ranks 0 to {self.num_workers - 1})"
-            )
+                f"rank {rank} is out of range: this server expects {self._workers()}")
+
+    def _workers(self):
+        """'1 worker (rank 0)' or 'N workers (ranks 0 to N-1)'."""
+        ranks = "rank 0" if self.num_workers == 1 else f"ranks 0 to {self.num_workers - 1}"
+        return f"{plural(self.num_workers, 'worker')} ({ranks})"
 
     # ---- init -------------------------------------------------------------------------
 
@@ -267,7 +271,7 @@ class Coordinator:
                     errors.append(future.exception())
                     self._rounds[key].aborted.pop(rank, None)
         if errors:
-            more = f" (and {len(errors) - 1} more keys)" if len(errors) > 1 else ""
+            more = f" (and {plural(len(errors) - 1, 'more key')})" if len(errors) > 1 else ""
             raise type(errors[0])(f"{errors[0]}{more}")
         return bool(futures)
 
@@ -334,7 +338,8 @@ class Coordinator:
         updater.set_states(checked)
         self.engine.updater = updater
         self.optimizer = optimizer
-        log.info("optimizer %s %s installed with states for %d keys", optimizer.name, optimizer.params, len(states))
+        log.info("optimizer %s %s installed with states for %s", optimizer.name, optimizer.params,
+                 plural(len(states), "key"))
 
     def optimizer_states(self):
         """(optimizer or None, {key: (num_update, [Item])}) with copies of the states."""

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tensorkv.rpc import SERVER_OPTIONS
 from tensorkv.v1 import kvstore_pb2
+from tensorkv.words import plural
 
 from .datachan import DataPort, bare_host
 from .service import KVStoreService, add_to_server
@@ -36,9 +37,10 @@ def _listen_error(flag, host, port, error):
     return ListenError(f"{flag} {port}: cannot listen on {host}:{port}: {error.strerror}")
 
 
-def _check_free(host, port):
-    """Raise ListenError unless this process may listen on host:``port`` (0: any free port),
-    tried the way gRPC binds: gRPC's own bind failure says why only in its log."""
+def check_free(host, port, flag):
+    """Raise ListenError naming ``flag`` unless this process may listen on host:``port`` (0:
+    any free port), tried the way gRPC and DataPort bind: gRPC's own bind failure says why
+    only in its log, and a server that cannot start should say so before it loads anything."""
     if port == 0:
         return
     try:
@@ -51,7 +53,7 @@ def _check_free(host, port):
             try:
                 probe.bind(sockaddr)
             except OSError as error:
-                raise _listen_error("--port", host, port, error) from None
+                raise _listen_error(flag, host, port, error) from None
 
 
 async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
@@ -60,7 +62,6 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0)
     fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
     server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT)
     address = f"{host}:{port}"
-    _check_free(host, port)
     if data_port is not None:
         try:
             data_port = DataPort(host, data_port)
@@ -74,15 +75,16 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0)
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         server.add_insecure_port(address)
-    except RuntimeError:  # taken since _check_free looked
+    except RuntimeError:  # taken since check_free looked
         raise ListenError(f"--port {port}: cannot listen on {address}") from None
     await server.start()
     if data_port is not None:
         data_port.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s: %d workers, %s mode, values on %s, round timeout %g s, shared memory %s, "
-             "data channel %s", SERVICE_NAME, address, coordinator.num_workers, coordinator.mode, coordinator.device,
+    log.info("serving %s on %s: %s, %s mode, values on %s, round timeout %g s, shared memory %s, "
+             "data channel %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"), coordinator.mode,
+             coordinator.device,
              coordinator.round_timeout, "on" if servicer.shared_memory else "off",
              f"on port {data_port.port}" if data_port else "off")
 
