@@ -132,9 +132,6 @@ def transport_error(details, address, kind):
                      details.rsplit(": ", 1)[-1].lower())  # the system's reason, e.g. "no route to host"
         return ServerUnavailableError(f"cannot connect to server {address}: {cause}; {hint}")
     effect = f"the {kind} changed nothing" if kind in READ_ONLY_CALLS else f"the {kind} may have been applied"
-    if "keepalive" in details:
-        return ServerUnavailableError(f"server {address} stopped answering during the {kind} (it may be hung, "
-                                      f"or the network is down); {effect}")
     return ServerUnavailableError(f"server {address} closed the connection during the {kind} "
                                   f"(it may have crashed or been killed); {effect}")
 
@@ -311,7 +308,7 @@ class Session:
             raise error_from_rpc(error, self._address, kind) from None
         except StopIteration:
             self._reset()
-            raise transport_error("the server ended the session", self._address, kind) from None
+            raise transport_error("", self._address, kind) from None  # the server ended the stream
         finally:
             self._deadline = None
 
