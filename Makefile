@@ -45,6 +45,9 @@ clean:
 PORT ?= 50051
 SERVER_ARGS ?= --num-workers 1 --mode sync
 FREE_PORT := import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])
+# Waits (30 s at most) until something listens on 127.0.0.1:PORT: a worker started before its
+# server is refused at once.
+WAIT_PORT := import socket, sys, time; sys.exit(None if any(socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 or time.sleep(0.1) for _ in range(300)) else "no server on port " + sys.argv[1])
 
 .PHONY: server run-dist
 
@@ -55,6 +58,7 @@ run-dist: $(STAMP)
 	@port=$$($(PY) -c '$(FREE_PORT)'); \
 	$(PY) -m tensorkv_server --port $$port --num-workers 1 --mode sync --log-level WARNING & pid=$$!; \
 	trap 'kill $$pid; wait $$pid' EXIT; \
+	$(PY) -c '$(WAIT_PORT)' $$port && \
 	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py
 
 # `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
@@ -90,4 +94,5 @@ image-smoke: image $(STAMP)
 	name=tensorkv-smoke-$$port; \
 	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --port $$port --data-port 0 --num-workers 1 >/dev/null; \
 	trap '$(ENGINE) stop -t 10 $$name >/dev/null' EXIT; \
+	$(PY) -c '$(WAIT_PORT)' $$port && \
 	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py

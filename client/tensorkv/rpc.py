@@ -88,20 +88,53 @@ def translate_errors(method):
 
 # ---- client side ----------------------------------------------------------------------
 
-def error_from_rpc(error, address):
-    """The KVStoreError to raise for the ``grpc.RpcError`` a call to ``address`` raised."""
+def error_from_rpc(error, address, kind):
+    """The KVStoreError to raise for the ``grpc.RpcError`` that a ``kind`` call ('push',
+    'pull', ...) to ``address`` raised."""
     class_name = dict(error.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
-    return error_from_code(error.code(), error.details(), class_name, address)
+    return error_from_code(error.code(), error.details(), class_name, address, kind)
 
 
-def error_from_code(code, details, class_name, address):
+def error_from_code(code, details, class_name, address, kind):
     """The KVStoreError for status ``code`` (a grpc.StatusCode) with ``details`` and the
-    error class name the server sent (None if none)."""
+    error class name the server sent (None if none) that a ``kind`` call got."""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        if class_name is None:  # made by the transport, not sent by a server
+            return transport_error(details, address, kind)
         return ServerUnavailableError(f"server {address} is unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(f"server {address} did not answer within the deadline: {details}")
     return error_from_status(code.name, details, class_name)
+
+
+# Calls that change nothing on a server: any other whose connection broke may have taken effect.
+READ_ONLY_CALLS = frozenset({"info", "pull", "barrier", "save_optimizer_states"})
+
+# The transport's words for a connection it could not make, and what they mean.
+_CONNECT_FAILURES = (
+    ("Connection refused", "the connection was refused (nothing listens on that port)"),
+    ("HTTP/2", "something else answers there: not a tensorkv (gRPC) server"),
+    ("http1", "something else answers there: an HTTP/1 server, not a tensorkv (gRPC) server"),
+    ("Socket closed", "the peer closed the connection before answering: not a tensorkv (gRPC) server, "
+                      "or one that is stopping"),
+)
+
+
+def transport_error(details, address, kind):
+    """The ServerUnavailableError for a ``kind`` call whose connection to ``address`` could
+    not be made or broke, in words instead of the transport's ``details``."""
+    hint = f"is tensorkv-server running on {address}?"
+    if "resolving" in details or "DNS resolution failed" in details:
+        host = address.rsplit(":", 1)[0]
+        return ServerUnavailableError(f"cannot reach server {address}: host {host} is unknown "
+                                      f"(its name does not resolve); {hint}")
+    if "failed to connect" in details:  # no connection: the call was not sent
+        cause = next((words for text, words in _CONNECT_FAILURES if text in details),
+                     details.rsplit(": ", 1)[-1].lower())  # the system's reason, e.g. "no route to host"
+        return ServerUnavailableError(f"cannot connect to server {address}: {cause}; {hint}")
+    effect = f"the {kind} changed nothing" if kind in READ_ONLY_CALLS else f"the {kind} may have been applied"
+    return ServerUnavailableError(f"server {address} closed the connection during the {kind} "
+                                  f"(it may have crashed or been killed); {effect}")
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -202,14 +235,15 @@ class Session:
         self.data_port = data_port
         self.data_channel = None
 
-    def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False):
+    def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call"):
         """``decode(id, serialized SessionResponse, region, channel)`` (default: (id, response))
         for the request that ``build(id, timeout_ms, region, channel)`` returns with the arrays
         whose bytes follow on the data channel, as (serialized SessionRequest, arrays); both
         run under the session's lock. ``region`` is the shared-memory Region for a call with
         ``shm_bytes`` > 0, ``channel`` the data channel for a call with ``data_channel`` (each
         None when there is none); ``decode`` receives what the response says follows on the
-        channel. None when the session is busy or closed."""
+        channel. ``kind`` names the call in errors ('push', 'pull', ...). None when the session
+        is busy or closed."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -217,15 +251,15 @@ class Session:
                 return None
             if self._call is None:
                 self._open()
-            region = self._ensure_region(shm_bytes, timeout) if shm_bytes > 0 else None
-            channel = self._ensure_channel(timeout) if data_channel and region is None else None
+            region = self._ensure_region(shm_bytes, timeout, kind) if shm_bytes > 0 else None
+            channel = self._ensure_channel(timeout, kind) if data_channel and region is None else None
             call_id = next(self._ids)
             if channel is not None:
                 channel.deadline = time.monotonic() + timeout
             request, arrays = build(call_id, max(1, int(timeout * 1000)), region, channel)
             failed = []
             try:
-                data = self._roundtrip(request, timeout,
+                data = self._roundtrip(request, timeout, kind,
                                        lambda: self._send(channel, arrays, failed) if arrays else None)
             except BaseException:  # e.g. interrupted mid-send: this call's answer must not be the next's
                 self._reset()
@@ -256,8 +290,9 @@ class Session:
         except KVStoreError as error:
             failed.append(error)
 
-    def _roundtrip(self, request, timeout, then=None):
-        """Send one serialized request, run ``then()`` and return the serialized response."""
+    def _roundtrip(self, request, timeout, kind, then=None):
+        """Send one serialized request of a ``kind`` call, run ``then()`` and return the
+        serialized response."""
         self._expired = False
         self._deadline = time.monotonic() + timeout + SESSION_GRACE
         self._queue.put(request)
@@ -271,10 +306,10 @@ class Session:
             if expired:
                 raise DeadlineExceededError(
                     f"server {self._address} did not answer within {timeout:g} s") from None
-            raise error_from_rpc(error, self._address) from None
+            raise error_from_rpc(error, self._address, kind) from None
         except StopIteration:
             self._reset()
-            raise ServerUnavailableError(f"server {self._address} closed the session") from None
+            raise transport_error("", self._address, kind) from None  # the server ended the stream
         finally:
             self._deadline = None
 
@@ -283,7 +318,7 @@ class Session:
         """Whether calls may use shared memory (a region exists or may be negotiated)."""
         return self.shm_allowed or self.region is not None
 
-    def _ensure_region(self, nbytes, timeout):
+    def _ensure_region(self, nbytes, timeout, kind):
         """The registered region, grown to ``nbytes`` if the server agrees; None or a smaller
         region when it does not (the call then carries what does not fit inline)."""
         region = self.region
@@ -300,7 +335,8 @@ class Session:
                 id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
                 timeout_ms=max(1, int(timeout * 1000)),
                 region=kvstore_pb2.SharedMemoryRegion(pid=os.getpid(), fd=new.fd, size=new.size, token=new.token))
-            response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout))
+            response = kvstore_pb2.SessionResponse.FromString(
+                self._roundtrip(request.SerializeToString(), timeout, kind))
         except BaseException:
             new.close()
             raise
@@ -316,7 +352,7 @@ class Session:
             region.close()
             release = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
                                                  region_id=region.id)
-            self._roundtrip(release.SerializeToString(), timeout)
+            self._roundtrip(release.SerializeToString(), timeout, kind)
         return new
 
     @property
@@ -324,14 +360,14 @@ class Session:
         """Whether calls may use a data channel (one exists or may be negotiated)."""
         return self.data_port > 0 or self.data_channel is not None
 
-    def _ensure_channel(self, timeout):
+    def _ensure_channel(self, timeout, kind):
         """The data channel, negotiated if needed; None when the server does not bind one
         (this session then stays on the gRPC messages)."""
         if self.data_channel is not None or not self.data_port:
             return self.data_channel
         request = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
                                              timeout_ms=max(1, int(timeout * 1000)))
-        response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout))
+        response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout, kind))
         try:
             if response.code:
                 raise ConnectionRefusedError(response.message)

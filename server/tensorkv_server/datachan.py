@@ -23,7 +23,8 @@ ACK = b"\x01"
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection gets to send its token
 
 
-def _host(host):
+def bare_host(host):
+    """``host`` without the brackets of an IPv6 address."""
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
@@ -32,7 +33,7 @@ class DataPort:
 
     def __init__(self, host, port=0):
         ipv6 = ":" in host  # then both families, as gRPC serves them
-        self._listener = socket.create_server((_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
+        self._listener = socket.create_server((bare_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
                                               dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]

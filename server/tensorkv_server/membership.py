@@ -17,6 +17,7 @@ import logging
 import time
 
 from tensorkv.errors import FailedPreconditionError
+from tensorkv.words import plural
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Membership:
         if rank is None:
             free = [r for r in range(self.num_workers) if r not in self.incarnations]
             if not free:
-                raise FailedPreconditionError(f"all {self.num_workers} ranks are taken")
+                raise FailedPreconditionError(f"every rank is taken: this server expects {self._workers()}")
             rank = free[0]
         self._check_range(rank)
         if rank in self.incarnations:
@@ -106,6 +107,9 @@ class Membership:
     def _check_range(self, rank):
         if not 0 <= rank < self.num_workers:
             raise FailedPreconditionError(
-                f"rank {rank} is out of range: this server expects {self.num_workers} workers "
-                f"(ranks 0 to {self.num_workers - 1})"
-            )
+                f"rank {rank} is out of range: this server expects {self._workers()}")
+
+    def _workers(self):
+        """'1 worker (rank 0)' or 'N workers (ranks 0 to N-1)'."""
+        ranks = "rank 0" if self.num_workers == 1 else f"ranks 0 to {self.num_workers - 1}"
+        return f"{plural(self.num_workers, 'worker')} ({ranks})"
