@@ -1,9 +1,9 @@
 """The one place where tensorkv errors meet gRPC statuses, on both sides of the wire.
 
-A server handler raises a :class:`~tensorkv.errors.KVStoreError`; :func:`translate_errors`
-sends its ``code`` as the status, its message as the details and its class name in the
-trailing metadata entry ``tensorkv-error``. A client turns a ``grpc.RpcError`` back into
-the same class with :func:`error_from_rpc`.
+A server handler raises a :class:`~tensorkv.errors.KVStoreError`; :func:`translate_errors`,
+which wraps every handler as it is registered, sends its ``code`` as the status, its message
+as the details and its class name in the trailing metadata entry ``tensorkv-error``. A
+client turns a ``grpc.RpcError`` back into the same class with :func:`error_from_rpc`.
 """
 import functools
 import inspect
@@ -76,15 +76,19 @@ async def _abort(context, error):
     )
 
 
-def translate_errors(method):
-    """Decorate an async servicer method (coroutine or async generator) so that any error it
-    raises reaches the client as a status: a KVStoreError as its own code, anything else as
-    INTERNAL (and logged with its traceback)."""
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
+def translate_errors(handler, parse=None):
+    """``handler`` (an async function or async generator function of (request, context), e.g.
+    a bound servicer method) as a gRPC handler whose errors reach the client as statuses: a
+    KVStoreError as its own code, anything else as INTERNAL (and logged with its traceback).
+    ``parse(request, context)``, when given, turns the request as gRPC delivers it (bytes, or
+    an async iterator of them) into what ``handler`` receives, within that translation: a
+    malformed request fails with its own status."""
+    parse = parse or (lambda request, context: request)
+    if inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def stream(request, context):
             try:
-                async for response in method(self, request, context):
+                async for response in handler(parse(request, context), context):
                     yield response
             except grpc.aio.AbortError:
                 raise
@@ -92,10 +96,10 @@ def translate_errors(method):
                 await _abort(context, error)
         return stream
 
-    @functools.wraps(method)
-    async def unary(self, request, context):
+    @functools.wraps(handler)
+    async def unary(request, context):
         try:
-            return await method(self, request, context)
+            return await handler(parse(request, context), context)
         except grpc.aio.AbortError:
             raise
         except Exception as error:
