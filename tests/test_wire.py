@@ -1,13 +1,14 @@
 """Requests that no tensorkv client sends, from raw gRPC calls to a real server: malformed
-protobuf on every method. Each is refused with its status, changes nothing, and the server
-serves on."""
+protobuf on every method, and data-channel output asked for on a stream without a bound
+data channel. Each is refused with its status, changes nothing, and the server serves on."""
 import grpc
 import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.rpc import Stub
-from tensorkv.v1 import kvstore_pb2
+from tensorkv.codec import Item, encode_stream
+from tensorkv.rpc import Stub, status_code
+from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import Cluster
 
@@ -60,3 +61,42 @@ def test_a_malformed_message_later_in_a_setupdater_stream_is_refused(tmp_path):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert Stub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5).optimizer == ""  # nothing installed
 
+
+def _session(channel, requests):
+    """The SessionResponses to ``requests`` (SessionRequest messages or serialized ones) sent
+    on one raw Session stream."""
+    stream = channel.stream_stream(f"/{_SERVICE.full_name}/Session")
+    data = [r if isinstance(r, bytes) else r.SerializeToString() for r in requests]
+    return [kvstore_pb2.SessionResponse.FromString(answer) for answer in stream(iter(data), timeout=10)]
+
+
+def _asking_for_the_channel(call_id):
+    """A Pull and a PushPull of 'w' that ask for their values on the data channel."""
+    fields = dict(rank=0, timeout_ms=5000, data_channel_min_bytes=1)
+    pull = kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_PULL,
+                                      keys=[tensor_pb2.Key(str_key="w")], **fields)
+    pushpull = encode_stream(kvstore_pb2.SessionRequest, [Item("w", np.full(3, 5.0))],
+                             dict(id=call_id + 1, op=kvstore_pb2.SESSION_OP_PUSH_PULL, **fields),
+                             chunk_bytes=1 << 62)[0]
+    return [pull, pushpull]
+
+
+@pytest.mark.parametrize("server_args, open_first", [
+    ((), False),                      # no channel asked for
+    ((), True),                       # a token handed out, never presented
+    (("--no-data-channel",), False),  # a server without a data channel
+])
+def test_output_on_no_bound_data_channel_is_refused_before_any_change(tmp_path, server_args, open_first):
+    with Cluster(tmp_path=tmp_path, server_args=server_args) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc") as kv, \
+            grpc.insecure_channel(cluster.addresses[0]) as channel:
+        kv.init("w", np.ones(3))
+        opening = [kvstore_pb2.SessionRequest(id=1, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL)] if open_first else []
+        answers = _session(channel, opening + _asking_for_the_channel(2))
+        if open_first:
+            assert answers.pop(0).data_token
+        for answer in answers:
+            assert status_code(answer.code) == grpc.StatusCode.FAILED_PRECONDITION, answer
+            assert "no data channel is bound to this stream" in answer.message
+            assert answer.error_class == "FailedPreconditionError"
+        assert kv.pull("w").tolist() == [1.0] * 3  # the PushPull changed nothing

@@ -199,6 +199,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 return self._open_channel(request, channel), None
             # Checked before anything changes; written after the work, before any other await.
             output = regions.placement(request.output) if request.HasField("output") else None
+            if request.data_channel_min_bytes and (channel is None or not channel.bound):
+                raise FailedPreconditionError("data_channel_min_bytes asks for values on the data channel, but no "
+                                              "data channel is bound to this stream (open one, connect with its token)")
             timeout = request.timeout_ms / 1000 if request.timeout_ms else None
             work = self._session_work(request, items, channel, incoming, timeout)
             if timeout is not None:
@@ -213,8 +216,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 items = output.place(items)
             outgoing = None
             if request.data_channel_min_bytes:
-                if channel is None:
-                    raise FailedPreconditionError("this server has no data channel")
                 items, arrays = codec.following(items, request.data_channel_min_bytes)
                 outgoing = (datachan.snapshot(arrays), timeout) if arrays else None
             response = codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
