@@ -24,6 +24,12 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# `make test-slow`: the tests marked slow (minutes each, e.g. waits longer than keepalive
+# periods), which `make test` leaves out.
+.PHONY: test-slow
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
 # `make test-gpu`: the GPU suite (tests/test_gpu.py) on a machine with a CUDA device, run by
 # GPU_PYTHON (one that has CuPy, and torch for its torch tests) on the tree as it is, without
 # installing it; the generated modules must be there (`make proto` where grpcio-tools is).

@@ -1,9 +1,9 @@
 """The one place where tensorkv errors meet gRPC statuses, on both sides of the wire.
 
-A server handler raises a :class:`~tensorkv.errors.KVStoreError`; :func:`translate_errors`
-sends its ``code`` as the status, its message as the details and its class name in the
-trailing metadata entry ``tensorkv-error``. A client turns a ``grpc.RpcError`` back into
-the same class with :func:`error_from_rpc`.
+A server handler raises a :class:`~tensorkv.errors.KVStoreError`; :func:`translate_errors`,
+which wraps every handler as it is registered, sends its ``code`` as the status, its message
+as the details and its class name in the trailing metadata entry ``tensorkv-error``. A
+client turns a ``grpc.RpcError`` back into the same class with :func:`error_from_rpc`.
 """
 import functools
 import inspect
@@ -25,24 +25,42 @@ from .v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Large tensors travel as chunked streams, so no message limit is needed; keepalive pings
-# find dead peers during long waits for sync rounds.
+# Large tensors travel as chunked streams, so no message limit is needed.
 _COMMON_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
 ]
+
+# Keepalive. A call may wait without a byte moving for as long as a sync round, barrier or
+# init waits (the server's --round-timeout, which the client's `timeout` must exceed), and a
+# worker's Session stream stays open between calls, however long it computes. The client
+# pings every _KEEPALIVE_TIME_MS while a call or stream is open, to find a dead server or a
+# cut connection within _KEEPALIVE_TIME_MS + _KEEPALIVE_TIMEOUT_MS; the server must accept
+# those pings for as long as they go on, or it closes the connection ("too many pings").
+# gRPC core reads these options by their exact names (include/grpc/impl/channel_arg_names.h)
+# and silently ignores any other name: a server then allows one ping per 5 minutes.
+_KEEPALIVE_TIME_MS = 30_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
 CHANNEL_OPTIONS = _COMMON_OPTIONS + [
     # unary-stream calls (Pull, and PushPull of one message) without a thread per call
     ("SingleThreadedUnaryStream", 1),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+    # no pings with no call open: nothing waits on the connection then (and a server allows
+    # one ping per 2 hours on a connection without calls)
     ("grpc.keepalive_permit_without_calls", 0),
+    # pings for as long as a wait lasts, with no data in between
     ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVER_OPTIONS = _COMMON_OPTIONS + [
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    # the server's own pings find the connections of dead workers, and end their streams
+    ("grpc.keepalive_time_ms", 2 * _KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+    # a client ping sooner than this after the previous one, with no data sent in between, is
+    # a strike; below the client's period so that late timers never make one
+    ("grpc.http2.min_ping_interval_without_data_ms", 2 * _KEEPALIVE_TIME_MS // 3),
+    # early pings tolerated before the server closes the connection (gRPC's default is 2); the
+    # count restarts whenever the server sends data
     ("grpc.http2.max_ping_strikes", 5),
 ]
 
@@ -59,15 +77,19 @@ async def _abort(context, error):
     )
 
 
-def translate_errors(method):
-    """Decorate an async servicer method (coroutine or async generator) so that any error it
-    raises reaches the client as a status: a KVStoreError as its own code, anything else as
-    INTERNAL (and logged with its traceback)."""
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
+def translate_errors(handler, parse=None):
+    """``handler`` (an async function or async generator function of (request, context), e.g.
+    a bound servicer method) as a gRPC handler whose errors reach the client as statuses: a
+    KVStoreError as its own code, anything else as INTERNAL (and logged with its traceback).
+    ``parse(request, context)``, when given, turns the request as gRPC delivers it (bytes, or
+    an async iterator of them) into what ``handler`` receives, within that translation: a
+    malformed request fails with its own status."""
+    parse = parse or (lambda request, context: request)
+    if inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def stream(request, context):
             try:
-                async for response in method(self, request, context):
+                async for response in handler(parse(request, context), context):
                     yield response
             except grpc.aio.AbortError:
                 raise
@@ -75,10 +97,10 @@ def translate_errors(method):
                 await _abort(context, error)
         return stream
 
-    @functools.wraps(method)
-    async def unary(self, request, context):
+    @functools.wraps(handler)
+    async def unary(request, context):
         try:
-            return await method(self, request, context)
+            return await handler(parse(request, context), context)
         except grpc.aio.AbortError:
             raise
         except Exception as error:

@@ -122,11 +122,16 @@ class StreamChannel:
         self._token, self._waiter = self._port.offer()
         return self._token
 
-    def _socket(self):
+    @property
+    def bound(self):
+        """Whether a connection presented this stream's token (and is not closed)."""
         waiter = self._waiter
-        if waiter is None or not waiter.done() or waiter.cancelled():
+        return waiter is not None and waiter.done() and not waiter.cancelled()
+
+    def _socket(self):
+        if not self.bound:
             raise FailedPreconditionError("this stream has no connected data channel: ask for one first")
-        return waiter.result()
+        return self._waiter.result()
 
     async def receive(self, buffers, timeout):
         """Fill the uint8 arrays ``buffers`` from the channel, in order, within ``timeout`` s."""
