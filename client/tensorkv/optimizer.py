@@ -26,7 +26,7 @@ import numpy as np
 
 from .backend import array_module
 from .kernels import Kernel
-from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError, key_repr
 
 
 def _number(name, value):
@@ -379,7 +379,7 @@ class Updater:
         """Raise DtypeMismatchError unless ``weight`` has a floating-point dtype the optimizer can update."""
         if np.dtype(weight.dtype).kind != "f" and np.dtype(weight.dtype).name != "bfloat16":
             raise DtypeMismatchError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
+                f"key {key_repr(key)}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
             )
 
     def __call__(self, key, grad, weight):
@@ -397,13 +397,15 @@ class Updater:
         states = self.optimizer.create_state(xp, weight)
         if len(arrays) != len(states):
             raise InvalidArgumentError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {len(states)} state arrays, got {len(arrays)}"
+                f"key {key_repr(key)}: optimizer {self.optimizer.name!r} keeps {len(states)} state arrays, "
+                f"got {len(arrays)}"
             )
         for state, array in zip(states, arrays):
             if tuple(array.shape) != tuple(state.shape):
-                raise ShapeMismatchError(f"key {key!r}: state of shape {tuple(array.shape)}, expected {state.shape}")
+                raise ShapeMismatchError(
+                    f"key {key_repr(key)}: state of shape {tuple(array.shape)}, expected {state.shape}")
             if array.dtype != state.dtype:
-                raise DtypeMismatchError(f"key {key!r}: state of dtype {array.dtype}, expected {state.dtype}")
+                raise DtypeMismatchError(f"key {key_repr(key)}: state of dtype {array.dtype}, expected {state.dtype}")
             state[...] = xp.asarray(array)
         return states
 

@@ -16,8 +16,8 @@ import time
 import grpc
 
 from .errors import (
-    ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError,
-    error_from_status,
+    ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ResourceExhaustedError,
+    ServerUnavailableError, error_from_status,
 )
 from . import datachan, shm
 from .v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -48,10 +48,20 @@ SERVER_OPTIONS = _COMMON_OPTIONS + [
 
 # ---- server side ----------------------------------------------------------------------
 
+def _as_kvstore_error(error, where):
+    """``error`` as the KVStoreError a client gets: a MemoryError is RESOURCE_EXHAUSTED, anything
+    else but a KVStoreError is INTERNAL (and logged with its traceback)."""
+    if isinstance(error, KVStoreError):
+        return error
+    if isinstance(error, MemoryError):
+        log.warning("out of memory in %s: %s", where, error)
+        return ResourceExhaustedError(f"the server ran out of memory: {type(error).__name__}: {error}")
+    log.exception("unexpected error in %s", where)
+    return InternalError(f"{type(error).__name__}: {error}")
+
+
 async def _abort(context, error):
-    if not isinstance(error, KVStoreError):
-        log.exception("unexpected error in %s", context)
-        error = InternalError(f"{type(error).__name__}: {error}")
+    error = _as_kvstore_error(error, context)
     await context.abort(
         grpc.StatusCode[error.code], str(error),
         trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
@@ -60,8 +70,8 @@ async def _abort(context, error):
 
 def translate_errors(method):
     """Decorate an async servicer method (coroutine or async generator) so that any error it
-    raises reaches the client as a status: a KVStoreError as its own code, anything else as
-    INTERNAL (and logged with its traceback)."""
+    raises reaches the client as a status: a KVStoreError as its own code, a MemoryError as
+    RESOURCE_EXHAUSTED, anything else as INTERNAL (and logged with its traceback)."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context):
@@ -112,11 +122,9 @@ def status_code(number):
 
 
 def error_status(error):
-    """(status number, message, class name) that a server sends for ``error``; anything but
-    a KVStoreError is INTERNAL (and logged with its traceback)."""
-    if not isinstance(error, KVStoreError):
-        log.exception("unexpected error in a session call")
-        error = InternalError(f"{type(error).__name__}: {error}")
+    """(status number, message, class name) that a server sends for ``error`` (see
+    :func:`_as_kvstore_error`)."""
+    error = _as_kvstore_error(error, "a session call")
     return grpc.StatusCode[error.code].value[0], str(error), type(error).__name__
 
 

@@ -10,6 +10,7 @@ from tensorkv.engine import Engine
 
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import serve
+from .service import MAX_KEY_BYTES
 
 
 def parse_args(argv=None):
@@ -34,12 +35,17 @@ def parse_args(argv=None):
                              "fix it to publish it from a container)")
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages")
+    parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
+                        help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
+                             "with INVALID_ARGUMENT (default %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
     if args.round_timeout <= 0:
         parser.error("--round-timeout must be positive")
+    if args.max_key_bytes < 1:
+        parser.error("--max-key-bytes must be at least 1")
     return args
 
 
@@ -55,7 +61,7 @@ def main(argv=None):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None))
+                      args.data_port if args.data_channel else None, args.max_key_bytes))
 
 
 if __name__ == "__main__":

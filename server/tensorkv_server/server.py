@@ -12,20 +12,21 @@ from tensorkv.rpc import SERVER_OPTIONS
 from tensorkv.v1 import kvstore_pb2
 
 from .datachan import DataPort
-from .service import KVStoreService, add_to_server
+from .service import MAX_KEY_BYTES, KVStoreService, add_to_server
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
+async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, max_key_bytes=MAX_KEY_BYTES):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests may carry str
+    keys of up to ``max_key_bytes`` bytes."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     data_port = DataPort(host, data_port) if data_port is not None else None
-    servicer = KVStoreService(coordinator, shared_memory, data_port)
+    servicer = KVStoreService(coordinator, shared_memory, data_port, max_key_bytes)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
