@@ -22,12 +22,16 @@ def _entry(key, shape, data=b"", dtype=tensor_pb2.DTYPE_FLOAT32):
 
 
 class _Raw:
-    """A server's KVStoreService through the generated stub, and a Session stream of its own."""
+    """A server's KVStoreService through the generated stub, and a Session stream of its own,
+    for a worker registered with ``ranks`` (given back on close)."""
 
-    def __init__(self, address):
+    def __init__(self, address, ranks=(0,)):
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreServiceStub(self.channel)
         self.session = Session(self.channel, address)
+        self.ranks = ranks
+        for rank in ranks:
+            self.stub.Register(kvstore_pb2.RegisterRequest(rank=rank), timeout=TIMEOUT)
 
     def push(self, entries, rank=0):
         """The grpc.StatusCode and details of a Push RPC carrying ``entries``."""
@@ -62,6 +66,8 @@ class _Raw:
         return grpc.StatusCode.OK if response.code == 0 else _CODES[response.code], response.message
 
     def close(self):
+        for rank in self.ranks:
+            self.stub.Unregister(kvstore_pb2.UnregisterRequest(rank=rank), timeout=TIMEOUT)
         self.session.close()
         self.channel.close()
 
@@ -162,9 +168,7 @@ def test_a_wait_only_init_allocates_nothing(tmp_path):
     shape (INVALID_ARGUMENT), never allocated (before the fix: INTERNAL MemoryError)."""
     with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
         _cap_address_space(cluster.processes[0].pid, 1 << 30)
-        with _Raw(cluster.addresses[0]) as raw:
-            raw.stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=TIMEOUT)
-            raw.stub.Register(kvstore_pb2.RegisterRequest(rank=1), timeout=TIMEOUT)
+        with _Raw(cluster.addresses[0], ranks=(0, 1)) as raw:
             assert raw.init([_entry("w", [2], np.ones(2, np.float32).tobytes())])[0] == grpc.StatusCode.OK
             answers = [raw.init([_entry("w", TIB_OF_FLOAT32)], rank=1, wait_only=True),
                        raw.session_call(kvstore_pb2.SESSION_OP_INIT, [_entry("w", TIB_OF_FLOAT32)], rank=1,
