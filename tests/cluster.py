@@ -34,6 +34,15 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def rss(pid):
+    """The resident memory of process ``pid``, in bytes (VmRSS)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
 def stop(process, timeout=STOP_TIMEOUT):
     """SIGTERM ``process`` (by its PID), SIGKILL it if still alive after ``timeout``; its return code."""
     if process.poll() is None:

@@ -12,7 +12,7 @@ from . import lr_scheduler, optimizer
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError,
     InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,
-    KVStoreError, RoundAbortedError, ServerUnavailableError, ShapeMismatchError,
+    KVStoreError, ResourceExhaustedError, RoundAbortedError, ServerUnavailableError, ShapeMismatchError,
 )
 from .kvstore import KVStore
 
@@ -68,5 +68,5 @@ __all__ = [
     "create", "reset", "KVStore", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
     "InvalidTensorError", "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError",
     "KeyExistsError", "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError",
-    "DeadlineExceededError", "InternalError",
+    "DeadlineExceededError", "ResourceExhaustedError", "InternalError",
 ]

@@ -25,7 +25,7 @@ from .codec import (
 from .engine import Engine, dtype_mismatch
 from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
-    ServerUnavailableError, ShapeMismatchError,
+    ServerUnavailableError, ShapeMismatchError, key_repr,
 )
 from .kvstore import KVStore
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
@@ -372,6 +372,7 @@ class DistStore(KVStore):
             items = decoder.finish()
             if decoder.frames.incoming:
                 channel.receive(decoder.frames.incoming)
+            decoder.remember()
             return items
 
         return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output),
@@ -390,7 +391,9 @@ class DistStore(KVStore):
         decoder = DistStore._decoder(message_type, part, outs)
         for data in responses:
             decoder.feed(data)
-        return decoder.finish()
+        items = decoder.finish()
+        decoder.remember()
+        return items
 
     @staticmethod
     def _decoder(message_type, part, outs, resolve=None, channel=False):
@@ -439,7 +442,8 @@ class DistStore(KVStore):
         if dtype != known[1]:
             raise dtype_mismatch(key, verb, dtype, known[1])
         if shape != known[0]:
-            raise ShapeMismatchError(f"key {key!r}: {verb} shape {shape} does not match the stored shape {known[0]}")
+            raise ShapeMismatchError(
+                f"key {key_repr(key)}: {verb} shape {shape} does not match the stored shape {known[0]}")
 
     def _merged(self, pairs):
         """{key: one array}: the arrays pushed for each key, summed (a repeated key too); GPU

@@ -30,7 +30,7 @@ import numpy as np
 
 from .backend import array_module
 from .kernels import Kernel
-from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
+from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .lr_scheduler import LRScheduler
 from .words import plural
 
@@ -438,7 +438,7 @@ class Updater:
         """Raise DtypeMismatchError unless ``weight`` has a floating-point dtype the optimizer can update."""
         if np.dtype(weight.dtype).kind != "f" and np.dtype(weight.dtype).name != "bfloat16":
             raise DtypeMismatchError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
+                f"key {key_repr(key)}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
             )
 
     def __call__(self, key, grad, weight):
@@ -470,14 +470,15 @@ class Updater:
         states = self.optimizer.create_state(xp, weight)
         if len(arrays) != len(states):
             raise InvalidArgumentError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {plural(len(states), 'state array')}, "
+                f"key {key_repr(key)}: optimizer {self.optimizer.name!r} keeps {plural(len(states), 'state array')}, "
                 f"got {len(arrays)}"
             )
         for state, array in zip(states, arrays):
             if tuple(array.shape) != tuple(state.shape):
-                raise ShapeMismatchError(f"key {key!r}: state of shape {tuple(array.shape)}, expected {state.shape}")
+                raise ShapeMismatchError(
+                    f"key {key_repr(key)}: state of shape {tuple(array.shape)}, expected {state.shape}")
             if array.dtype != state.dtype:
-                raise DtypeMismatchError(f"key {key!r}: state of dtype {array.dtype}, expected {state.dtype}")
+                raise DtypeMismatchError(f"key {key_repr(key)}: state of dtype {array.dtype}, expected {state.dtype}")
             state[...] = xp.asarray(array)
         return states
 

@@ -17,8 +17,8 @@ import time
 import grpc
 
 from .errors import (
-    ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError,
-    error_from_status,
+    ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ResourceExhaustedError,
+    ServerUnavailableError, error_from_status,
 )
 from . import datachan, shm
 from .v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -67,10 +67,20 @@ SERVER_OPTIONS = _COMMON_OPTIONS + [
 
 # ---- server side ----------------------------------------------------------------------
 
+def _as_kvstore_error(error, where):
+    """``error`` as the KVStoreError a client gets: a MemoryError is RESOURCE_EXHAUSTED, anything
+    else but a KVStoreError is INTERNAL (and logged with its traceback)."""
+    if isinstance(error, KVStoreError):
+        return error
+    if isinstance(error, MemoryError):
+        log.warning("out of memory in %s: %s", where, error)
+        return ResourceExhaustedError(f"the server ran out of memory: {type(error).__name__}: {error}")
+    log.exception("unexpected error in %s", where)
+    return InternalError(f"{type(error).__name__}: {error}")
+
+
 async def _abort(context, error):
-    if not isinstance(error, KVStoreError):
-        log.exception("unexpected error in %s", context)
-        error = InternalError(f"{type(error).__name__}: {error}")
+    error = _as_kvstore_error(error, context)
     await context.abort(
         grpc.StatusCode[error.code], str(error),
         trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
@@ -80,7 +90,8 @@ async def _abort(context, error):
 def translate_errors(handler, parse=None):
     """``handler`` (an async function or async generator function of (request, context), e.g.
     a bound servicer method) as a gRPC handler whose errors reach the client as statuses: a
-    KVStoreError as its own code, anything else as INTERNAL (and logged with its traceback).
+    KVStoreError as its own code, a MemoryError as RESOURCE_EXHAUSTED, anything else
+    as INTERNAL (and logged with its traceback).
     ``parse(request, context)``, when given, turns the request as gRPC delivers it (bytes, or
     an async iterator of them) into what ``handler`` receives, within that translation: a
     malformed request fails with its own status."""
@@ -168,11 +179,9 @@ def status_code(number):
 
 
 def error_status(error):
-    """(status number, message, class name) that a server sends for ``error``; anything but
-    a KVStoreError is INTERNAL (and logged with its traceback)."""
-    if not isinstance(error, KVStoreError):
-        log.exception("unexpected error in a session call")
-        error = InternalError(f"{type(error).__name__}: {error}")
+    """(status number, message, class name) that a server sends for ``error`` (see
+    :func:`_as_kvstore_error`)."""
+    error = _as_kvstore_error(error, "a session call")
     return grpc.StatusCode[error.code].value[0], str(error), type(error).__name__
 
 

@@ -10,6 +10,7 @@ from tensorkv.engine import Engine
 
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, check_free, serve
+from .service import MAX_KEY_BYTES
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
 # tensorkv_server logger hierarchy the other modules log in.
@@ -42,6 +43,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages "
                              "(default: data channel on)")
+    parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
+                        help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
+                             "with INVALID_ARGUMENT (default %(default)s)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="least severe log messages written to stderr (default %(default)s)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -52,6 +56,8 @@ def parse_args(argv=None):
         parser.error("--round-timeout must be positive")
     if args.data_channel and args.data_port == args.port != 0:
         parser.error("--data-port must differ from --port")
+    if args.max_key_bytes < 1:
+        parser.error("--max-key-bytes must be at least 1")
     return args
 
 
@@ -77,7 +83,7 @@ def _serve(args, reexec):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None))
+                      args.data_port if args.data_channel else None, args.max_key_bytes))
 
 
 if __name__ == "__main__":

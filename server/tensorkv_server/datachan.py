@@ -11,6 +11,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import traceback
 
 import numpy as np
 
@@ -158,6 +159,10 @@ class StreamChannel:
             raise DeadlineExceededError(f"the data channel did not move the bytes within {timeout:g} s") from None
         except (OSError, EOFError) as error:
             self.close()
+            # The failed read's (or write's) asyncio future, and wait_for's task, hold this error,
+            # whose traceback holds the frames that awaited them: reference cycles that would keep
+            # the frames' buffers (a whole value) until the cyclic GC runs. Their locals go now.
+            traceback.clear_frames(error.__traceback__)
             raise ServerUnavailableError(f"the data channel broke: {error}") from None
 
     def close(self):

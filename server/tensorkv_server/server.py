@@ -15,7 +15,7 @@ from tensorkv.v1 import kvstore_pb2
 from tensorkv.words import plural
 
 from .datachan import DataPort, bare_host
-from .service import KVStoreService, add_to_server
+from .service import MAX_KEY_BYTES, KVStoreService, add_to_server
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,11 @@ def check_free(host, port, flag):
                 raise _listen_error(flag, host, port, error) from None
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
+async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, max_key_bytes=MAX_KEY_BYTES):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests may carry str
+    keys of up to ``max_key_bytes`` bytes."""
     server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT)
     address = f"{host}:{port}"
     if data_port is not None:
@@ -67,7 +68,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0)
             data_port = DataPort(host, data_port)
         except OSError as error:
             raise _listen_error("--data-port", host, data_port, error) from None
-    servicer = KVStoreService(coordinator, shared_memory, data_port)
+    servicer = KVStoreService(coordinator, shared_memory, data_port, max_key_bytes)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
