@@ -12,7 +12,8 @@ from . import optimizer
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError,
     InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,
-    KVStoreError, RoundAbortedError, ServerUnavailableError, ShapeMismatchError,
+    KVStoreError, PermissionDeniedError, RoundAbortedError, ServerUnavailableError, ShapeMismatchError,
+    UnauthenticatedError,
 )
 from .kvstore import KVStore
 
@@ -49,5 +50,5 @@ __all__ = [
     "create", "KVStore", "optimizer", "KVStoreError", "InvalidArgumentError", "InvalidTensorError",
     "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError", "KeyExistsError",
     "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError", "DeadlineExceededError",
-    "InternalError",
+    "InternalError", "UnauthenticatedError", "PermissionDeniedError",
 ]

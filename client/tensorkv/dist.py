@@ -26,6 +26,7 @@ from .errors import (
     ServerUnavailableError, ShapeMismatchError,
 )
 from .kvstore import KVStore
+from .security import Security
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 
@@ -104,10 +105,13 @@ class DistStore(KVStore):
     default, or ``TENSORKV_TRANSPORT``) passes values through shared memory to a server that
     proves it is on this host and on the server's raw-TCP data channel otherwise; 'tcp'
     uses the data channel only; 'grpc' always sends them in the gRPC messages.
+    ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
+    (:class:`tensorkv.security.Security`).
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
-                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None):
+                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
+                 tls_ca=None, tls_cert=None, tls_key=None, token=None):
         super().__init__(name)
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
@@ -117,7 +121,8 @@ class DistStore(KVStore):
         allocator.tune_this_process()
         self._timeout = timeout
         self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
-        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses]
+        self._security = Security.from_options(tls_ca, tls_cert, tls_key, token)
+        self._channels = [self._security.channel(a, CHANNEL_OPTIONS) for a in self._addresses]
         self._stubs = [Stub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(len(self._stubs)) if len(self._stubs) > 1 else None
         # Small calls go over one long-lived Session stream per server (off with session=False
@@ -153,6 +158,7 @@ class DistStore(KVStore):
         when none is given. The servers' InfoResponses."""
         infos = []
         for index, address in enumerate(self._addresses):
+            self._security.wait_connected(self._channels[index], address, connect_timeout)
             try:
                 info = self._call(index, lambda stub: stub.Info(
                     kvstore_pb2.InfoRequest(), timeout=connect_timeout, wait_for_ready=True))

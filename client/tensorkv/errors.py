@@ -73,6 +73,19 @@ class DeadlineExceededError(KVStoreError, TimeoutError):
     code = "DEADLINE_EXCEEDED"
 
 
+class UnauthenticatedError(KVStoreError):
+    """A call without valid credentials: no token or an unknown one, or a TLS handshake that
+    failed (the message says which credential)."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(KVStoreError):
+    """A call the credentials do not allow: a read-only token on a call that writes."""
+
+    code = "PERMISSION_DENIED"
+
+
 class InternalError(KVStoreError):
     """A bug on the server side; the message says what failed."""
 
@@ -85,7 +98,7 @@ CATALOGUE = {
         KVStoreError, InvalidArgumentError, InvalidTensorError, ShapeMismatchError,
         DtypeMismatchError, KeyTypeError, KeyNotFoundError, KeyExistsError,
         FailedPreconditionError, RoundAbortedError, ServerUnavailableError,
-        DeadlineExceededError, InternalError,
+        DeadlineExceededError, UnauthenticatedError, PermissionDeniedError, InternalError,
     )
 }
 
@@ -98,6 +111,8 @@ BY_CODE = {
     "ABORTED": RoundAbortedError,
     "UNAVAILABLE": ServerUnavailableError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
     "INTERNAL": InternalError,
 }
 

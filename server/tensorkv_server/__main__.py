@@ -8,6 +8,7 @@ from tensorkv import allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
+from . import security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import serve
 
@@ -34,12 +35,20 @@ def parse_args(argv=None):
                              "fix it to publish it from a container)")
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages")
+    security.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
     if args.round_timeout <= 0:
         parser.error("--round-timeout must be positive")
+    try:
+        args.security = security.ServerSecurity.from_args(args)
+    except ValueError as error:
+        parser.exit(2, f"tensorkv-server: {error}\n")
+    refusal = args.security.refusal(args.host)
+    if refusal:
+        parser.exit(2, f"tensorkv-server: {refusal}\n")
     return args
 
 
@@ -55,7 +64,7 @@ def main(argv=None):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None))
+                      args.data_port if args.data_channel else None, args.security))
 
 
 if __name__ == "__main__":

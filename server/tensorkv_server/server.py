@@ -12,6 +12,7 @@ from tensorkv.rpc import SERVER_OPTIONS
 from tensorkv.v1 import kvstore_pb2
 
 from .datachan import DataPort
+from .security import ServerSecurity
 from .service import KVStoreService, add_to_server
 
 log = logging.getLogger(__name__)
@@ -19,11 +20,17 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
+async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, security=None):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. ``security``: a
+    ServerSecurity (default: plaintext, no tokens); with TLS there is no data channel (its
+    raw TCP would carry the values in plaintext)."""
+    security = security or ServerSecurity()
+    if security.tls and data_port is not None:
+        log.info("data channel off: TLS is on, and the data channel is plaintext TCP")
+        data_port = None
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
     data_port = DataPort(host, data_port) if data_port is not None else None
     servicer = KVStoreService(coordinator, shared_memory, data_port)
     add_to_server(servicer, server)
@@ -32,7 +39,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
+    if security.add_port(server, address) == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
     if data_port is not None:
@@ -40,9 +47,9 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s: %d workers, %s mode, values on %s, round timeout %g s, shared memory %s, "
-             "data channel %s", SERVICE_NAME, address, coordinator.num_workers, coordinator.mode, coordinator.device,
+             "data channel %s, %s", SERVICE_NAME, address, coordinator.num_workers, coordinator.mode, coordinator.device,
              coordinator.round_timeout, "on" if servicer.shared_memory else "off",
-             f"on port {data_port.port}" if data_port else "off")
+             f"on port {data_port.port}" if data_port else "off", security.describe())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
