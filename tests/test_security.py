@@ -3,6 +3,7 @@
 import datetime
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorkv
 from tensorkv.security import Security
+from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
@@ -77,18 +79,93 @@ def test_tutorial_against_a_tls_server(pki, tmp_path):
                                 capture_output=True, text=True, timeout=WORKER_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join(line for line in expected if not line.startswith("update on key"))
-    log = (tmp_path / "server0.log").read_text()
-    assert "data channel off: TLS is on" in log and "TLS, no tokens" in log
+    assert "TLS, no tokens" in (tmp_path / "server0.log").read_text()
 
 
-def test_sync_rounds_over_mutual_tls_with_a_token(pki, tmp_path):
+def test_sync_rounds_over_mutual_tls_with_a_token_and_the_data_channel(pki, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# workers\n{TOKEN}\n")
     security = Security(pki.ca_file, pki.client_cert, pki.client_key, TOKEN)
+    env = {**pki.env(), "TENSORKV_TOKEN": TOKEN, "TENSORKV_TRANSPORT": "tcp", "TENSORKV_DATACHAN_MIN_BYTES": "1"}
     with Cluster(num_workers=2, tmp_path=tmp_path, security=security,
                  server_args=[*pki.server_args(mutual=True), "--token-file", str(tokens)]) as cluster:
-        outs = check_workers(cluster.run_workers("sync_rounds", 3, env={**pki.env(), "TENSORKV_TOKEN": TOKEN}))
+        outs = check_workers(cluster.run_workers("sync_rounds", 3, env=env))
     assert sorted(outs) == ["ok 0\n", "ok 1\n"]
+    log = (tmp_path / "server0.log").read_text()
+    assert "mutual TLS, tokens" in log and log.count("data channel from") == 2  # one per worker
+
+
+def test_values_over_a_tls_data_channel(pki, tmp_path):
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(), security=Security(pki.ca_file)) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", tls_ca=pki.ca_file) as kv:
+            for size in (10, 100_000, 3 << 20):
+                value = np.arange(size, dtype=np.float32) % 1000
+                kv.init(size, value)
+                kv.push(size, value * 2)
+                out = np.empty(size, np.float32)
+                kv.pull(size, out=out)
+                fused = np.empty(size, np.float32)
+                kv.pushpull(size, value * 3, out=fused)
+                assert np.array_equal(out, value * 2) and np.array_equal(fused, value * 3)
+            assert kv._sessions[0].data_channel is not None
+
+
+def _tls_data_port(pki, cluster):
+    """The data port of a TLS server, and a client context that presents a client certificate."""
+    with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", tls_ca=pki.ca_file,
+                         tls_cert=pki.client_cert, tls_key=pki.client_key) as kv:
+        return kv._sessions[0].data_port, kv._security.data_channel_context()
+
+
+def _closed_by_server(sock, within):
+    """Whether the server closes ``sock`` within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, ssl.SSLError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_the_tls_data_port_refuses_strangers(pki, tmp_path):
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(mutual=True),
+                 security=Security(pki.ca_file, pki.client_cert, pki.client_key)) as cluster:
+        port, context = _tls_data_port(pki, cluster)
+        with socket.create_connection(("127.0.0.1", port), 5) as plain:  # a token in plaintext
+            plain.sendall(bytes(32))
+            assert _closed_by_server(plain, FAST)
+        anonymous = ssl.create_default_context(cafile=pki.ca_file)
+        try:
+            with anonymous.wrap_socket(socket.create_connection(("127.0.0.1", port), 5),
+                                       server_hostname="127.0.0.1") as tls:
+                tls.sendall(bytes(32))  # TLS 1.3: the missing certificate is refused after the handshake
+                assert _closed_by_server(tls, FAST)
+        except (ssl.SSLError, ConnectionError):
+            pass  # refused within the handshake
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", port), 5), server_hostname="127.0.0.1") as tls:
+            tls.sendall(bytes(32))  # a certificate, but no token the server gave
+            assert _closed_by_server(tls, FAST)
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", port), 5), server_hostname="127.0.0.1") as idle:
+            assert _closed_by_server(idle, HANDSHAKE_TIMEOUT + FAST)  # no token at all
+    log = (tmp_path / "server0.log").read_text()
+    assert log.count("data channel connection from") == 4 and "PEER_DID_NOT_RETURN_A_CERTIFICATE" in log, log
+
+
+def test_pending_data_connections_are_bounded(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            port = kv._sessions[0].data_port
+        idle = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(MAX_PENDING)]
+        try:
+            extra = socket.create_connection(("127.0.0.1", port), 5)
+            with extra:
+                assert _closed_by_server(extra, FAST)
+            assert not _closed_by_server(idle[0], 0.1)  # the waiting ones still have their time
+        finally:
+            for sock in idle:
+                sock.close()
+    assert "connections already wait for their token" in (tmp_path / "server0.log").read_text()
 
 
 def test_tls_refusals_fail_at_once_and_say_why(pki, tmp_path):

@@ -7,7 +7,8 @@ server's one-byte acknowledgement: the connection is then bound to that stream o
 go out with ``sendall`` straight from the arrays and come in with ``recv_into`` straight
 into their destinations (the kernel's copies only). Every read and write is bounded by the
 call's deadline; any failure closes the socket (the Session negotiates a new channel on a
-later call) and raises ServerUnavailableError, or DeadlineExceededError on time-out.
+later call) and raises ServerUnavailableError, or DeadlineExceededError on time-out. With a
+TLS server the connection is TLS, checked as the gRPC channel is, before the token is sent.
 """
 import socket
 import time
@@ -28,14 +29,17 @@ def split_address(address):
 
 class Channel:
     """A data channel to server ``address`` (its gRPC address) on ``port``, bound with ``token``
-    within ``timeout`` seconds (CONNECT_TIMEOUT at most); OSError when the server refuses or
-    cannot be reached."""
+    within ``timeout`` seconds (CONNECT_TIMEOUT at most), over TLS with the ssl.SSLContext
+    ``tls`` unless it is None; OSError when the server refuses or cannot be reached."""
 
-    def __init__(self, address, port, token, timeout):
+    def __init__(self, address, port, token, timeout, tls=None):
         self.address = address
         self.deadline = None  # of the call in progress (time.monotonic())
-        self._sock = socket.create_connection((split_address(address), port), min(timeout, CONNECT_TIMEOUT))
+        host = split_address(address)
+        self._sock = socket.create_connection((host, port), min(timeout, CONNECT_TIMEOUT))
         try:
+            if tls is not None:
+                self._sock = tls.wrap_socket(self._sock, server_hostname=host)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.sendall(token)
             if self._sock.recv(1) != ACK:

@@ -129,7 +129,9 @@ class DistStore(KVStore):
         # or TENSORKV_NO_SESSION=1).
         if session is None:
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
-        self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
+        data_tls = self._security.data_channel_context()
+        self._sessions = [Session(c, a, data_tls=data_tls) for c, a in zip(self._channels, self._addresses)] \
+            if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         self._registered = []  # indexes of the servers that gave this worker its rank
         try:

@@ -151,11 +151,18 @@ class Security:
         return UnauthenticatedError(f"server {address} uses TLS and this client does not: "
                                     "pass tls_ca= (TENSORKV_TLS_CA), the CA that signed its certificate")
 
-    def _diagnose_tls(self, sock, host, address):
+    def data_channel_context(self):
+        """The ssl.SSLContext of data channels (the same checks as the gRPC channel); None without TLS."""
+        if not self.tls:
+            return None
         context = ssl.create_default_context(cadata=_read(self.tls_ca, "tls_ca").decode("ascii"))
-        context.set_alpn_protocols(["h2"])
         if self.tls_cert is not None:
             context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
+
+    def _diagnose_tls(self, sock, host, address):
+        context = self.data_channel_context()
+        context.set_alpn_protocols(["h2"])
         try:
             with context.wrap_socket(sock, server_hostname=host) as tls:
                 # With TLS 1.3 a server refuses the client's certificate after the handshake:

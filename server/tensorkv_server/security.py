@@ -8,9 +8,9 @@ The file is read once, at start: a token stays valid for the server's lifetime, 
 expires in the middle of a job. Tokens are checked by :class:`TokenInterceptor`, for every
 method but the health service (probes need no token, and it says only SERVING or not).
 
-Certificate files are looked at again on each new connection: replacing them (cert and key
-together, e.g. by renaming new files over them) serves the new pair to new connections,
-while connections already open keep theirs.
+Certificate files are looked at again on each new connection, of the gRPC port and of the
+data channel: replacing them (cert and key together, e.g. by renaming new files over them)
+serves the new pair to new connections, while connections already open keep theirs.
 """
 import hmac
 import logging
@@ -117,6 +117,20 @@ class ServerSecurity:
         credentials = grpc.dynamic_ssl_server_credentials(
             self._config, self._fetch_config, require_client_authentication=self.mutual)
         return server.add_secure_port(address, credentials)
+
+    @property
+    def data_channel_context(self):
+        """A function that makes the ssl.SSLContext of a new data-channel connection from the
+        files as they are now (so a rotation reaches the data channel too); None without TLS."""
+        return self._data_channel_context if self.tls else None
+
+    def _data_channel_context(self):
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self._files[0], self._files[1])
+        if self.mutual:
+            context.load_verify_locations(self._files[2])
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def _file_stamp(self):
         return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, self._files))

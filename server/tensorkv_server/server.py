@@ -24,14 +24,10 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
     fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. ``security``: a
-    ServerSecurity (default: plaintext, no tokens); with TLS there is no data channel (its
-    raw TCP would carry the values in plaintext)."""
+    ServerSecurity (default: plaintext, no tokens), for the gRPC port and the data channel."""
     security = security or ServerSecurity()
-    if security.tls and data_port is not None:
-        log.info("data channel off: TLS is on, and the data channel is plaintext TCP")
-        data_port = None
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
-    data_port = DataPort(host, data_port) if data_port is not None else None
+    data_port = DataPort(host, data_port, security.data_channel_context) if data_port is not None else None
     servicer = KVStoreService(coordinator, shared_memory, data_port)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
