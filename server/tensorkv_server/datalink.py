@@ -46,7 +46,12 @@ class TlsLink(PlainLink):
     async def read_into(self, view):
         filled = 0
         while filled < len(view):
-            count = await self._complete(self._tls.read, len(view) - filled, view[filled:])
+            try:  # one TLS record per read: no coroutine per record unless bytes must come in
+                count = self._tls.read(len(view) - filled, view[filled:])
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._receive()
+                continue
             if count == 0:
                 raise EOFError("the client closed the data channel")
             filled += count
@@ -63,13 +68,16 @@ class TlsLink(PlainLink):
                 result = operation(*args)
             except ssl.SSLWantReadError:
                 await self._flush()
-                data = await self._loop.sock_recv(self.sock, RECV_BYTES)
-                if not data:
-                    raise EOFError("the client closed the data channel") from None
-                self._incoming.write(data)
+                await self._receive()
                 continue
             await self._flush()
             return result
+
+    async def _receive(self):
+        data = await self._loop.sock_recv(self.sock, RECV_BYTES)
+        if not data:
+            raise EOFError("the client closed the data channel")
+        self._incoming.write(data)
 
     async def _flush(self):
         data = self._outgoing.read()
