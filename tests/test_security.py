@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import tensorkv
 from tensorkv.security import Security
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING
-from tensorkv.v1 import kvstore_pb2, tensor_pb2
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
 
@@ -354,3 +354,19 @@ def _serving(address):
         return health(address, timeout=1.0) == "SERVING"
     except grpc.RpcError:
         return False
+
+
+@pytest.mark.parametrize("optimizer, says", [
+    (kvstore_pb2.Optimizer(name="x" * 1_000_000), "unknown optimizer 'xxxx"),
+    (kvstore_pb2.Optimizer(name="sgd", params={f"p{i:06d}": 1.0 for i in range(100_000)}),
+     "has no parameter p000000, p000001, p000002, p000003, p000004 and 99995 more"),
+])
+def test_huge_optimizer_names_and_maps_are_refused_in_a_short_message(optimizer, says, tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster, grpc.insecure_channel(cluster.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            kvstore_pb2_grpc.KVStoreServiceStub(channel).SetUpdater(
+                iter([kvstore_pb2.SetUpdaterRequest(optimizer=optimizer)]), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert says in caught.value.details() and len(caught.value.details()) < 300, caught.value.details()[:300]
+        info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+        assert info.optimizer == ""  # nothing installed
