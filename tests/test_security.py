@@ -370,3 +370,18 @@ def test_huge_optimizer_names_and_maps_are_refused_in_a_short_message(optimizer,
         assert says in caught.value.details() and len(caught.value.details()) < 300, caught.value.details()[:300]
         info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
         assert info.optimizer == ""  # nothing installed
+
+
+def test_a_starting_tls_server_is_waited_for_and_a_missing_one_within_the_connect_timeout(pki):
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(tensorkv.ServerUnavailableError, match="no answer within 2 s"):
+        tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file, connect_timeout=2)
+    assert time.monotonic() - start < 2 + 1.5  # the connect timeout, not twice it
+    process = subprocess.Popen(_server("--port", str(port), *pki.server_args()),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # refused connections while it starts: the store waits, it does not diagnose a TLS failure
+        with tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file, connect_timeout=30) as kv:
+            assert kv.rank == 0
+    finally:
+        stop(process)

@@ -160,10 +160,10 @@ class DistStore(KVStore):
         when none is given. The servers' InfoResponses."""
         infos = []
         for index, address in enumerate(self._addresses):
-            self._security.wait_connected(self._channels[index], address, connect_timeout)
+            left = self._security.wait_connected(self._channels[index], address, connect_timeout)
             try:
                 info = self._call(index, lambda stub: stub.Info(
-                    kvstore_pb2.InfoRequest(), timeout=connect_timeout, wait_for_ready=True))
+                    kvstore_pb2.InfoRequest(), timeout=left, wait_for_ready=True))
             except DeadlineExceededError:
                 raise ServerUnavailableError(
                     f"server {address} is unreachable: no answer within {connect_timeout:g} s") from None

@@ -109,22 +109,22 @@ class Security:
 
     def wait_connected(self, channel, address, timeout):
         """Wait up to ``timeout`` seconds for ``channel`` to ``address`` to connect (a server
-        still starting is waited for); a failed handshake raises UnauthenticatedError at once."""
+        still starting is waited for); the seconds left of ``timeout`` for the first call (which
+        says that the server is unreachable if it has not connected). A failed handshake raises
+        UnauthenticatedError at once."""
         deadline = time.monotonic() + timeout
         ready = grpc.channel_ready_future(channel)
         try:
-            while True:
+            while not ready.done() and time.monotonic() < deadline:
                 try:
-                    return ready.result(timeout=max(0.0, min(CONNECT_POLL, deadline - time.monotonic())))
+                    ready.result(timeout=max(0.0, min(CONNECT_POLL, deadline - time.monotonic())))
                 except grpc.FutureTimeoutError:
-                    pass
-                error = self.diagnose(address)
-                if error is not None:
-                    raise error
-                if time.monotonic() >= deadline:
-                    return None  # the first call says that the server is unreachable
+                    error = self.diagnose(address)
+                    if error is not None:
+                        raise error from None
         finally:
             ready.cancel()
+        return max(CONNECT_POLL, deadline - time.monotonic())
 
     def diagnose(self, address):
         """UnauthenticatedError saying why a connection to ``address`` fails its handshake; None
