@@ -211,6 +211,9 @@ def test_a_rotated_certificate_serves_new_connections(pki, tmp_path):
         servers = cluster.addresses[0]
         with tensorkv.create("dist_sync", servers=servers, tls_ca=pki.ca_file) as kv:
             kv.init("w", np.ones(3))
+            os.replace(pki.client_key, pki.key)  # a key that does not fit the certificate
+            assert Security(pki.ca_file).diagnose(servers) is None  # a new connection: the previous pair
+            assert "keeping the previous certificate" in (tmp_path / "server0.log").read_text()
             new = Pki(tmp_path / "new")
             for source, target in ((new.cert, pki.cert), (new.key, pki.key)):
                 os.replace(source, target)  # as a secret volume swaps its files
