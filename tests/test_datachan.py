@@ -94,8 +94,8 @@ def test_errors_over_the_channel_leave_values_and_the_channel_usable(tmp_path):
 def test_a_bad_token_is_refused_and_the_call_falls_back(tmp_path, monkeypatch):
     connect = datachan.Channel.__init__
 
-    def wrong_token(self, address, port, token, timeout):
-        connect(self, address, port, bytes(len(token)), timeout)
+    def wrong_token(self, address, port, token, timeout, tls=None):
+        connect(self, address, port, bytes(len(token)), timeout, tls)
 
     monkeypatch.setattr(datachan.Channel, "__init__", wrong_token)
     with Cluster(tmp_path=tmp_path) as cluster:

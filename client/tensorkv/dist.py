@@ -28,6 +28,7 @@ from .errors import (
     ServerUnavailableError, ShapeMismatchError, key_repr,
 )
 from .kvstore import KVStore
+from .security import Security
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 from .words import plural
@@ -170,11 +171,13 @@ class DistStore(KVStore):
     uses the data channel only; 'grpc' always sends them in the gRPC messages.
     ``if_exists`` (or ``TENSORKV_IF_EXISTS``) is what a new run does with the keys that an
     earlier run left on a server: 'fail' (the default), 'resume' or 'replace'.
+    ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
+    (:class:`tensorkv.security.Security`).
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
-                 if_exists=None):
+                 if_exists=None, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         super().__init__(name)
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
@@ -188,14 +191,17 @@ class DistStore(KVStore):
         allocator.tune_this_process()
         self._timeout = timeout
         self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
-        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses]
+        self._security = Security.from_options(tls_ca, tls_cert, tls_key, token)
+        self._channels = [self._security.channel(a, CHANNEL_OPTIONS) for a in self._addresses]
         self._stubs = [Stub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(len(self._stubs)) if len(self._stubs) > 1 else None
         # Small calls go over one long-lived Session stream per server (off with session=False
         # or TENSORKV_NO_SESSION=1).
         if session is None:
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
-        self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
+        data_tls = self._security.data_channel_context()
+        self._sessions = [Session(c, a, data_tls=data_tls) for c, a in zip(self._channels, self._addresses)] \
+            if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         self._registered = {}  # server index -> the incarnation of this worker's registration there
         try:
@@ -231,6 +237,8 @@ class DistStore(KVStore):
                 raise ServerUnavailableError(
                     f"server {address} is unreachable: no answer within {connect_timeout:g} s; "
                     f"is tensorkv-server running on {address}?") from None
+            except ServerUnavailableError as error:  # no connection: a TLS mismatch is named as such
+                raise self._security.diagnose(address) or error from None
             if info.mode != _MODES[self.type]:
                 mode = kvstore_pb2.Mode.Name(info.mode).removeprefix("MODE_").lower()
                 raise FailedPreconditionError(

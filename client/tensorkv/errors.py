@@ -79,6 +79,19 @@ class ResourceExhaustedError(KVStoreError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class UnauthenticatedError(KVStoreError):
+    """A call without valid credentials: no token or an unknown one, or a TLS handshake that
+    failed (the message says which credential)."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(KVStoreError):
+    """A call the credentials do not allow: a read-only token on a call that writes."""
+
+    code = "PERMISSION_DENIED"
+
+
 class InternalError(KVStoreError):
     """A bug on the server side; the message says what failed."""
 
@@ -91,7 +104,8 @@ CATALOGUE = {
         KVStoreError, InvalidArgumentError, InvalidTensorError, ShapeMismatchError,
         DtypeMismatchError, KeyTypeError, KeyNotFoundError, KeyExistsError,
         FailedPreconditionError, RoundAbortedError, ServerUnavailableError,
-        DeadlineExceededError, ResourceExhaustedError, InternalError,
+        DeadlineExceededError, ResourceExhaustedError, UnauthenticatedError, PermissionDeniedError,
+        InternalError,
     )
 }
 
@@ -105,6 +119,8 @@ BY_CODE = {
     "UNAVAILABLE": ServerUnavailableError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
     "RESOURCE_EXHAUSTED": ResourceExhaustedError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
     "INTERNAL": InternalError,
 }
 

@@ -23,6 +23,7 @@ comes from the schedule, at the update count MXNet uses: the largest number of u
 applied to any key so far (:class:`Updater` counts them).
 """
 import functools
+import heapq
 import inspect
 import math
 
@@ -401,14 +402,22 @@ def create(name, lr_scheduler=None, **params):
     """
     cls = OPTIMIZERS.get(str(name).lower())
     if cls is None:
-        raise InvalidArgumentError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-    unknown = sorted(set(params) - set(cls.parameter_names()))
+        raise InvalidArgumentError(f"unknown optimizer {_shown([name])!r}; use one of {', '.join(OPTIMIZERS)}")
+    unknown = set(params) - set(cls.parameter_names())
     if unknown:
         raise InvalidArgumentError(
-            f"optimizer {cls.name!r} has no parameter {', '.join(unknown)}; "
+            f"optimizer {cls.name!r} has no parameter {_shown(unknown)}; "
             f"its parameters are {', '.join(cls.parameter_names())}"
         )
     return cls(**params, lr_scheduler=lr_scheduler)
+
+
+def _shown(names, most=5, chars=40):
+    """``names`` for an error message, however many and long they are (they may come from
+    the wire): the ``most`` first in sorted order, each cut to ``chars`` characters."""
+    first = heapq.nsmallest(most, map(str, names))
+    shown = ", ".join(name if len(name) <= chars else name[:chars] + "..." for name in first)
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 class Updater:

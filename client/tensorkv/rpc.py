@@ -248,10 +248,10 @@ class Session:
     stream (negotiated here, under the call's lock). A failed negotiation turns the channel
     off for this session. A channel that broke, or that a failed call used (the server
     closes it then), is dropped; the next call negotiates a new one. It lives no longer
-    than the stream.
+    than the stream. ``data_tls``: the ssl.SSLContext of the data channel of a TLS server.
     """
 
-    def __init__(self, channel, address, shm_allowed=False, data_port=0):
+    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None):
         self._method = channel.stream_stream(Stub._PATH + "Session")
         self._address = address
         self._lock = threading.Lock()
@@ -264,6 +264,7 @@ class Session:
         self.shm_allowed = shm_allowed
         self.region = None
         self.data_port = data_port
+        self.data_tls = data_tls
         self.data_channel = None
 
     def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call"):
@@ -402,7 +403,8 @@ class Session:
         try:
             if response.code:
                 raise ConnectionRefusedError(response.message)
-            self.data_channel = datachan.Channel(self._address, self.data_port, response.data_token, timeout)
+            self.data_channel = datachan.Channel(self._address, self.data_port, response.data_token, timeout,
+                                                 self.data_tls)
         except OSError as error:
             self.data_port = 0
             log.info("no data channel to server %s (%s): values travel in the gRPC messages", self._address, error)

@@ -8,6 +8,7 @@ from tensorkv import __version__, allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
+from . import security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, check_free, serve
 from .service import MAX_KEY_BYTES
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
                         help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
                              "with INVALID_ARGUMENT (default %(default)s)")
+    security.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="least severe log messages written to stderr (default %(default)s)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -58,6 +60,13 @@ def parse_args(argv=None):
         parser.error("--data-port must differ from --port")
     if args.max_key_bytes < 1:
         parser.error("--max-key-bytes must be at least 1")
+    try:
+        args.security = security.ServerSecurity.from_args(args)
+    except ValueError as error:
+        parser.exit(2, f"tensorkv-server: {error}\n")
+    refusal = args.security.refusal(args.host)
+    if refusal:
+        parser.exit(2, f"tensorkv-server: {refusal}\n")
     return args
 
 
@@ -83,7 +92,7 @@ def _serve(args, reexec):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None, args.max_key_bytes))
+                      args.data_port if args.data_channel else None, args.max_key_bytes, args.security))
 
 
 if __name__ == "__main__":
