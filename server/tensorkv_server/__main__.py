@@ -8,6 +8,7 @@ from tensorkv import allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
+from . import metrics
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import serve
 
@@ -34,12 +35,16 @@ def parse_args(argv=None):
                              "fix it to publish it from a container)")
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
     if args.round_timeout <= 0:
         parser.error("--round-timeout must be positive")
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error("--metrics-port must be 0 (off) or a port number up to 65535")
     return args
 
 
@@ -54,8 +59,12 @@ def main(argv=None):
     except (RuntimeError, ValueError) as error:  # a device this machine does not have
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
+    try:
+        interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []
+    except OSError as error:
+        raise SystemExit(f"tensorkv-server: --metrics-port {args.metrics_port}: {error}") from None
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None))
+                      args.data_port if args.data_channel else None, interceptors))
 
 
 if __name__ == "__main__":

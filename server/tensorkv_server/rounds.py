@@ -8,6 +8,7 @@ changes nothing. Waits (for a round, a barrier, an init by rank 0) are bounded b
 """
 import asyncio
 import logging
+import time
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from tensorkv.errors import (
     ServerUnavailableError, ShapeMismatchError,
 )
 
+from . import metrics
+
 log = logging.getLogger(__name__)
 
 SYNC, ASYNC = "sync", "async"
@@ -28,7 +31,7 @@ class _Wait:
     """Something workers wait on (one round of one key, or one barrier): the ranks that
     arrived, a future done when all have, and the timer that aborts it."""
 
-    __slots__ = ("number", "ranks", "total", "_done", "timer")
+    __slots__ = ("number", "ranks", "total", "_done", "timer", "opened", "latest")
 
     def __init__(self, number):
         self.number = number
@@ -36,6 +39,7 @@ class _Wait:
         self.total = None  # a round's running sum of pushes
         self._done = None  # created when first needed: most rounds of one worker never wait
         self.timer = None
+        self.opened = self.latest = None  # time.monotonic() of a round's first and latest push
 
     @property
     def done(self):
@@ -97,6 +101,7 @@ class Coordinator:
         if rank in self.ranks:
             raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
         self.ranks.add(rank)
+        metrics.COUNTS.workers = len(self.ranks)
         log.info("worker registered with rank %d (%d of %d)", rank, len(self.ranks), self.num_workers)
         return rank
 
@@ -107,6 +112,7 @@ class Coordinator:
         if rank not in self.ranks:
             return
         self.ranks.discard(rank)
+        metrics.COUNTS.workers = len(self.ranks)
         for ranks in self._initialized.values():
             ranks.discard(rank)
         for rounds in self._rounds.values():
@@ -135,7 +141,9 @@ class Coordinator:
             stored = [item for item in items if item.key in self.engine]
             for item in stored:
                 self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
-            self.engine.init([item for item in items if item.key not in self.engine])
+            new = [item for item in items if item.key not in self.engine]
+            self.engine.init(new)
+            metrics.stored(new)
             for key in keys:
                 waiter = self._init_waiters.pop(key, None)
                 if waiter is not None and not waiter.done():
@@ -180,16 +188,20 @@ class Coordinator:
         if self.mode == ASYNC:
             for item in items:
                 self.engine.apply(item.key, self.engine.merge([item.array]))
+            metrics.COUNTS.pushes += len(items)
             return
         if self.num_workers == 1:
             # Every round of one worker is complete with its push: applied at once, as
             # _add_to_round would (such a round never waits, so it is never aborted).
             for item in items:
                 self.engine.apply(item.key, self.engine.merge([item.array]))
+            metrics.COUNTS.pushes += len(items)
+            metrics.COUNTS.rounds_completed += len(items)
             return
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settle(rank, [item.key for item in items]):
             pass
+        metrics.COUNTS.pushes += len(items)
         for item in items:
             self._add_to_round(rank, item)
 
@@ -203,6 +215,7 @@ class Coordinator:
             self.engine.get(key)
         if self.mode == SYNC:
             await self._settle(rank, keys)
+        metrics.COUNTS.pulls += len(keys)
         return [self._snapshot(key) for key in keys]
 
     async def pushpull(self, rank, items):
@@ -214,6 +227,7 @@ class Coordinator:
         current = rounds.current
         current.ranks.add(rank)
         complete = len(current.ranks) == self.num_workers
+        now = time.monotonic()
         if complete and current.total is None:
             # One worker's push completes the round: applied straight from the received value
             # (e.g. a view of the client's shared memory), without a copy into a total.
@@ -222,12 +236,16 @@ class Coordinator:
             current.total = total = self.engine.accumulate(current.total, item.array, item.owned)
         if complete:
             self.engine.apply(item.key, total)
+            metrics.round_completed(current.opened, current.latest, now)
             if current.timer is not None:
                 current.timer.cancel()
             rounds.current = _Wait(current.number + 1)
             if current._done is not None:
                 current._done.set_result(None)
-        elif len(current.ranks) == 1:
+            return
+        current.latest = now
+        if len(current.ranks) == 1:
+            current.opened = now
             loop = asyncio.get_running_loop()
             current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
 
@@ -240,6 +258,7 @@ class Coordinator:
             f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded)"
         )
         log.warning("%s", error)
+        metrics.COUNTS.rounds_aborted += 1
         if round_.timer is not None:
             round_.timer.cancel()
         rounds.current = _Wait(round_.number)

@@ -19,11 +19,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
+async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, interceptors=()):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. ``interceptors``:
+    grpc.aio server interceptors, in the order they run."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     data_port = DataPort(host, data_port) if data_port is not None else None
     servicer = KVStoreService(coordinator, shared_memory, data_port)
     add_to_server(servicer, server)

@@ -18,7 +18,7 @@ from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, Inva
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from . import datachan, shm
+from . import datachan, metrics, shm
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ async def _read(requests, message_class, with_data=None, staging=None):
     decoder = codec.StreamDecoder(message_class, "frame", with_data=with_data,
                                   staging=staging.receiver if staging else None)
     async for data in requests:
+        metrics.received("grpc", len(data))
         decoder.feed(data)
     return decoder.first, decoder.finish()
 
@@ -59,7 +60,9 @@ else:
 def _responses(items):
     """The serialized PullResponse (= PushPullResponse) messages of ``items``, all encoded
     before the caller's next await, so that they hold the values of this moment."""
-    return codec.encode_messages(items, kvstore_pb2.PullResponse.DESCRIPTOR.fields_by_name["frame"].number)
+    messages = codec.encode_messages(items, kvstore_pb2.PullResponse.DESCRIPTOR.fields_by_name["frame"].number)
+    metrics.sent("grpc", sum(map(len, messages)))
+    return messages
 
 
 def add_to_server(service, server):
@@ -155,7 +158,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         channel = datachan.StreamChannel(self.data_port, context.peer()) if self.data_port else None
         try:
             async for data in request_iterator:
+                metrics.received("grpc", len(data))
                 response, outgoing = await self._session_call(data, regions, channel)
+                metrics.sent("grpc", len(response))
                 yield response
                 if outgoing is not None:
                     await self._send_after(channel, *outgoing)
@@ -167,7 +172,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def _session_call(self, data, regions, channel):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
         to send on the data channel after it, seconds to send it in))."""
-        decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame", resolve=regions.resolve,
+        decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame",
+                                      resolve=metrics.counting_shm(regions.resolve),
                                       with_data=lambda first: not first.wait_only, channel=channel is not None,
                                       staging=self.staging.receiver if self.staging else None)
         call_id, uses_channel = 0, True  # until the request says otherwise
@@ -196,6 +202,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             items = self._host(items)
             if output is not None:
                 items = output.place(items)
+                metrics.sent("shm", sum(item.array.nbytes for item in items if item.ref))
             outgoing = None
             if request.data_channel_min_bytes:
                 if channel is None:
@@ -218,6 +225,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         call fails on its side)."""
         try:
             await channel.send(buffer, timeout)
+            metrics.sent("datachan", buffer.nbytes)
         except KVStoreError as error:
             log.warning("data channel of %s: %s", channel.peer, error)
 
@@ -238,6 +246,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def _session_work(self, request, items, channel=None, incoming=(), timeout=None):
         if incoming:  # the bytes first, so that the channel stays in step whatever the work does
             await channel.receive(incoming, timeout)
+            metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
             await self.coordinator.push(request.rank, items)
             return []
