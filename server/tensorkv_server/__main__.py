@@ -8,7 +8,7 @@ from tensorkv import allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
-from . import metrics
+from . import logs, metrics
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import serve
 
@@ -38,6 +38,8 @@ def parse_args(argv=None):
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                        help="text, or json: one object a line with fixed fields (default %(default)s)")
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
@@ -52,7 +54,7 @@ def main(argv=None):
     args = parse_args(argv)
     if argv is None:  # a process of its own, not a call from Python
         allocator.reexec_with_tunables()
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_format, args.log_level)
     logging.getLogger(__name__).info("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
     try:
         xp, device = select(args.device)

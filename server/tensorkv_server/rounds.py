@@ -102,7 +102,8 @@ class Coordinator:
             raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
         self.ranks.add(rank)
         metrics.COUNTS.workers = len(self.ranks)
-        log.info("worker registered with rank %d (%d of %d)", rank, len(self.ranks), self.num_workers)
+        log.info("worker registered with rank %d (%d of %d)", rank, len(self.ranks), self.num_workers,
+                 extra={"event": "worker_registered", "rank": rank})
         return rank
 
     def unregister(self, rank):
@@ -117,7 +118,8 @@ class Coordinator:
             ranks.discard(rank)
         for rounds in self._rounds.values():
             rounds.aborted.pop(rank, None)
-        log.info("worker with rank %d unregistered (%d of %d left)", rank, len(self.ranks), self.num_workers)
+        log.info("worker with rank %d unregistered (%d of %d left)", rank, len(self.ranks), self.num_workers,
+                 extra={"event": "worker_unregistered", "rank": rank})
 
     def _check_rank(self, rank):
         if not 0 <= rank < self.num_workers:
@@ -257,7 +259,7 @@ class Coordinator:
             f"key {key!r}: round {round_.number} {why}; missing ranks {missing} "
             f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded)"
         )
-        log.warning("%s", error)
+        log.warning("%s", error, extra={"event": "round_aborted", "key": key, "round": round_.number})
         metrics.COUNTS.rounds_aborted += 1
         if round_.timer is not None:
             round_.timer.cancel()
@@ -324,7 +326,7 @@ class Coordinator:
         missing = sorted(set(range(self.num_workers)) - barrier.ranks)
         why = why or f"aborted after {self.round_timeout:g} s"
         error = error_class(f"barrier {barrier.number} {why}; missing ranks {missing}")
-        log.warning("%s", error)
+        log.warning("%s", error, extra={"event": "barrier_aborted", "round": barrier.number})
         barrier.timer.cancel()
         self._barrier = None
         _fail(barrier.done, error)
@@ -353,7 +355,8 @@ class Coordinator:
         updater.set_states(checked)
         self.engine.updater = updater
         self.optimizer = optimizer
-        log.info("optimizer %s %s installed with states for %d keys", optimizer.name, optimizer.params, len(states))
+        log.info("optimizer %s %s installed with states for %d keys", optimizer.name, optimizer.params, len(states),
+                 extra={"event": "optimizer_installed"})
 
     def optimizer_states(self):
         """(optimizer or None, {key: (num_update, [Item])}) with copies of the states."""

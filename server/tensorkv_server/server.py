@@ -43,17 +43,18 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     log.info("serving %s on %s: %d workers, %s mode, values on %s, round timeout %g s, shared memory %s, "
              "data channel %s", SERVICE_NAME, address, coordinator.num_workers, coordinator.mode, coordinator.device,
              coordinator.round_timeout, "on" if servicer.shared_memory else "off",
-             f"on port {data_port.port}" if data_port else "off")
+             f"on port {data_port.port}" if data_port else "off", extra={"event": "server_started"})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace)
+    log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace,
+             extra={"event": "server_stopping"})
     await health_servicer.enter_graceful_shutdown()
     coordinator.shutdown()
     if data_port is not None:
         data_port.close()  # no new channels; the streams' own close as they end
     await server.stop(grace)
-    log.info("stopped")
+    log.info("stopped", extra={"event": "server_stopped"})

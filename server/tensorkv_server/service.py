@@ -18,7 +18,7 @@ from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, Inva
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from . import datachan, metrics, shm
+from . import datachan, logs, metrics, shm
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @translate_errors
     async def Register(self, request, context):
+        logs.PEER.set(context.peer())
         rank = self.coordinator.register(request.rank if request.HasField("rank") else None)
         return kvstore_pb2.RegisterResponse(
             rank=rank, num_workers=self.coordinator.num_workers, mode=_MODES[self.coordinator.mode])
 
     @translate_errors
     async def Unregister(self, request, context):
+        logs.PEER.set(context.peer())
         self.coordinator.unregister(request.rank)
         return kvstore_pb2.UnregisterResponse()
 
