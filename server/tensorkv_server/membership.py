@@ -73,11 +73,12 @@ class Membership:
         started = not self.running
         if started:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists)
-            log.info("run %d starts (if_exists=%r)", self.run.number, if_exists)
+            log.info("run %d starts (if_exists=%r)", self.run.number, if_exists, extra={"event": "run_started"})
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
         log.info("worker registered with rank %d, incarnation %d (%d of %d)",
-                 rank, incarnation, len(self.incarnations), self.num_workers)
+                 rank, incarnation, len(self.incarnations), self.num_workers,
+                 extra={"event": "worker_registered", "rank": rank})
         return rank, incarnation, started
 
     def unregister(self, rank, incarnation):
@@ -85,9 +86,10 @@ class Membership:
         self.check(rank, incarnation)
         del self.incarnations[rank]
         log.info("worker with rank %d, incarnation %d unregistered (%d of %d left)",
-                 rank, incarnation, len(self.incarnations), self.num_workers)
+                 rank, incarnation, len(self.incarnations), self.num_workers,
+                 extra={"event": "worker_unregistered", "rank": rank})
         if not self.running:
-            log.info("run %d ended: every rank left", self.run.number)
+            log.info("run %d ended: every rank left", self.run.number, extra={"event": "run_ended"})
         return not self.running
 
     def check(self, rank, incarnation):
