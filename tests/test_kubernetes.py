@@ -1,0 +1,138 @@
+"""deploy/kubernetes: every manifest, and the kustomization as rendered, is valid against the
+Kubernetes 1.31 schemas (kubernetes-validate bundles them: no cluster, no network), and the
+manifests agree with each other and with the server's flags."""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.kustomize import render
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.31.0"
+
+
+def _documents(name):
+    return [doc for doc in yaml.safe_load_all((DEPLOY / name).read_text()) if doc]
+
+
+@pytest.mark.parametrize("document", [doc for name in ("server.yaml", "workers.yaml") for doc in _documents(name)]
+                         + render(DEPLOY), ids=lambda doc: f"{doc['kind']}/{doc['metadata']['name']}")
+def test_manifests_are_valid_against_the_kubernetes_schemas(document):
+    kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_misspelled_field_is_refused():
+    """The validation is strict: an unknown field fails (it is not silently dropped)."""
+    statefulset = next(doc for doc in _documents("server.yaml") if doc["kind"] == "StatefulSet")
+    statefulset["spec"]["replica"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(statefulset, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    by_kind = {doc["kind"]: doc for doc in render(DEPLOY)}
+    assert sorted(by_kind) == ["Job", "Service", "StatefulSet"]
+    return by_kind
+
+
+def _env(container):
+    return {var["name"]: var for var in container["env"]}
+
+
+def _option(args, flag):
+    return args[args.index(flag) + 1]
+
+
+def test_service_selects_the_servers_and_names_their_ports(rendered):
+    service, statefulset = rendered["Service"], rendered["StatefulSet"]
+    pod = statefulset["spec"]["template"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    # The worker pods carry other labels: the Service does not select them.
+    worker_labels = rendered["Job"]["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= worker_labels.items()
+    container_ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(container_ports)
+    # The ports the image's entrypoint gives the server (Dockerfile) are the container's.
+    entrypoint = next(line for line in (DEPLOY.parent.parent / "Dockerfile").read_text().splitlines()
+                      if line.startswith("ENTRYPOINT"))
+    assert container_ports == {"grpc": 50051, "data": 50052, "metrics": 50053}
+    for flag, name in (("--port", "grpc"), ("--data-port", "data"), ("--metrics-port", "metrics")):
+        assert f'"{flag}", "{container_ports[name]}"' in entrypoint
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(container_ports["metrics"])
+
+
+def test_servers_and_workers_agree_on_the_counts(rendered):
+    statefulset, job = rendered["StatefulSet"], rendered["Job"]
+    name, service = statefulset["metadata"]["name"], rendered["Service"]["metadata"]["name"]
+    servers = statefulset["spec"]["replicas"]
+    worker = job["spec"]["template"]["spec"]["containers"][0]
+    env = _env(worker)
+    assert env["TENSORKV_SERVERS"]["value"].split(",") == [f"{name}-{i}.{service}:50051" for i in range(servers)]
+    workers = job["spec"]["completions"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["parallelism"] == workers
+    assert env["TENSORKV_NUM_WORKERS"]["value"] == str(workers)
+    assert env["TENSORKV_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    server_args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert _option(server_args, "--num-workers") == str(workers)
+
+
+def test_the_server_arguments_parse_and_name_the_mounted_files(rendered):
+    pod = rendered["StatefulSet"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    usage = subprocess.run([sys.executable, "-m", "tensorkv_server", "--help"], capture_output=True, text=True,
+                           timeout=60, check=True).stdout
+    known = set(re.findall(r"--[a-z-]+", usage))
+    # --state-dir arrives with snapshots (API.md names it); every other flag is the server's now.
+    assert {arg for arg in args if arg.startswith("--")} - known <= {"--state-dir"}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert _option(args, "--state-dir") == mounts["state"]
+    assert [t["metadata"]["name"] for t in rendered["StatefulSet"]["spec"]["volumeClaimTemplates"]] == ["state"]
+    secrets = {"--tls-cert": ("tls", "tensorkv-tls", "tls.crt"), "--tls-key": ("tls", "tensorkv-tls", "tls.key"),
+               "--token-file": ("tokens", "tensorkv-tokens", "tokens")}
+    for flag, (volume, secret, key) in secrets.items():
+        assert _option(args, flag) == f"{mounts[volume]}/{key}"
+        assert volumes[volume]["secret"]["secretName"] == secret
+    worker = rendered["Job"]["spec"]["template"]["spec"]
+    worker_mounts = {m["name"]: m["mountPath"] for m in worker["containers"][0]["volumeMounts"]}
+    worker_env = _env(worker["containers"][0])
+    worker_secret = {v["name"]: v for v in worker["volumes"]}["worker-secrets"]["secret"]["secretName"]
+    assert worker_env["TENSORKV_TLS_CA"]["value"] == worker_mounts["worker-secrets"] + "/ca.crt"
+    assert worker_env["TENSORKV_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": worker_secret, "key": "token"}
+
+
+def test_pods_run_unprivileged(rendered):
+    for kind in ("StatefulSet", "Job"):
+        pod = rendered[kind]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                               "capabilities": {"drop": ["ALL"]}}
+            assert container["resources"]["requests"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its kustomize) is not installed")
+def test_kubectl_kustomize_renders_the_same():
+    """tests/kustomize.py renders as kustomize does (kubectl's built-in one, offline)."""
+    output = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True,
+                            timeout=60, check=True).stdout
+    assert sorted(render(DEPLOY), key=_kind_and_name) == sorted(yaml.safe_load_all(output), key=_kind_and_name)
+
+
+def _kind_and_name(document):
+    return document["kind"], document["metadata"]["name"]
