@@ -438,6 +438,16 @@ class Coordinator:
             "run": run.number if run else 0, "if_exists": run.if_exists if run else None,
         }
 
+    def describe_keys(self):
+        """(key, Stored, updates applied) of every key, in the order the keys were stored."""
+        return [(key, self.engine.get(key), self._updates.get(key, 0)) for key in self.engine.keys()]
+
+    def read(self, key):
+        """A host copy of ``key``'s value as stored now, as an Item; no round is waited for."""
+        key = self.engine.check_keys([key])[0]
+        stored = self.engine.get(key)
+        return Item(key, _host_copy(stored.array), stored.shape, stored.slice)
+
     def _check_open(self):
         if self._closing:
             raise ServerUnavailableError("the server is shutting down")

@@ -3,7 +3,8 @@
 loopback unprotected (``--insecure`` overrides it).
 
 The token file holds one token per line; a line ``TOKEN ro`` makes that token read-only
-(Info, Pull and GetOptimizerStates only); ``#`` starts a comment, blank lines are skipped.
+(Info, Pull, GetOptimizerStates, ListKeys and ReadKey only); ``#`` starts a comment, blank
+lines are skipped.
 The file is read once, at start: a token stays valid for the server's lifetime, so it never
 expires in the middle of a job. Tokens are checked by :class:`TokenInterceptor`, for every
 method but the health service (probes need no token, and it says only SERVING or not).
@@ -22,12 +23,14 @@ import grpc
 
 from tensorkv.errors import ERROR_METADATA_KEY, PermissionDeniedError, UnauthenticatedError
 from tensorkv.security import is_loopback
-from tensorkv.v1 import kvstore_pb2
+from tensorkv.v1 import kvstore_pb2, maintenance_pb2
 
 log = logging.getLogger(__name__)
 
 _SERVICE = "/" + kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name + "/"
-READ_ONLY_METHODS = frozenset(_SERVICE + name for name in ("Info", "Pull", "GetOptimizerStates"))
+_MAINTENANCE = "/" + maintenance_pb2.DESCRIPTOR.services_by_name["MaintenanceService"].full_name + "/"
+READ_ONLY_METHODS = frozenset([_SERVICE + name for name in ("Info", "Pull", "GetOptimizerStates")]
+                              + [_MAINTENANCE + name for name in ("ListKeys", "ReadKey")])
 PUBLIC_PREFIX = "/grpc.health.v1.Health/"
 READ_ONLY_MARK = "ro"
 MIN_TOKEN_CHARS = 16
@@ -176,7 +179,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                 "this server requires a token: pass token= or TENSORKV_TOKEN with one of its tokens"))
         if read_only and details.method not in READ_ONLY_METHODS:
             return _refusal(handler, PermissionDeniedError(
-                f"a read-only token may call only Info, Pull and GetOptimizerStates, not "
+                f"a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, not "
                 f"{details.method.rsplit('/', 1)[1]}"))
         return handler
 

@@ -1,5 +1,5 @@
-"""Wiring of the grpc.aio server: the KVStoreService, health, reflection, and a clean stop
-on SIGTERM/SIGINT."""
+"""Wiring of the grpc.aio server: the KVStoreService, the MaintenanceService, health,
+reflection, and a clean stop on SIGTERM/SIGINT."""
 import asyncio
 import errno
 import logging
@@ -11,10 +11,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tensorkv.rpc import SERVER_OPTIONS
-from tensorkv.v1 import kvstore_pb2
+from tensorkv.v1 import kvstore_pb2, maintenance_pb2
 from tensorkv.words import plural
 
 from .datachan import DataPort, bare_host
+from .maintenance import MaintenanceService
 from .service import MAX_KEY_BYTES, KVStoreService, add_to_server
 from .security import ServerSecurity
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
+MAINTENANCE = maintenance_pb2.DESCRIPTOR.services_by_name["MaintenanceService"]
 
 
 class ListenError(Exception):
@@ -76,10 +78,11 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
             raise _listen_error("--data-port", host, data_port, error) from None
     servicer = KVStoreService(coordinator, shared_memory, data_port, max_key_bytes)
     add_to_server(servicer, server)
+    add_to_server(MaintenanceService(coordinator, max_key_bytes), server, MAINTENANCE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        [SERVICE_NAME, MAINTENANCE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         bound = security.add_port(server, address)
     except RuntimeError:  # gRPC raises for a port taken since check_free looked

@@ -12,6 +12,7 @@ import logging
 
 import grpc
 import numpy as np
+from google.protobuf.message_factory import GetMessageClass
 
 from tensorkv import __version__, codec, states_wire
 from tensorkv.backend import on_gpu
@@ -31,7 +32,7 @@ _IF_EXISTS_BY_VALUE = {value: name for name, value in _IF_EXISTS.items()} | {kvs
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 # Methods whose requests, or responses, the handlers see as bytes.
 RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
-RAW_RESPONSES = {"Pull", "PushPull", "Session"}
+RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
 # Default of --max-key-bytes: the UTF-8 bytes of a str key.
@@ -58,8 +59,9 @@ def _responses(items):
     return messages
 
 
-def add_to_server(service, server):
-    """Register ``service`` on ``server`` as the generated code would, except that every
+def add_to_server(service, server, descriptor=_SERVICE):
+    """Register ``service``, the handlers of the service ``descriptor``, on ``server`` as the
+    generated code would, except that every
     request arrives as bytes: the tensor streams (RAW_REQUESTS) reach their handlers so, the
     other requests are parsed here (:func:`_parser`), and the tensor streams of RAW_RESPONSES
     leave as bytes. Each handler is wrapped in :func:`tensorkv.rpc.translate_errors`."""
@@ -70,14 +72,14 @@ def add_to_server(service, server):
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     handlers = {}
-    for method in _SERVICE.methods:
-        response = getattr(kvstore_pb2, method.output_type.name)
+    for method in descriptor.methods:
+        response = GetMessageClass(method.output_type)
         parse = None if method.name in RAW_REQUESTS else _parser(method)
         handlers[method.name] = factories[method.client_streaming, method.server_streaming](
             translate_errors(getattr(service, method.name), parse),
             response_serializer=None if method.name in RAW_RESPONSES else response.SerializeToString,
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
 
 def _parser(method):
@@ -85,7 +87,7 @@ def _parser(method):
     iterator of messages, of ``method`` (a MethodDescriptor) from its bytes. A malformed message
     raises InvalidArgumentError and is logged in one line naming the method and the peer
     (gRPC's own deserializer answers UNKNOWN or INTERNAL and logs a traceback)."""
-    message_class = getattr(kvstore_pb2, method.input_type.name)
+    message_class = GetMessageClass(method.input_type)
 
     def parse(data, context):
         try:

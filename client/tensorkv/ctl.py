@@ -1,0 +1,296 @@
+"""``tensorkv``, the operator's command: what each server of a cluster holds and who is
+connected, as etcdctl does for etcd. It asks every server at once, reports one line on stderr
+for each server that did not answer, and still reports the others."""
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+from google.protobuf import empty_pb2, json_format
+from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tensorkv import codec
+from tensorkv.errors import KVStoreError
+from tensorkv.rpc import error_from_rpc
+from tensorkv.security import Security
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintenance_pb2_grpc
+
+OK, FAILED, USAGE = 0, 1, 2
+EPILOG = """exit status:
+  0  every server answered (and, for health, is SERVING)
+  1  a server could not be reached, is not SERVING, or refused the command (one line each
+     on stderr; the other servers are still reported)
+  2  usage error
+
+examples:
+  tensorkv status
+  tensorkv --servers tkv-0:50051,tkv-1:50051 --tls-ca ca.pem -o json keys
+  tensorkv get weight --stats
+  tensorkv reset                  (refused while a job's workers are registered)"""
+# Info fields that `status` shows where this client's protos have them (leases, snapshots).
+STATUS_EXTRAS = ("lease_ttl_ms", "expired_leases", "server_id", "restored_from")
+_MODES = {kvstore_pb2.MODE_SYNC: "sync", kvstore_pb2.MODE_ASYNC: "async"}
+
+
+class Server:
+    """One server: its address and the stubs of its services."""
+
+    def __init__(self, address, security, timeout):
+        self.address, self.timeout = address, timeout
+        self.channel = security.channel(address, ())
+        self.kv = kvstore_pb2_grpc.KVStoreServiceStub(self.channel)
+        self.maintenance = maintenance_pb2_grpc.MaintenanceServiceStub(self.channel)
+        self.read_key = self.channel.unary_stream(  # the value's bytes, for codec's decoder
+            "/tensorkv.v1.MaintenanceService/ReadKey",
+            request_serializer=maintenance_pb2.ReadKeyRequest.SerializeToString)
+
+    def info(self):
+        return self.kv.Info(kvstore_pb2.InfoRequest(), timeout=self.timeout)
+
+    def keys(self):
+        pages = self.maintenance.ListKeys(maintenance_pb2.ListKeysRequest(), timeout=self.timeout)
+        return [key for page in pages for key in page.keys]
+
+
+def main(argv=None):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.servers:
+        parser.error("no servers: pass --servers HOST:PORT,... or set TENSORKV_SERVERS")
+    try:
+        security = Security.from_options(args.tls_ca, args.tls_cert, args.tls_key, args.token)
+        servers = [Server(address.strip(), security, args.timeout) for address in args.servers.split(",")]
+    except KVStoreError as error:
+        parser.error(str(error))
+    args.failures = []  # one line for each server that did not answer (see _answers)
+    try:
+        return args.run(args, servers)
+    finally:
+        for server in servers:
+            server.channel.close()
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="tensorkv", description="Inspect and operate tensorkv servers.",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default=os.environ.get("TENSORKV_SERVERS"),
+                        help="HOST:PORT,... (default: TENSORKV_SERVERS)")
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds for each call (default %(default)s)")
+    parser.add_argument("--tls-ca", help="CA of the servers' certificates (default: TENSORKV_TLS_CA)")
+    parser.add_argument("--tls-cert", help="client certificate, for mutual TLS (default: TENSORKV_TLS_CERT)")
+    parser.add_argument("--tls-key", help="its key (default: TENSORKV_TLS_KEY)")
+    parser.add_argument("--token", help="bearer token (default: TENSORKV_TOKEN, which other users cannot "
+                                        "see in the process list)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("status", help="mode, workers, keys, run, optimizer, version of each server"
+                        ).set_defaults(run=status)
+    commands.add_parser("health", help="the gRPC health status of each server").set_defaults(run=health)
+    commands.add_parser("keys", help="every key: dtype, shape, slice, updates").set_defaults(run=keys)
+    get = commands.add_parser("get", help="one key's dtype and shape; its statistics or values on request")
+    get.add_argument("key", help="the key, as `tensorkv keys` shows it")
+    get.add_argument("--stats", action="store_true", help="min, max, mean and L2 norm of the value")
+    get.add_argument("--values", action="store_true", help="the value itself")
+    get.set_defaults(run=get_key)
+    commands.add_parser("workers", help="the registered ranks of each server").set_defaults(run=workers)
+    commands.add_parser("reset", help="drop every key, the optimizer and its states (no run may be registered)"
+                        ).set_defaults(run=reset)
+    snapshot = commands.add_parser("snapshot", help="snapshots of the servers' state")
+    snapshot.add_subparsers(dest="action", required=True, metavar="ACTION").add_parser(
+        "save", help="each server writes its state to its --state-dir").set_defaults(run=snapshot_save)
+    return parser
+
+
+# ---- the commands: each returns the exit status ----------------------------------------
+
+def status(args, servers):
+    rows = []
+    for server, info in _answers(args, servers, Server.info, "info"):
+        row = {"server": server.address, "mode": _MODES.get(info.mode, "?"),
+               "workers": f"{len(info.registered_ranks)}/{info.num_workers}", "ranks": _ranks(info.registered_ranks),
+               "keys": info.num_keys, "run": info.run, "optimizer": info.optimizer or "-", "version": info.version}
+        row.update((field, getattr(info, field)) for field in STATUS_EXTRAS if field in info.DESCRIPTOR.fields_by_name)
+        rows.append(row if args.output == "table" else {"server": server.address, **_fields(info)})
+    return _show(args, rows)
+
+
+def health(args, servers):
+    def check(server):
+        reply = health_pb2_grpc.HealthStub(server.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                 timeout=server.timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    rows = [{"server": server.address, "status": answer}
+            for server, answer in _answers(args, servers, check, "health check")]
+    for row in rows:
+        if row["status"] != "SERVING":
+            print(f"tensorkv: server {row['server']} is {row['status']}", file=sys.stderr)
+    return max(_show(args, rows), OK if all(r["status"] == "SERVING" for r in rows) else FAILED)
+
+
+def keys(args, servers):
+    rows = [{"server": server.address, **_key_row(key)}
+            for server, described in _answers(args, servers, Server.keys, "key listing")
+            for key in described]
+    return _show(args, rows)
+
+
+def get_key(args, servers):
+    holders = [(server, key) for server, described in _answers(args, servers, Server.keys, "key listing")
+               for key in described if str(codec.get_key(key.key)) == args.key]
+    if not holders:
+        print(f"tensorkv: no server that answered holds key {args.key!r}", file=sys.stderr)
+        return FAILED
+    pieces = _answers(args, holders, _read, "read")
+    description = holders[0][1]
+    row = {"key": args.key, "dtype": _key_row(description)["dtype"], "shape": list(description.shape),
+           "servers": [server.address for (server, _), _ in pieces], "updates": max(k.updates for _, k in holders)}
+    value = _assemble(description, [item for _, item in pieces])
+    if value is None:
+        print(f"tensorkv: key {args.key!r}: not every server holding a slice of it answered", file=sys.stderr)
+    elif args.stats:
+        values = value.astype(np.float64)
+        row.update(min=values.min(), max=values.max(), mean=values.mean(), l2_norm=float(np.linalg.norm(values)))
+    if args.values and value is not None:
+        row["values"] = value.tolist() if args.output == "json" else str(value)
+    return max(_show(args, [row]), OK if value is not None else FAILED)
+
+
+def workers(args, servers):
+    rows = []
+    for server, info in _answers(args, servers, Server.info, "info"):
+        if "workers" in info.DESCRIPTOR.fields_by_name:  # ranks with their leases, where the protos have them
+            rows += [{"server": server.address, "run": info.run, **_fields(lease)} for lease in info.workers]
+        else:
+            rows += [{"server": server.address, "run": info.run, "rank": rank} for rank in info.registered_ranks]
+    return _show(args, rows)
+
+
+def reset(args, servers):
+    def drop(server):
+        return server.kv.Reset(kvstore_pb2.ResetRequest(), timeout=server.timeout).num_keys
+
+    rows = [{"server": server.address, "keys_dropped": dropped}
+            for server, dropped in _answers(args, servers, drop, "reset")]
+    return _show(args, rows)
+
+
+def snapshot_save(args, servers):
+    path, response = _snapshot_method()
+
+    def save(server):
+        call = server.channel.unary_unary(path, request_serializer=bytes, response_deserializer=response.FromString)
+        try:
+            return _fields(call(b"", timeout=server.timeout))  # b"": any request message with no field set
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            raise KVStoreError(f"server {server.address} has no Snapshot RPC (UNIMPLEMENTED): "
+                               "it is older than snapshots") from None
+
+    rows = [{"server": server.address, **saved} for server, saved in _answers(args, servers, save, "snapshot")]
+    return _show(args, rows)
+
+
+def _snapshot_method():
+    """The path and response class of the Snapshot RPC in this client's protos; where they
+    have none, MaintenanceService's (a server of a later version may have it), read as Empty."""
+    for module in (maintenance_pb2, kvstore_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            method = service.methods_by_name.get("Snapshot")
+            if method is not None:
+                return f"/{service.full_name}/Snapshot", GetMessageClass(method.output_type)
+    return "/tensorkv.v1.MaintenanceService/Snapshot", empty_pb2.Empty
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+def _answers(args, servers, call, kind):
+    """[(server, call(server))] of the servers that answered, all asked at once; each failure
+    printed as one line on stderr and kept in args.failures for the exit status. ``servers``
+    may also be (server, argument) pairs, for ``call((server, argument))``."""
+    def ask(item):
+        try:
+            return item, call(item), None
+        except (grpc.RpcError, KVStoreError) as error:
+            address = (item[0] if isinstance(item, tuple) else item).address
+            message = str(error_from_rpc(error, address, kind) if isinstance(error, grpc.RpcError) else error)
+            return item, None, message if address in message else f"server {address}: {message}"
+
+    answers = []
+    with ThreadPoolExecutor(max_workers=min(16, len(servers))) as pool:
+        for item, answer, failure in pool.map(ask, servers):
+            if failure is None:
+                answers.append((item, answer))
+            else:
+                print(f"tensorkv: {failure}", file=sys.stderr)
+                args.failures.append(failure)
+    return answers
+
+
+def _read(holder):
+    server, description = holder
+    decoder = codec.StreamDecoder(maintenance_pb2.ReadKeyResponse, "frame")
+    for message in server.read_key(maintenance_pb2.ReadKeyRequest(key=description.key), timeout=server.timeout):
+        decoder.feed(message)
+    return decoder.finish()[0]
+
+
+def _assemble(description, items):
+    """The whole value from the items read (whole, or slices of it); None if some are missing."""
+    whole = next((item.array for item in items if item.slice is None), None)
+    if whole is not None:
+        return np.asarray(whole).reshape(description.shape)
+    size = int(np.prod(description.shape))
+    if sum(end - begin for begin, end in (item.slice for item in items)) != size:
+        return None
+    flat = np.empty(size, dtype=items[0].array.dtype)
+    for item in items:
+        flat[item.slice[0]:item.slice[1]] = np.asarray(item.array).ravel()
+    return flat.reshape(description.shape)
+
+
+def _key_row(key):
+    return {"key": str(codec.get_key(key.key)), "dtype": str(codec.numpy_dtype(key.dtype)), "shape": list(key.shape),
+            "slice": f"{key.slice.begin}:{key.slice.end}" if key.HasField("slice") else "-", "updates": key.updates}
+
+
+def _fields(message):
+    return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+def _ranks(ranks):
+    return ",".join(map(str, ranks)) or "-"
+
+
+def _show(args, rows):
+    """Print ``rows`` (dicts) as an aligned table or as JSON; the exit status: FAILED when a
+    server failed (see _answers)."""
+    if args.output == "json":
+        print(json.dumps(rows, indent=1, default=float))
+    elif rows:
+        columns = list(dict.fromkeys(name for row in rows for name in row))
+        cells = [[_cell(row.get(name, "")) for name in columns] for row in rows]
+        widths = [max(len(text) for text in column) for column in zip(columns, *cells)]
+        for line in [columns, *cells]:
+            print("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip())
+    return FAILED if args.failures else OK
+
+
+def _cell(value):
+    if isinstance(value, list):  # a shape (2x3, () for a scalar), or names
+        if all(isinstance(v, int) for v in value):
+            return "x".join(map(str, value)) or "()"
+        return ",".join(map(str, value))
+    if isinstance(value, (float, np.floating)):
+        return f"{value:.6g}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
