@@ -11,6 +11,8 @@ from tensorkv.engine import Engine
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import serve
 
+MAX_LEASE_TIMEOUT = 86400.0  # a day: lease_ttl_ms is a uint32 of milliseconds
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
@@ -23,6 +25,10 @@ def parse_args(argv=None):
     parser.add_argument("--round-timeout", type=float, default=60.0,
                         help="seconds a sync round, barrier or init waits for every worker before it is "
                              "aborted (default %(default)s)")
+    parser.add_argument("--lease-timeout", type=float, default=10.0,
+                        help="seconds a worker's registration lasts without a heartbeat: a worker that dies "
+                             "or goes silent for longer loses its rank, which a replacement may then take "
+                             "(default %(default)s)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default %(default)s)")
     parser.add_argument("--device", default="auto",
@@ -40,6 +46,8 @@ def parse_args(argv=None):
         parser.error("--num-workers must be at least 1")
     if args.round_timeout <= 0:
         parser.error("--round-timeout must be positive")
+    if not 0 < args.lease_timeout <= MAX_LEASE_TIMEOUT:
+        parser.error(f"--lease-timeout must be positive and at most {MAX_LEASE_TIMEOUT:g} s")
     return args
 
 
@@ -53,7 +61,8 @@ def main(argv=None):
         xp, device = select(args.device)
     except (RuntimeError, ValueError) as error:  # a device this machine does not have
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
-    coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
+    coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
+                              args.lease_timeout)
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
                       args.data_port if args.data_channel else None))
 
