@@ -24,6 +24,12 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# `make test-slow`: the tests marked slow (minutes each, e.g. waits longer than keepalive
+# periods), which `make test` leaves out.
+.PHONY: test-slow
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
 # `make test-gpu`: the GPU suite (tests/test_gpu.py) on a machine with a CUDA device, run by
 # GPU_PYTHON (one that has CuPy, and torch for its torch tests) on the tree as it is, without
 # installing it; the generated modules must be there (`make proto` where grpcio-tools is).
@@ -45,6 +51,9 @@ clean:
 PORT ?= 50051
 SERVER_ARGS ?= --num-workers 1 --mode sync
 FREE_PORT := import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])
+# Waits (30 s at most) until something listens on 127.0.0.1:PORT: a worker started before its
+# server is refused at once.
+WAIT_PORT := import socket, sys, time; sys.exit(None if any(socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 or time.sleep(0.1) for _ in range(300)) else "no server on port " + sys.argv[1])
 
 .PHONY: server run-dist
 
@@ -55,6 +64,7 @@ run-dist: $(STAMP)
 	@port=$$($(PY) -c '$(FREE_PORT)'); \
 	$(PY) -m tensorkv_server --port $$port --num-workers 1 --mode sync --log-level WARNING & pid=$$!; \
 	trap 'kill $$pid; wait $$pid' EXIT; \
+	$(PY) -c '$(WAIT_PORT)' $$port && \
 	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py
 
 # `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
@@ -90,4 +100,5 @@ image-smoke: image $(STAMP)
 	name=tensorkv-smoke-$$port; \
 	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --port $$port --data-port 0 --num-workers 1 >/dev/null; \
 	trap '$(ENGINE) stop -t 10 $$name >/dev/null' EXIT; \
+	$(PY) -c '$(WAIT_PORT)' $$port && \
 	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py

@@ -1,11 +1,13 @@
-"""A dependency-free text progress bar written to stderr."""
+"""A dependency-free text progress bar written to stderr: redrawn in place on a terminal, one
+line per finished step otherwise (a log file gets no carriage returns)."""
 
 import sys
 import time
 
 
 class Progress:
-    """Counts finished steps out of `total` and redraws one stderr line.
+    """Counts finished steps out of `total`: redraws one stderr line on a terminal, else writes
+    a line per finished step.
 
     Use as a context manager, or call close() when done::
 
@@ -23,21 +25,26 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0
         self.start = time.monotonic()
-        self._draw("")
+        self._tty = self.stream.isatty()
+        self.show("")
 
     def show(self, note):
-        """Redraws the bar with `note` after it, without counting a step."""
-        self._draw(note)
+        """Redraws the bar with `note` after it, without counting a step (on a terminal only)."""
+        if self._tty:
+            self._write("\r" + self._line(note).ljust(100))  # padded over a longer previous note
 
     def step(self, note=""):
         """Marks one more step finished; `note` is shown after the bar."""
         self.done = min(self.total, self.done + 1)
-        self._draw(note)
+        if self._tty:
+            self.show(note)
+        else:
+            self._write(self._line(note).rstrip() + "\n")
 
     def close(self):
         """Ends the bar's line."""
-        self.stream.write("\n")
-        self.stream.flush()
+        if self._tty:
+            self._write("\n")
 
     def __enter__(self):
         return self
@@ -45,12 +52,12 @@ class Progress:
     def __exit__(self, *exc):
         self.close()
 
-    def _draw(self, note):
+    def _line(self, note):
         filled = self.width * self.done // self.total
         bar = "#" * filled + "-" * (self.width - filled)
         elapsed = time.monotonic() - self.start
-        line = (f"\r{self.label} [{bar}] {self.done}/{self.total} "
-                f"{elapsed:5.1f}s {note}")
-        # Pad so a shorter note fully overwrites a longer previous one.
-        self.stream.write(line.ljust(100))
+        return f"{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note}"
+
+    def _write(self, text):
+        self.stream.write(text)
         self.stream.flush()

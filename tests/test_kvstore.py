@@ -272,7 +272,7 @@ def test_errors_name_the_key_shapes_and_dtypes(kv):
         kv.init("w", ones(1))
     with pytest.raises(tensorkv.KeyTypeError, match="keys are int or str"):
         kv.pull(1.5)
-    with pytest.raises(tensorkv.InvalidArgumentError, match="2 keys need 2 values, got 1"):
+    with pytest.raises(tensorkv.InvalidArgumentError, match="push: 1 value for 2 keys: give one value per key"):
         kv.push([3, 3], [ones(1)])
     with pytest.raises(tensorkv.InvalidArgumentError, match="not an array"):
         kv.push(3, "text")

@@ -308,7 +308,8 @@ def test_a_client_that_shrinks_its_region_cannot_kill_the_server(tmp_path, use):
         channel, session = _raw_session(cluster.addresses[0])
         try:
             # a region registered the documented way (the client's own code), filled, then shrunk
-            assert _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL, keys=key).code == 0
+            caller = dict(rank=kv.rank, incarnation=kv._registered[0])
+            assert _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL, keys=key, **caller).code == 0
             region = session.region
             region.buffer[offset:offset + n * 8] = pushed.view(np.uint8)
             fds = fds_on(region.name)
@@ -319,9 +320,9 @@ def test_a_client_that_shrinks_its_region_cannot_kill_the_server(tmp_path, use):
             # the server stays up whatever the region's size: pushes from it and pulls into it
             ref = (region.id, offset, n * 8)
             if use == "push":
-                answer = _ask(session, rank=kv.rank, op=kvstore_pb2.SESSION_OP_PUSH, entries=[_entry("w", n, ref)])
+                answer = _ask(session, **caller, op=kvstore_pb2.SESSION_OP_PUSH, entries=[_entry("w", n, ref)])
             else:
-                answer = _ask(session, rank=kv.rank, op=kvstore_pb2.SESSION_OP_PULL, keys=key,
+                answer = _ask(session, **caller, op=kvstore_pb2.SESSION_OP_PULL, keys=key,
                               output=tensor_pb2.SharedMemoryRef(region_id=ref[0], offset=ref[1], length=ref[2]))
             assert answer.code == 0, answer.message
             want = pushed if use == "push" else value

@@ -193,6 +193,18 @@ def _torch_to_numpy(tensor):
     return tensor.numpy()
 
 
+def _numpy_to_torch(array):
+    """A CPU tensor of the NumPy ``array``: its memory, or a copy of a read-only array (which
+    torch warns it cannot protect, e.g. a pulled value still in its received message)."""
+    import torch
+
+    if not array.flags.writeable:
+        array = array.copy()
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
 def write_into(out, value):
     """Copy ``value`` (NumPy, CuPy or DeviceBFloat16) into ``out`` in place, keeping ``out``'s
     type and device: GPU to GPU stays on the GPUs (through DLPack for torch)."""
@@ -205,15 +217,14 @@ def write_into(out, value):
             out[...] = to_namespace(value, cupy)
     elif module.startswith("torch"):
         import torch
-        if out.is_cuda and isinstance(value, DeviceBFloat16):
-            out.view(torch.int16).copy_(torch.from_dlpack(value.bits.view("int16")))
-        elif out.is_cuda and type(value).__module__.startswith("cupy"):
-            out.copy_(torch.from_dlpack(value))
-        else:
-            host = to_host(value)
-            if out.dtype == torch.bfloat16:
-                out.copy_(torch.from_numpy(host.view(np.int16)).view(torch.bfloat16))
+        # A tensor that requires grad (a Parameter) is written as its data, as MXNet users
+        # pull into their weights; autograd still sees the change (its version counter).
+        with torch.no_grad():
+            if out.is_cuda and isinstance(value, DeviceBFloat16):
+                out.view(torch.int16).copy_(torch.from_dlpack(value.bits.view("int16")))
+            elif out.is_cuda and type(value).__module__.startswith("cupy"):
+                out.copy_(torch.from_dlpack(value))
             else:
-                out.copy_(torch.from_numpy(host))
+                out.copy_(_numpy_to_torch(to_host(value)))
     else:
         raise TypeError(f"cannot write into an output of type {type(out).__name__}")

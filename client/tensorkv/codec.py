@@ -589,12 +589,13 @@ def _read_varint(data, pos):
         shift += 7
 
 
-def parse(message_class, data):
-    """``message_class.FromString(data)``, with a malformed message as InvalidTensorError."""
+def parse(message_class, data, error_class=InvalidTensorError):
+    """``message_class.FromString(data)``, with a malformed message as ``error_class`` (an
+    InvalidArgumentError; InvalidTensorError for the messages of tensor streams)."""
     try:
         return message_class.FromString(data)
     except DecodeError as error:
-        raise InvalidTensorError(f"malformed {message_class.__name__}: {error}") from None
+        raise error_class(f"malformed {message_class.__name__}: {error}") from None
 
 
 def _split_message(data, frame_number):

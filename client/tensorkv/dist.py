@@ -5,9 +5,11 @@ Keys are spread over the servers by a stable hash of the key; a value of more th
 back together on pull. A call over a list of keys makes one RPC per server involved, to
 all of them at once, each with a deadline.
 """
+import ipaddress
 import logging
 import math
 import os
+import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,15 +22,16 @@ from . import shm
 from .codec import (
     CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key,
 )
-from .engine import Engine
+from .engine import Engine, dtype_mismatch
 from .errors import (
-    DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError, InvalidArgumentError,
+    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
     ServerUnavailableError, ShapeMismatchError,
 )
 from .kvstore import KVStore
 from .lease import Heartbeat
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
+from .words import plural
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -46,6 +49,9 @@ _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASY
 # What a new run does with the keys earlier runs left on a server (RegisterRequest.if_exists).
 IF_EXISTS = {"fail": kvstore_pb2.IF_EXISTS_FAIL, "resume": kvstore_pb2.IF_EXISTS_RESUME,
              "replace": kvstore_pb2.IF_EXISTS_REPLACE}
+# The Session op of each kind of call that may travel on a Session stream.
+_SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
+                "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
 _MERGE = Engine()
 _GPU_MERGE = {}  # CUDA device id -> Engine that merges lists of GPU arrays there
@@ -68,14 +74,20 @@ def _merge_engine(arrays):
 
 
 def parse_servers(servers):
-    """A list of 'host:port' from a comma-separated string, a list, or TENSORKV_SERVERS."""
+    """A list of 'host:port' from a comma-separated string, a list, or TENSORKV_SERVERS, each
+    checked (InvalidArgumentError naming the entry) before any connection is tried."""
+    source = "servers"
     if servers is None:
-        servers = os.environ.get("TENSORKV_SERVERS", "")
+        servers, source = os.environ.get("TENSORKV_SERVERS", ""), "TENSORKV_SERVERS"
     if isinstance(servers, str):
         servers = servers.split(",")
-    servers = [s.strip() for s in servers if s.strip()]
+    servers = [str(s).strip() for s in servers if str(s).strip()]
     if not servers:
         raise InvalidArgumentError("no servers given: pass servers='host:port,...' or set TENSORKV_SERVERS")
+    for entry in servers:
+        why = _address_problem(entry)
+        if why:
+            raise InvalidArgumentError(f"{source}: {entry!r} is not a server address host:port: {why}")
     return servers
 
 
@@ -87,8 +99,44 @@ def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT):
             try:
                 dropped += Stub(channel).Reset(kvstore_pb2.ResetRequest(), timeout=timeout).num_keys
             except grpc.RpcError as error:
-                raise error_from_rpc(error, address) from None
+                raise error_from_rpc(error, address, "reset") from None
     return dropped
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _address_problem(entry):
+    """What is wrong with ``entry`` as 'host:port' or '[IPv6 address]:port'; '' if nothing."""
+    _, has_scheme, rest = entry.partition("://")
+    if has_scheme:
+        return f"drop the scheme: write {rest!r}"
+    if entry.startswith("["):
+        address, bracket, port = entry[1:].partition("]")
+        if not bracket:
+            return "no ']' after the IPv6 address"
+        try:
+            ipaddress.IPv6Address(address)
+        except ValueError:
+            return f"{address!r} is not an IPv6 address"
+        if not port.startswith(":"):
+            return f"no port: write e.g. '[{address}]:50051'"
+        port = port[1:]
+    else:
+        host, colon, port = entry.rpartition(":")
+        if not colon:
+            return f"no port: write e.g. '{entry}:50051'"
+        if ":" in host:
+            return f"an IPv6 address goes in brackets: write '[{host}]:{port}'"
+        if not host:
+            return "no host before the port"
+        if not _HOST_NAME.fullmatch(host):
+            return f"{host!r} is not a host name or address"
+    if not (port.isascii() and port.isdigit()):
+        return f"port {port!r} is not a number"
+    if not 1 <= int(port) <= 65535:
+        return f"port {port} is not in 1..65535"
+    return ""
 
 
 def home(key, num_servers):
@@ -116,7 +164,8 @@ class DistStore(KVStore):
     """A client of tensorkv servers; see :func:`tensorkv.create`.
 
     ``timeout`` bounds every call (seconds; a sync pull waits for the other workers within
-    it), ``connect_timeout`` the first contact with each server. ``transport`` 'auto' (the
+    it), ``connect_timeout`` the first answer of each server (a refused connection or an
+    unknown host fails at once). ``transport`` 'auto' (the
     default, or ``TENSORKV_TRANSPORT``) passes values through shared memory to a server that
     proves it is on this host and on the server's raw-TCP data channel otherwise; 'tcp'
     uses the data channel only; 'grpc' always sends them in the gRPC messages.
@@ -178,24 +227,27 @@ class DistStore(KVStore):
         infos = []
         for index, address in enumerate(self._addresses):
             try:
-                info = self._call(index, lambda stub: stub.Info(
-                    kvstore_pb2.InfoRequest(), timeout=connect_timeout, wait_for_ready=True))
-            except DeadlineExceededError:
+                info = self._call(index, lambda stub: stub.Info(kvstore_pb2.InfoRequest(), timeout=connect_timeout),
+                                  "info")
+            except DeadlineExceededError:  # connected, or still connecting, but no answer
                 raise ServerUnavailableError(
-                    f"server {address} is unreachable: no answer within {connect_timeout:g} s") from None
+                    f"server {address} is unreachable: no answer within {connect_timeout:g} s; "
+                    f"is tensorkv-server running on {address}?") from None
             if info.mode != _MODES[self.type]:
+                mode = kvstore_pb2.Mode.Name(info.mode).removeprefix("MODE_").lower()
                 raise FailedPreconditionError(
-                    f"server {address} runs in {kvstore_pb2.Mode.Name(info.mode)}; "
-                    f"a '{self.type}' store needs {kvstore_pb2.Mode.Name(_MODES[self.type])}")
+                    f"server {address} runs in {mode} mode; a '{self.type}' store needs a server started with "
+                    f"--mode {self.type.removeprefix('dist_')} (for this one, create a 'dist_{mode}' store)")
             if num_workers is not None and info.num_workers != num_workers:
                 raise FailedPreconditionError(
-                    f"server {address} expects {info.num_workers} workers, this worker was told {num_workers}")
+                    f"server {address} expects {plural(info.num_workers, 'worker')}, "
+                    f"this worker was told {num_workers}")
             num_workers = info.num_workers
             infos.append(info)
         leases = {}  # server index -> (incarnation, lease seconds)
         for index in range(len(self._addresses)):
             request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists)
-            response = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout))
+            response = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout), "register")
             rank = self._rank = response.rank
             self._registered[index] = response.incarnation
             if response.lease_ttl_ms:  # 0: a server without leases
@@ -226,28 +278,30 @@ class DistStore(KVStore):
 
     # ---- RPC plumbing -----------------------------------------------------------------
 
-    def _call(self, index, call):
-        """``call(stub)`` on server ``index``, with gRPC errors raised as KVStoreError;
+    def _call(self, index, call, kind):
+        """``call(stub)`` on server ``index``, with gRPC errors raised as KVStoreError; ``kind``
+        names the call in them ('push', 'pull', ...: see rpc.transport_error).
         FailedPreconditionError once this worker has lost its lease on a server."""
         if self._heartbeat is not None:
             self._heartbeat.check()
         try:
             return call(self._stubs[index])
         except grpc.RpcError as error:
-            raise error_from_rpc(error, self._addresses[index]) from None
+            raise error_from_rpc(error, self._addresses[index], kind) from None
 
-    def _each(self, calls):
-        """Run {server index: call(stub)} on all those servers at once; {index: result}."""
+    def _each(self, calls, kind):
+        """Run {server index: call(stub)} (``kind`` calls) on all those servers at once;
+        {index: result}."""
         if len(calls) <= 1 or self._pool is None:
-            return {index: self._call(index, call) for index, call in calls.items()}
-        futures = {index: self._pool.submit(self._call, index, call) for index, call in calls.items()}
+            return {index: self._call(index, call, kind) for index, call in calls.items()}
+        futures = {index: self._pool.submit(self._call, index, call, kind) for index, call in calls.items()}
         errors = [f.exception() for f in futures.values() if f.exception() is not None]
         if errors:
             raise errors[0]
         return {index: f.result() for index, f in futures.items()}
 
-    def _session(self, index, op, part, outs=None, keys=None, wait_only=False):
-        """Make the call ``op`` on server ``index``'s Session stream: the items (or keys) it
+    def _session(self, index, kind, part, outs=None, keys=None, wait_only=False):
+        """Make the ``kind`` call on server ``index``'s Session stream: the items (or keys) it
         returns; None when the call is not for a session (too large without shared memory,
         sessions off, or the session busy with another thread's call), for the caller to make
         a plain RPC.
@@ -264,6 +318,7 @@ class DistStore(KVStore):
         use_channel = not use_shm and session.channel_possible
         min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
         offload = use_shm or use_channel  # large values leave the messages
+        op = _SESSION_OPS[kind]
         pulls = op in (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL)
         in_bytes = out_bytes = 0
         if keys is None:
@@ -320,7 +375,7 @@ class DistStore(KVStore):
             response = decoder.first
             if response.code:
                 raise error_from_code(status_code(response.code), response.message, response.error_class or None,
-                                      self._addresses[index])
+                                      self._addresses[index], kind)
             if response.id != call_id:
                 raise InternalError(f"server {self._addresses[index]} answered session call {response.id}, "
                                     f"not {call_id}")
@@ -329,7 +384,8 @@ class DistStore(KVStore):
                 channel.receive(decoder.frames.incoming)
             return items
 
-        return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output))
+        return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output),
+                            kind)
 
     def _frames(self, index, message_type, items, **fields):
         """The serialized request messages to server ``index`` that carry ``items``."""
@@ -391,7 +447,7 @@ class DistStore(KVStore):
         if known is None:
             return
         if dtype != known[1]:
-            raise DtypeMismatchError(f"key {key!r}: {verb} dtype {dtype} does not match the stored dtype {known[1]}")
+            raise dtype_mismatch(key, verb, dtype, known[1])
         if shape != known[0]:
             raise ShapeMismatchError(f"key {key!r}: {verb} shape {shape} does not match the stored shape {known[0]}")
 
@@ -452,9 +508,9 @@ class DistStore(KVStore):
         wait_only = self._rank != 0
         plan = self._plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
         self._each({index: lambda stub, index=index, part=part: self._session(
-            index, kvstore_pb2.SESSION_OP_INIT, part, wait_only=wait_only) is not None or stub.init_raw(
+            index, "init", part, wait_only=wait_only) is not None or stub.init_raw(
             self._frames(index, kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
-            timeout=self._timeout) for index, part in plan.items()})
+            timeout=self._timeout) for index, part in plan.items()}, "init")
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)
 
@@ -462,9 +518,9 @@ class DistStore(KVStore):
         merged = self._merged(pairs)
         plan = self._plan((key, key, value) for key, value in merged.items())
         self._each({index: lambda stub, index=index, part=part: self._session(
-            index, kvstore_pb2.SESSION_OP_PUSH, part) is not None or stub.push_raw(
+            index, "push", part) is not None or stub.push_raw(
             self._frames(index, kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
-            for index, part in plan.items()})
+            for index, part in plan.items()}, "push")
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
     def _pushpull(self, pairs, fresh, outs=None):
@@ -479,11 +535,11 @@ class DistStore(KVStore):
             first_outs = [by_key[key] for key in order]
         plan = self._plan((position, key, merged[key]) for position, key in enumerate(order))
         results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
-            index, kvstore_pb2.SESSION_OP_PUSH_PULL, part, outs=first_outs), lambda: self._decode(
+            index, "pushpull", part, outs=first_outs), lambda: self._decode(
             kvstore_pb2.PushPullResponse,
             stub.pushpull_raw(self._frames(index, kvstore_pb2.PushPullRequest, [item for _, item in part]),
                               timeout=self._timeout), part, first_outs))
-            for index, part in plan.items()})
+            for index, part in plan.items()}, "pushpull")
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
         values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results, first_outs), fresh)))
         return [values[key] for key, _ in pairs]
@@ -522,10 +578,10 @@ class DistStore(KVStore):
     def _pull_into(self, values, plan, outs=None):
         """Pull the keys of ``plan`` {server index: [(position, key)]} into ``values``."""
         results = self._each({index: lambda stub, index=index, part=part: self._or(
-            self._session(index, kvstore_pb2.SESSION_OP_PULL, part, outs=outs, keys=[key for _, key in part]),
+            self._session(index, "pull", part, outs=outs, keys=[key for _, key in part]),
             lambda: self._decode(kvstore_pb2.PullResponse, stub.pull_raw(
                 self._pull_request(index, (key for _, key in part)), timeout=self._timeout), part, outs))
-            for index, part in plan.items()})
+            for index, part in plan.items()}, "pull")
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
         return self._assemble(values, plan, results, outs)
@@ -578,22 +634,23 @@ class DistStore(KVStore):
             "declarative optimizer of tensorkv.optimizer, which runs on the servers")
 
     def _set_optimizer(self, optimizer):
-        self._send_optimizer(optimizer, {})
+        self._send_optimizer(optimizer, {}, "set_optimizer")
 
-    def _send_optimizer(self, optimizer, by_server):
+    def _send_optimizer(self, optimizer, by_server, kind):
         """SetUpdater on every server, with that server's states {index: {key: (n, [Item])}}."""
         self._each({index: lambda stub, index=index: stub.SetUpdater(states_wire.to_messages(
             kvstore_pb2.SetUpdaterRequest, optimizer, by_server.get(index, {})), timeout=self._timeout)
-            for index in range(len(self._stubs))})
+            for index in range(len(self._stubs))}, kind)
 
     def _set_learning_rate(self, learning_rate):
         request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)
         self._each({index: lambda stub: stub.SetLearningRate(request, timeout=self._timeout)
-                    for index in range(len(self._stubs))})
+                    for index in range(len(self._stubs))}, "set_learning_rate")
 
     def _save_optimizer_states(self, fname):
         results = self._each({index: lambda stub: states_wire.from_messages(stub.GetOptimizerStates(
-            kvstore_pb2.GetOptimizerStatesRequest(), timeout=self._timeout)) for index in range(len(self._stubs))})
+            kvstore_pb2.GetOptimizerStatesRequest(), timeout=self._timeout)) for index in range(len(self._stubs))},
+            "save_optimizer_states")
         optimizer, merged = None, {}
         for index in sorted(results):
             server_optimizer, key_states = results[index]
@@ -614,12 +671,13 @@ class DistStore(KVStore):
                 for index, item in split:
                     entry = by_server.setdefault(index, {}).setdefault(key, (num_update, [None] * len(arrays)))
                     entry[1][j] = item
-        self._send_optimizer(optimizer, by_server)
+        self._send_optimizer(optimizer, by_server, "load_optimizer_states")
 
     # ---- the rest ---------------------------------------------------------------------
 
     def _barrier(self):
-        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(**self._caller(0)), timeout=self._timeout)})
+        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(**self._caller(0)), timeout=self._timeout)},
+                   "barrier")
 
     def close(self):
         if not self._closed:

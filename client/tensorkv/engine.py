@@ -12,13 +12,21 @@ import contextlib
 import numpy as np
 
 from . import kernels
-from .backend import DeviceBFloat16, empty, shape_dtype, to_namespace
+from .backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
 from .codec import check_key, wire_dtype
 from .errors import (
     DtypeMismatchError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError, ShapeMismatchError,
 )
 from .kernels import accumulator_dtype
 from .optimizer import Updater
+
+
+def dtype_mismatch(key, verb, dtype, stored):
+    """The DtypeMismatchError of a value of ``dtype`` ``verb`` ('pushed', ...) into a key
+    stored as ``stored``, saying how to cast it: values are never converted silently."""
+    module = "ml_dtypes" if stored == BFLOAT16 else "numpy"
+    return DtypeMismatchError(f"key {key!r}: {verb} dtype {dtype} does not match the stored dtype {stored}; "
+                              f"cast it with value.astype({module}.{stored})")
 
 
 class Stored:
@@ -110,9 +118,7 @@ class Engine:
             data_shape, dtype = shape_dtype(value)
         full_shape = data_shape if shape is None else tuple(shape)
         if dtype != stored.array.dtype:
-            raise DtypeMismatchError(
-                f"key {key!r}: {verb} dtype {dtype} does not match the stored dtype {stored.array.dtype}"
-            )
+            raise dtype_mismatch(key, verb, dtype, stored.array.dtype)
         if full_shape != stored.shape or slice != stored.slice or data_shape != tuple(stored.array.shape):
             where = "" if slice == stored.slice else f" (slice {slice}, stored slice {stored.slice})"
             raise ShapeMismatchError(

@@ -9,6 +9,7 @@ import numpy as np
 from .backend import is_array, shape_dtype, to_host, write_into
 from .codec import Item, check_key
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
+from .words import plural
 
 
 def _as_list(keys, values, what):
@@ -16,7 +17,8 @@ def _as_list(keys, values, what):
     if isinstance(keys, (list, tuple)):
         if not isinstance(values, (list, tuple)) or len(values) != len(keys):
             count = len(values) if isinstance(values, (list, tuple)) else 1
-            raise InvalidArgumentError(f"{what}: {len(keys)} keys need {len(keys)} values, got {count}")
+            raise InvalidArgumentError(
+                f"{what}: {plural(count, 'value')} for {plural(len(keys), 'key')}: give one value per key")
         return list(keys), list(values)
     return [keys], [values]
 

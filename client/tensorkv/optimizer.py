@@ -32,6 +32,7 @@ from .backend import array_module
 from .kernels import Kernel
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
 from .lr_scheduler import LRScheduler
+from .words import plural
 
 
 # The valid range of each hyper-parameter, by MXNet's name: (low, low included, high, high
@@ -469,7 +470,8 @@ class Updater:
         states = self.optimizer.create_state(xp, weight)
         if len(arrays) != len(states):
             raise InvalidArgumentError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {len(states)} state arrays, got {len(arrays)}"
+                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {plural(len(states), 'state array')}, "
+                f"got {len(arrays)}"
             )
         for state, array in zip(states, arrays):
             if tuple(array.shape) != tuple(state.shape):

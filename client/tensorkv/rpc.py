@@ -1,9 +1,9 @@
 """The one place where tensorkv errors meet gRPC statuses, on both sides of the wire.
 
-A server handler raises a :class:`~tensorkv.errors.KVStoreError`; :func:`translate_errors`
-sends its ``code`` as the status, its message as the details and its class name in the
-trailing metadata entry ``tensorkv-error``. A client turns a ``grpc.RpcError`` back into
-the same class with :func:`error_from_rpc`.
+A server handler raises a :class:`~tensorkv.errors.KVStoreError`; :func:`translate_errors`,
+which wraps every handler as it is registered, sends its ``code`` as the status, its message
+as the details and its class name in the trailing metadata entry ``tensorkv-error``. A
+client turns a ``grpc.RpcError`` back into the same class with :func:`error_from_rpc`.
 """
 import functools
 import inspect
@@ -25,24 +25,42 @@ from .v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Large tensors travel as chunked streams, so no message limit is needed; keepalive pings
-# find dead peers during long waits for sync rounds.
+# Large tensors travel as chunked streams, so no message limit is needed.
 _COMMON_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
 ]
+
+# Keepalive. A call may wait without a byte moving for as long as a sync round, barrier or
+# init waits (the server's --round-timeout, which the client's `timeout` must exceed), and a
+# worker's Session stream stays open between calls, however long it computes. The client
+# pings every _KEEPALIVE_TIME_MS while a call or stream is open, to find a dead server or a
+# cut connection within _KEEPALIVE_TIME_MS + _KEEPALIVE_TIMEOUT_MS; the server must accept
+# those pings for as long as they go on, or it closes the connection ("too many pings").
+# gRPC core reads these options by their exact names (include/grpc/impl/channel_arg_names.h)
+# and silently ignores any other name: a server then allows one ping per 5 minutes.
+_KEEPALIVE_TIME_MS = 30_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
 CHANNEL_OPTIONS = _COMMON_OPTIONS + [
     # unary-stream calls (Pull, and PushPull of one message) without a thread per call
     ("SingleThreadedUnaryStream", 1),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+    # no pings with no call open: nothing waits on the connection then (and a server allows
+    # one ping per 2 hours on a connection without calls)
     ("grpc.keepalive_permit_without_calls", 0),
+    # pings for as long as a wait lasts, with no data in between
     ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVER_OPTIONS = _COMMON_OPTIONS + [
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    # the server's own pings find the connections of dead workers, and end their streams
+    ("grpc.keepalive_time_ms", 2 * _KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+    # a client ping sooner than this after the previous one, with no data sent in between, is
+    # a strike; below the client's period so that late timers never make one
+    ("grpc.http2.min_ping_interval_without_data_ms", 2 * _KEEPALIVE_TIME_MS // 3),
+    # early pings tolerated before the server closes the connection (gRPC's default is 2); the
+    # count restarts whenever the server sends data
     ("grpc.http2.max_ping_strikes", 5),
 ]
 
@@ -59,15 +77,19 @@ async def _abort(context, error):
     )
 
 
-def translate_errors(method):
-    """Decorate an async servicer method (coroutine or async generator) so that any error it
-    raises reaches the client as a status: a KVStoreError as its own code, anything else as
-    INTERNAL (and logged with its traceback)."""
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
+def translate_errors(handler, parse=None):
+    """``handler`` (an async function or async generator function of (request, context), e.g.
+    a bound servicer method) as a gRPC handler whose errors reach the client as statuses: a
+    KVStoreError as its own code, anything else as INTERNAL (and logged with its traceback).
+    ``parse(request, context)``, when given, turns the request as gRPC delivers it (bytes, or
+    an async iterator of them) into what ``handler`` receives, within that translation: a
+    malformed request fails with its own status."""
+    parse = parse or (lambda request, context: request)
+    if inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def stream(request, context):
             try:
-                async for response in method(self, request, context):
+                async for response in handler(parse(request, context), context):
                     yield response
             except grpc.aio.AbortError:
                 raise
@@ -75,10 +97,10 @@ def translate_errors(method):
                 await _abort(context, error)
         return stream
 
-    @functools.wraps(method)
-    async def unary(self, request, context):
+    @functools.wraps(handler)
+    async def unary(request, context):
         try:
-            return await method(self, request, context)
+            return await handler(parse(request, context), context)
         except grpc.aio.AbortError:
             raise
         except Exception as error:
@@ -88,20 +110,53 @@ def translate_errors(method):
 
 # ---- client side ----------------------------------------------------------------------
 
-def error_from_rpc(error, address):
-    """The KVStoreError to raise for the ``grpc.RpcError`` a call to ``address`` raised."""
+def error_from_rpc(error, address, kind):
+    """The KVStoreError to raise for the ``grpc.RpcError`` that a ``kind`` call ('push',
+    'pull', ...) to ``address`` raised."""
     class_name = dict(error.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
-    return error_from_code(error.code(), error.details(), class_name, address)
+    return error_from_code(error.code(), error.details(), class_name, address, kind)
 
 
-def error_from_code(code, details, class_name, address):
+def error_from_code(code, details, class_name, address, kind):
     """The KVStoreError for status ``code`` (a grpc.StatusCode) with ``details`` and the
-    error class name the server sent (None if none)."""
+    error class name the server sent (None if none) that a ``kind`` call got."""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        if class_name is None:  # made by the transport, not sent by a server
+            return transport_error(details, address, kind)
         return ServerUnavailableError(f"server {address} is unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(f"server {address} did not answer within the deadline: {details}")
     return error_from_status(code.name, details, class_name)
+
+
+# Calls that change nothing on a server: any other whose connection broke may have taken effect.
+READ_ONLY_CALLS = frozenset({"info", "pull", "barrier", "save_optimizer_states"})
+
+# The transport's words for a connection it could not make, and what they mean.
+_CONNECT_FAILURES = (
+    ("Connection refused", "the connection was refused (nothing listens on that port)"),
+    ("HTTP/2", "something else answers there: not a tensorkv (gRPC) server"),
+    ("http1", "something else answers there: an HTTP/1 server, not a tensorkv (gRPC) server"),
+    ("Socket closed", "the peer closed the connection before answering: not a tensorkv (gRPC) server, "
+                      "or one that is stopping"),
+)
+
+
+def transport_error(details, address, kind):
+    """The ServerUnavailableError for a ``kind`` call whose connection to ``address`` could
+    not be made or broke, in words instead of the transport's ``details``."""
+    hint = f"is tensorkv-server running on {address}?"
+    if "resolving" in details or "DNS resolution failed" in details:
+        host = address.rsplit(":", 1)[0]
+        return ServerUnavailableError(f"cannot reach server {address}: host {host} is unknown "
+                                      f"(its name does not resolve); {hint}")
+    if "failed to connect" in details:  # no connection: the call was not sent
+        cause = next((words for text, words in _CONNECT_FAILURES if text in details),
+                     details.rsplit(": ", 1)[-1].lower())  # the system's reason, e.g. "no route to host"
+        return ServerUnavailableError(f"cannot connect to server {address}: {cause}; {hint}")
+    effect = f"the {kind} changed nothing" if kind in READ_ONLY_CALLS else f"the {kind} may have been applied"
+    return ServerUnavailableError(f"server {address} closed the connection during the {kind} "
+                                  f"(it may have crashed or been killed); {effect}")
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -202,14 +257,15 @@ class Session:
         self.data_port = data_port
         self.data_channel = None
 
-    def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False):
+    def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call"):
         """``decode(id, serialized SessionResponse, region, channel)`` (default: (id, response))
         for the request that ``build(id, timeout_ms, region, channel)`` returns with the arrays
         whose bytes follow on the data channel, as (serialized SessionRequest, arrays); both
         run under the session's lock. ``region`` is the shared-memory Region for a call with
         ``shm_bytes`` > 0, ``channel`` the data channel for a call with ``data_channel`` (each
         None when there is none); ``decode`` receives what the response says follows on the
-        channel. None when the session is busy or closed."""
+        channel. ``kind`` names the call in errors ('push', 'pull', ...). None when the session
+        is busy or closed."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -217,15 +273,15 @@ class Session:
                 return None
             if self._call is None:
                 self._open()
-            region = self._ensure_region(shm_bytes, timeout) if shm_bytes > 0 else None
-            channel = self._ensure_channel(timeout) if data_channel and region is None else None
+            region = self._ensure_region(shm_bytes, timeout, kind) if shm_bytes > 0 else None
+            channel = self._ensure_channel(timeout, kind) if data_channel and region is None else None
             call_id = next(self._ids)
             if channel is not None:
                 channel.deadline = time.monotonic() + timeout
             request, arrays = build(call_id, max(1, int(timeout * 1000)), region, channel)
             failed = []
             try:
-                data = self._roundtrip(request, timeout,
+                data = self._roundtrip(request, timeout, kind,
                                        lambda: self._send(channel, arrays, failed) if arrays else None)
             except BaseException:  # e.g. interrupted mid-send: this call's answer must not be the next's
                 self._reset()
@@ -256,8 +312,9 @@ class Session:
         except KVStoreError as error:
             failed.append(error)
 
-    def _roundtrip(self, request, timeout, then=None):
-        """Send one serialized request, run ``then()`` and return the serialized response."""
+    def _roundtrip(self, request, timeout, kind, then=None):
+        """Send one serialized request of a ``kind`` call, run ``then()`` and return the
+        serialized response."""
         self._expired = False
         self._deadline = time.monotonic() + timeout + SESSION_GRACE
         self._queue.put(request)
@@ -271,10 +328,10 @@ class Session:
             if expired:
                 raise DeadlineExceededError(
                     f"server {self._address} did not answer within {timeout:g} s") from None
-            raise error_from_rpc(error, self._address) from None
+            raise error_from_rpc(error, self._address, kind) from None
         except StopIteration:
             self._reset()
-            raise ServerUnavailableError(f"server {self._address} closed the session") from None
+            raise transport_error("", self._address, kind) from None  # the server ended the stream
         finally:
             self._deadline = None
 
@@ -283,7 +340,7 @@ class Session:
         """Whether calls may use shared memory (a region exists or may be negotiated)."""
         return self.shm_allowed or self.region is not None
 
-    def _ensure_region(self, nbytes, timeout):
+    def _ensure_region(self, nbytes, timeout, kind):
         """The registered region, grown to ``nbytes`` if the server agrees; None or a smaller
         region when it does not (the call then carries what does not fit inline)."""
         region = self.region
@@ -300,7 +357,8 @@ class Session:
                 id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
                 timeout_ms=max(1, int(timeout * 1000)),
                 region=kvstore_pb2.SharedMemoryRegion(pid=os.getpid(), fd=new.fd, size=new.size, token=new.token))
-            response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout))
+            response = kvstore_pb2.SessionResponse.FromString(
+                self._roundtrip(request.SerializeToString(), timeout, kind))
         except BaseException:
             new.close()
             raise
@@ -316,7 +374,7 @@ class Session:
             region.close()
             release = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
                                                  region_id=region.id)
-            self._roundtrip(release.SerializeToString(), timeout)
+            self._roundtrip(release.SerializeToString(), timeout, kind)
         return new
 
     @property
@@ -324,14 +382,14 @@ class Session:
         """Whether calls may use a data channel (one exists or may be negotiated)."""
         return self.data_port > 0 or self.data_channel is not None
 
-    def _ensure_channel(self, timeout):
+    def _ensure_channel(self, timeout, kind):
         """The data channel, negotiated if needed; None when the server does not bind one
         (this session then stays on the gRPC messages)."""
         if self.data_channel is not None or not self.data_port:
             return self.data_channel
         request = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
                                              timeout_ms=max(1, int(timeout * 1000)))
-        response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout))
+        response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout, kind))
         try:
             if response.code:
                 raise ConnectionRefusedError(response.message)

@@ -28,6 +28,7 @@ from .codec import check_key
 from .errors import InvalidArgumentError
 from . import lr_scheduler
 from .optimizer import create
+from .words import plural
 
 FORMAT = "tensorkv-optimizer-states"
 VERSION = 2
@@ -79,5 +80,5 @@ def load(fname):
     except InvalidArgumentError as error:
         raise InvalidArgumentError(f"{fname}: {error}") from None
     if arrays:
-        raise InvalidArgumentError(f"{fname}: {len(arrays)} state arrays belong to no key")
+        raise InvalidArgumentError(f"{fname}: {plural(len(arrays), 'state array')} of no key")
     return optimizer, states

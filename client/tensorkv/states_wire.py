@@ -7,6 +7,7 @@ tensors follow as frames, key after key. (Files of states are :mod:`tensorkv.sta
 from . import codec, lr_scheduler, optimizer as optimizers
 from .errors import InvalidArgumentError, InvalidTensorError
 from .v1 import tensor_pb2
+from .words import plural
 
 
 def to_messages(message_type, optimizer, states):
@@ -67,7 +68,8 @@ def get_optimizer(message):
 def _group(key_states, items):
     expected = sum(state.num_states for state in key_states)
     if expected != len(items):
-        raise InvalidTensorError(f"key_states announce {expected} state tensors, the stream carried {len(items)}")
+        raise InvalidTensorError(
+            f"key_states announce {plural(expected, 'state tensor')}, the stream carried {len(items)}")
     states, position = {}, 0
     for state in key_states:
         key = codec.check_key(codec.get_key(state.key))

@@ -4,12 +4,16 @@ import asyncio
 import logging
 import os
 
-from tensorkv import allocator
+from tensorkv import __version__, allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
 from .rounds import ASYNC, SYNC, Coordinator
-from .server import serve
+from .server import ListenError, check_free, serve
+
+# Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
+# tensorkv_server logger hierarchy the other modules log in.
+log = logging.getLogger("tensorkv_server.main")
 
 MAX_LEASE_TIMEOUT = 86400.0  # a day: lease_ttl_ms is a uint32 of milliseconds
 
@@ -21,7 +25,8 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (default %(default)s)")
     parser.add_argument("--num-workers", type=int, default=1, help="number of workers (default %(default)s)")
     parser.add_argument("--mode", choices=(SYNC, ASYNC), default=SYNC,
-                        help="sync: merge the pushes of all workers per round; async: apply each push")
+                        help="sync: merge the pushes of all workers per round; async: apply each push "
+                             "(default %(default)s)")
     parser.add_argument("--round-timeout", type=float, default=60.0,
                         help="seconds a sync round, barrier or init waits for every worker before it is "
                              "aborted (default %(default)s)")
@@ -32,15 +37,20 @@ def parse_args(argv=None):
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default %(default)s)")
     parser.add_argument("--device", default="auto",
-                        help="where values live: cpu, cuda, cuda:N or auto (GPU when CuPy sees one)")
+                        help="where values live: cpu, cuda, cuda:N or auto, the GPU when CuPy sees one "
+                             "(default %(default)s)")
     parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
-                        help="refuse shared-memory regions: clients on this host use the plain gRPC path")
+                        help="refuse shared-memory regions: clients on this host use the plain gRPC path "
+                             "(default: shared memory on)")
     parser.add_argument("--data-port", type=int, default=0,
                         help="port of the raw-TCP data channel for large values (default: any free one; "
                              "fix it to publish it from a container)")
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
-                        help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+                        help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages "
+                             "(default: data channel on)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="least severe log messages written to stderr (default %(default)s)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
@@ -48,15 +58,27 @@ def parse_args(argv=None):
         parser.error("--round-timeout must be positive")
     if not 0 < args.lease_timeout <= MAX_LEASE_TIMEOUT:
         parser.error(f"--lease-timeout must be positive and at most {MAX_LEASE_TIMEOUT:g} s")
+    if args.data_channel and args.data_port == args.port != 0:
+        parser.error("--data-port must differ from --port")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if argv is None:  # a process of its own, not a call from Python
+    try:
+        _serve(args, reexec=argv is None)
+    except ListenError as error:  # a port in use or not allowed: one line, no traceback
+        raise SystemExit(f"tensorkv-server: {error}") from None
+
+
+def _serve(args, reexec):
+    check_free(args.host, args.port, "--port")  # before the re-exec and the device: a port in use ends it at once
+    if args.data_channel:
+        check_free(args.host, args.data_port, "--data-port")
+    if reexec:  # a process of its own, not a call from Python
         allocator.reexec_with_tunables()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger(__name__).info("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
+    log.debug("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
     try:
         xp, device = select(args.device)
     except (RuntimeError, ValueError) as error:  # a device this machine does not have

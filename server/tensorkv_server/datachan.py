@@ -23,7 +23,8 @@ ACK = b"\x01"
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection gets to send its token
 
 
-def _host(host):
+def bare_host(host):
+    """``host`` without the brackets of an IPv6 address."""
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
@@ -32,7 +33,7 @@ class DataPort:
 
     def __init__(self, host, port=0):
         ipv6 = ":" in host  # then both families, as gRPC serves them
-        self._listener = socket.create_server((_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
+        self._listener = socket.create_server((bare_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
                                               dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
@@ -121,11 +122,16 @@ class StreamChannel:
         self._token, self._waiter = self._port.offer()
         return self._token
 
-    def _socket(self):
+    @property
+    def bound(self):
+        """Whether a connection presented this stream's token (and is not closed)."""
         waiter = self._waiter
-        if waiter is None or not waiter.done() or waiter.cancelled():
+        return waiter is not None and waiter.done() and not waiter.cancelled()
+
+    def _socket(self):
+        if not self.bound:
             raise FailedPreconditionError("this stream has no connected data channel: ask for one first")
-        return waiter.result()
+        return self._waiter.result()
 
     async def receive(self, buffers, timeout):
         """Fill the uint8 arrays ``buffers`` from the channel, in order, within ``timeout`` s."""

@@ -15,15 +15,17 @@ the expired incarnation is refused from then on, so a worker that was paused pas
 lease cannot merge anything when it wakes up.
 
 A *run* is the set of workers registered together: it starts with a registration while no
-rank is registered, and ends when all of its ranks have been given back or have lost their lease. Its first
-registration chooses its ``if_exists``, what it does with the keys that earlier runs left
-(FAIL, RESUME or REPLACE), and the run's other registrations must ask for the same.
+rank is registered, and ends when all of its ranks have been given back or have lost their
+lease. Its first registration chooses its ``if_exists``, what it does with the keys that
+earlier runs left (FAIL, RESUME or REPLACE), and the run's other registrations must ask for
+the same.
 """
 import asyncio
 import logging
 import time
 
 from tensorkv.errors import FailedPreconditionError
+from tensorkv.words import plural
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class Membership:
         if rank is None:
             free = [r for r in range(self.num_workers) if r not in self.incarnations]
             if not free:
-                raise FailedPreconditionError(f"all {self.num_workers} ranks are taken")
+                raise FailedPreconditionError(f"every rank is taken: this server expects {self._workers()}")
             rank = free[0]
         self._check_range(rank)
         if rank in self.incarnations:
@@ -174,6 +176,9 @@ class Membership:
     def _check_range(self, rank):
         if not 0 <= rank < self.num_workers:
             raise FailedPreconditionError(
-                f"rank {rank} is out of range: this server expects {self.num_workers} workers "
-                f"(ranks 0 to {self.num_workers - 1})"
-            )
+                f"rank {rank} is out of range: this server expects {self._workers()}")
+
+    def _workers(self):
+        """'1 worker (rank 0)' or 'N workers (ranks 0 to N-1)'."""
+        ranks = "rank 0" if self.num_workers == 1 else f"ranks 0 to {self.num_workers - 1}"
+        return f"{plural(self.num_workers, 'worker')} ({ranks})"

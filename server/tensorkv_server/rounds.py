@@ -30,6 +30,7 @@ from tensorkv.errors import (
     FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError,
 )
+from tensorkv.words import plural
 
 from .membership import FAIL, REPLACE, Membership
 
@@ -334,7 +335,7 @@ class Coordinator:
                     errors.append(future.exception())
                     self._rounds[key].aborted.pop(rank, None)
         if errors:
-            more = f" (and {len(errors) - 1} more keys)" if len(errors) > 1 else ""
+            more = f" (and {plural(len(errors) - 1, 'more key')})" if len(errors) > 1 else ""
             raise type(errors[0])(f"{errors[0]}{more}")
         return bool(futures)
 
@@ -400,7 +401,8 @@ class Coordinator:
         updater.set_states(checked)
         self.engine.updater = updater
         self.optimizer = optimizer
-        log.info("optimizer %s %s installed with states for %d keys", optimizer.name, optimizer.params, len(states))
+        log.info("optimizer %s %s installed with states for %s", optimizer.name, optimizer.params,
+                 plural(len(states), "key"))
 
     def set_learning_rate(self, learning_rate):
         """Change the installed optimizer's learning rate; its states and counts stay."""

@@ -1,8 +1,10 @@
 """Wiring of the grpc.aio server: the KVStoreService, health, reflection, and a clean stop
 on SIGTERM/SIGINT."""
 import asyncio
+import errno
 import logging
 import signal
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -10,38 +12,79 @@ from grpc_reflection.v1alpha import reflection
 
 from tensorkv.rpc import SERVER_OPTIONS
 from tensorkv.v1 import kvstore_pb2
+from tensorkv.words import plural
 
-from .datachan import DataPort
+from .datachan import DataPort, bare_host
 from .service import KVStoreService, add_to_server
 
 log = logging.getLogger(__name__)
 
+# gRPC binds with SO_REUSEPORT by default, so a second server on a port in use would start
+# and the kernel would split the workers' connections between the two.
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
+
+
+class ListenError(Exception):
+    """A port this server cannot listen on (in use by another process, or not allowed)."""
+
+
+def _listen_error(flag, host, port, error):
+    if error.errno == errno.EADDRINUSE:
+        return ListenError(f"{flag} {port}: port {port} on {host} is in use by another process "
+                           "(another tensorkv-server?)")
+    return ListenError(f"{flag} {port}: cannot listen on {host}:{port}: {error.strerror}")
+
+
+def check_free(host, port, flag):
+    """Raise ListenError naming ``flag`` unless this process may listen on host:``port`` (0:
+    any free port), tried the way gRPC and DataPort bind: gRPC's own bind failure says why
+    only in its log, and a server that cannot start should say so before it loads anything."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(bare_host(host), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ListenError(f"--host {host}: cannot listen there: {error.strerror}") from None
+    for family, kind, proto, _, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:
+                raise _listen_error(flag, host, port, error) from None
 
 
 async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
     fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    data_port = DataPort(host, data_port) if data_port is not None else None
+    server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT)
+    address = f"{host}:{port}"
+    if data_port is not None:
+        try:
+            data_port = DataPort(host, data_port)
+        except OSError as error:
+            raise _listen_error("--data-port", host, data_port, error) from None
     servicer = KVStoreService(coordinator, shared_memory, data_port)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError:  # taken since check_free looked
+        raise ListenError(f"--port {port}: cannot listen on {address}") from None
     await server.start()
     if data_port is not None:
         data_port.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s: %d workers, %s mode, values on %s, round timeout %g s, lease timeout %g s, "
-             "shared memory %s, data channel %s", SERVICE_NAME, address, coordinator.num_workers, coordinator.mode,
-             coordinator.device, coordinator.round_timeout, coordinator.members.lease_timeout,
+    log.info("serving %s on %s: %s, %s mode, values on %s, round timeout %g s, lease timeout %g s, "
+             "shared memory %s, data channel %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
+             coordinator.mode, coordinator.device, coordinator.round_timeout, coordinator.members.lease_timeout,
              "on" if servicer.shared_memory else "off",
              f"on port {data_port.port}" if data_port else "off")
 

@@ -1,5 +1,6 @@
 """The KVStoreService handlers: decode the request, call the :class:`~.rounds.Coordinator`,
-encode the answer. Errors become statuses in :func:`tensorkv.rpc.translate_errors`.
+encode the answer. Errors become statuses in :func:`tensorkv.rpc.translate_errors`, which
+:func:`add_to_server` wraps around each handler.
 
 The streams of tensors (Init, Push and PushPull requests, Pull and PushPull responses)
 reach and leave the handlers as serialized bytes, decoded and encoded by
@@ -71,8 +72,10 @@ def _responses(items):
 
 
 def add_to_server(service, server):
-    """Register ``service`` on ``server`` as the generated code would, except that the
-    tensor streams travel as bytes (RAW_REQUESTS, RAW_RESPONSES)."""
+    """Register ``service`` on ``server`` as the generated code would, except that every
+    request arrives as bytes: the tensor streams (RAW_REQUESTS) reach their handlers so, the
+    other requests are parsed here (:func:`_parser`), and the tensor streams of RAW_RESPONSES
+    leave as bytes. Each handler is wrapped in :func:`tensorkv.rpc.translate_errors`."""
     factories = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -81,14 +84,34 @@ def add_to_server(service, server):
     }
     handlers = {}
     for method in _SERVICE.methods:
-        request = getattr(kvstore_pb2, method.input_type.name)
         response = getattr(kvstore_pb2, method.output_type.name)
+        parse = None if method.name in RAW_REQUESTS else _parser(method)
         handlers[method.name] = factories[method.client_streaming, method.server_streaming](
-            getattr(service, method.name),
-            request_deserializer=None if method.name in RAW_REQUESTS else request.FromString,
+            translate_errors(getattr(service, method.name), parse),
             response_serializer=None if method.name in RAW_RESPONSES else response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+
+
+def _parser(method):
+    """``parse(request, context)``: the request message, or for a request stream the async
+    iterator of messages, of ``method`` (a MethodDescriptor) from its bytes. A malformed message
+    raises InvalidArgumentError and is logged in one line naming the method and the peer
+    (gRPC's own deserializer answers UNKNOWN or INTERNAL and logs a traceback)."""
+    message_class = getattr(kvstore_pb2, method.input_type.name)
+
+    def parse(data, context):
+        try:
+            return codec.parse(message_class, data, InvalidArgumentError)
+        except InvalidArgumentError as error:
+            log.warning("%s from %s refused: %s", method.name, context.peer(), error)
+            raise
+
+    async def parse_stream(requests, context):
+        async for data in requests:
+            yield parse(data, context)
+
+    return parse_stream if method.client_streaming else parse
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
@@ -109,7 +132,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return [codec.Item(item.key, self.staging.download(item.array), item.shape, item.slice)
                 if on_gpu(item.array) else item for item in items]
 
-    @translate_errors
     async def Register(self, request, context):
         if_exists = _IF_EXISTS_BY_VALUE.get(request.if_exists)
         if if_exists is None:
@@ -119,17 +141,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation,
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
 
-    @translate_errors
     async def Unregister(self, request, context):
         self.coordinator.unregister(request.rank, request.incarnation)
         return kvstore_pb2.UnregisterResponse()
 
-    @translate_errors
     async def KeepAlive(self, request, context):
         ttl = self.coordinator.members.renew(request.rank, request.incarnation)
         return kvstore_pb2.KeepAliveResponse(ttl_ms=_ms(ttl))
 
-    @translate_errors
     async def Info(self, request, context):
         info = self.coordinator.info()
         workers = [kvstore_pb2.WorkerLease(rank=rank, incarnation=incarnation, ms_since_renewal=_ms(since))
@@ -140,7 +159,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, **info)
 
-    @translate_errors
     async def Init(self, request_iterator, context):
         first, items = await _read(request_iterator, kvstore_pb2.InitRequest,
                                    with_data=lambda first: not first.wait_only, staging=self.staging)
@@ -148,21 +166,18 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             await self.coordinator.init(first.rank, first.incarnation, items, first.wait_only)
         return kvstore_pb2.InitResponse()
 
-    @translate_errors
     async def Push(self, request_iterator, context):
         first, items = await _read(request_iterator, kvstore_pb2.PushRequest, staging=self.staging)
         if first is not None:
             await self.coordinator.push(first.rank, first.incarnation, items)
         return kvstore_pb2.PushResponse()
 
-    @translate_errors
     async def Pull(self, request, context):
         keys = [codec.get_key(key) for key in request.keys]
         items = await self.coordinator.pull(request.rank, request.incarnation, keys)
         for message in _responses(self._host(items)):
             yield message
 
-    @translate_errors
     async def PushPull(self, request_iterator, context):
         first, items = await _read(request_iterator, kvstore_pb2.PushPullRequest, staging=self.staging)
         if first is not None:
@@ -170,7 +185,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             for message in _responses(self._host(pulled)):
                 yield message
 
-    @translate_errors
     async def Session(self, request_iterator, context):
         # The shared-memory regions and the data channel of this stream: released when it
         # ends, however it ends.
@@ -207,6 +221,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 return self._open_channel(request, channel), None
             # Checked before anything changes; written after the work, before any other await.
             output = regions.placement(request.output) if request.HasField("output") else None
+            if request.data_channel_min_bytes and (channel is None or not channel.bound):
+                raise FailedPreconditionError("data_channel_min_bytes asks for values on the data channel, but no "
+                                              "data channel is bound to this stream (open one, connect with its token)")
             timeout = request.timeout_ms / 1000 if request.timeout_ms else None
             work = self._session_work(request, items, channel, incoming, timeout)
             if timeout is not None:
@@ -221,8 +238,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 items = output.place(items)
             outgoing = None
             if request.data_channel_min_bytes:
-                if channel is None:
-                    raise FailedPreconditionError("this server has no data channel")
                 items, arrays = codec.following(items, request.data_channel_min_bytes)
                 outgoing = (datachan.snapshot(arrays), timeout) if arrays else None
             response = codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
@@ -274,7 +289,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             return []
         raise InvalidArgumentError(f"unknown session op {request.op}")
 
-    @translate_errors
     async def SetUpdater(self, request_iterator, context):
         optimizer, key_states = states_wire.from_messages([r async for r in request_iterator])
         if optimizer is None:
@@ -282,22 +296,18 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         self.coordinator.set_optimizer(optimizer, key_states)
         return kvstore_pb2.SetUpdaterResponse()
 
-    @translate_errors
     async def GetOptimizerStates(self, request, context):
         optimizer, key_states = self.coordinator.optimizer_states()
         for message in states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse, optimizer, key_states):
             yield message
 
-    @translate_errors
     async def SetLearningRate(self, request, context):
         self.coordinator.set_learning_rate(request.learning_rate)
         return kvstore_pb2.SetLearningRateResponse()
 
-    @translate_errors
     async def Reset(self, request, context):
         return kvstore_pb2.ResetResponse(num_keys=self.coordinator.reset())
 
-    @translate_errors
     async def Barrier(self, request, context):
         await self.coordinator.barrier(request.rank, request.incarnation)
         return kvstore_pb2.BarrierResponse()

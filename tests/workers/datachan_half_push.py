@@ -14,7 +14,7 @@ from tensorkv.v1 import kvstore_pb2
 address, port, key, size = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, data_port=port)
 session._open()
-channel = session._ensure_channel(30.0)
+channel = session._ensure_channel(30.0, "push")
 assert channel is not None, "no data channel"
 channel.deadline = time.monotonic() + 30.0
 items, arrays = following([Item(key, np.full(size, 7.0, np.float32))], 1)
