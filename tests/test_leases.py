@@ -29,9 +29,10 @@ ANSWERS = ("ready", "pushed", "value ", "error ")  # how driven.py's answers sta
 class Worker:
     """A driven worker process with rank ``rank``; its stdout lines through a queue."""
 
-    def __init__(self, cluster, rank):
+    def __init__(self, cluster, rank, env=None):
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKERS / "driven.py")], env={**cluster.env, "TENSORKV_RANK": str(rank)},
+            [sys.executable, str(WORKERS / "driven.py")],
+            env={**cluster.env, "TENSORKV_RANK": str(rank), **(env or {})},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -183,6 +184,45 @@ def test_a_live_worker_keeps_its_rank_while_idle_and_while_it_waits(tmp_path, wo
         assert all(worker.ms_since_renewal < 1000 * lease for worker in info.workers)
         assert first.close() == 0 and second.close() == 0
         assert list(_info(cluster).registered_ranks) == []
+
+
+def test_workers_keep_their_ranks_when_the_server_was_paused_longer_than_the_lease(tmp_path, workers):
+    lease = 1.0
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--lease-timeout", str(lease))) as cluster:
+        workers += [Worker(cluster, 0), Worker(cluster, 1)]
+        holders = _holders(cluster)
+        _round(workers, 1)
+        server = cluster.processes[0]
+        os.kill(server.pid, signal.SIGSTOP)  # as a host that pauses: no heartbeat is read meanwhile
+        try:
+            time.sleep(3 * lease)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        time.sleep(lease)  # the renewals sent meanwhile, and the next ones, reach it
+        assert _holders(cluster) == holders and _info(cluster).expired_leases == 0
+        _round(workers, 2)
+        assert workers[0].close() == 0 and workers[1].close() == 0
+
+
+def test_when_every_rank_lost_its_lease_the_run_ends(tmp_path, workers):
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--lease-timeout", "1")) as cluster:
+        workers += [Worker(cluster, 0), Worker(cluster, 1)]
+        workers[0].call("push 1", "pushed")  # a round that only rank 0 pushed to
+        for worker in workers:
+            os.kill(worker.process.pid, signal.SIGKILL)
+            worker.process.wait(STOP_TIMEOUT)
+        wait_until(lambda: not _holders(cluster), "every rank freed")
+        assert _info(cluster).expired_leases == 2
+        with open(tmp_path / "server0.log") as log:
+            text = log.read()
+        assert "run 1 ended: every rank left or lost its lease" in text
+        assert "key 'w': round 1 aborted: every rank of run 1 left or lost its lease" in text
+
+        resume = {"TENSORKV_IF_EXISTS": "resume"}
+        workers += [Worker(cluster, 0, resume), Worker(cluster, 1, resume)]
+        assert _info(cluster).run == 2
+        _round(workers[2:], 1)  # 3: the pending push of run 1 was discarded with its round
+        assert workers[2].close() == 0 and workers[3].close() == 0
 
 
 def _heartbeats():
