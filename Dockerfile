@@ -1,5 +1,9 @@
-# tensorkv server image: `podman build -t tensorkv .` then
-# `podman run --network=host tensorkv --num-workers 2 --mode sync`
+# tensorkv server image: `podman build -t tensorkv .` then, with a certificate, its key and a
+# token file in ./secrets (readable by uid 65534; see docs/security.md):
+# `podman run -p 50051:50051 -p 50052:50052 -v "$PWD/secrets:/tensorkv/secrets:ro" tensorkv \
+#      --tls-cert secrets/server.crt --tls-key secrets/server.key --token-file secrets/tokens \
+#      --num-workers 2 --mode sync`
+# It listens on 0.0.0.0, so without TLS or a token it refuses to start unless given --insecure.
 FROM python:3.11-slim
 
 WORKDIR /src
@@ -13,6 +17,7 @@ RUN pip install --no-cache-dir . && cd / && rm -rf /src
 # GLIBC_TUNABLES given with `podman run -e` replaces that tuning.
 ENV PYTHONUNBUFFERED=1
 USER 65534:65534
+WORKDIR /tensorkv
 EXPOSE 50051 50052
 ENTRYPOINT ["tensorkv-server", "--host", "0.0.0.0", "--port", "50051", "--data-port", "50052"]
 CMD ["--num-workers", "1", "--mode", "sync"]

@@ -87,7 +87,8 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
 	$(PY) bench/engine.py $(BENCH_ARGS)
 
-# The server image; ENGINE=docker works too.
+# The server image; ENGINE=docker works too. The smoke run overrides the image's --host 0.0.0.0
+# with loopback, where the server needs neither TLS nor a token.
 ENGINE ?= podman
 IMAGE ?= tensorkv:dev
 .PHONY: image image-smoke
@@ -98,7 +99,8 @@ image:
 image-smoke: image $(STAMP)
 	@port=$$($(PY) -c '$(FREE_PORT)'); \
 	name=tensorkv-smoke-$$port; \
-	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --port $$port --data-port 0 --num-workers 1 >/dev/null; \
+	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --host 127.0.0.1 --port $$port --data-port 0 \
+		--num-workers 1 >/dev/null; \
 	trap '$(ENGINE) stop -t 10 $$name >/dev/null' EXIT; \
 	$(PY) -c '$(WAIT_PORT)' $$port && \
 	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py

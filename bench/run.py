@@ -15,8 +15,9 @@ pull, pushpull).  Rows, all medians, for one float32 key unless said:
     (2 x 2*N / the slower worker's median round trip, as bench/mxnet_ref.py);
   * the embedded 'local' store at 4 MiB, GB/s.
 
-Every dist row is run once per transport path in PATHS (the same-host default
-and a TCP-only path), each on a fresh server.  The references are measured in
+Every dist row is run once per transport path in PATHS (the same-host default,
+a TCP-only path, and the TCP-only path over TLS: the gRPC port and the data
+channel both TLS, with a certificate made for the run), each on a fresh server.  The references are measured in
 this run: a raw loopback TCP echo and a plain gRPC-Python echo (unary, and
 1 MiB-chunked streaming) from bench/references.py, and a NumPy copy.  MXNet
 1.9.1's numbers come from bench-results/mxnet.json when `make bench-mxnet` has
@@ -70,6 +71,7 @@ ROOT = os.path.dirname(HERE)
 PATHS = {
     "same-host": {"options": {}, "env": {}},
     "tcp-only": {"options": {"transport": "tcp"}, "env": {}},
+    "tls-tcp": {"options": {"transport": "tcp"}, "env": {}, "tls": True},
 }
 
 FULL = dict(sizes=(64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB),
@@ -102,6 +104,11 @@ GOALS = [
     ("'local' 4 MiB >= 1.0x MXNet 'local'", "local", None, 1.0),
 ]
 SMALL_GOAL_US = 300.0
+# Issue 12: TLS rows against the same rows in plaintext (TCP-only), same run.
+TLS_GOALS = [
+    ("4 MiB push+pull over TLS >= 0.7x plaintext (TCP-only)", "4MiB", 0.7),
+    ("64 MiB push+pull over TLS >= 0.7x plaintext (TCP-only)", "big", 0.7),
+]
 
 
 class CheckError(Exception):
@@ -210,14 +217,15 @@ def _spawn(cmd, env, log_path):
 
 
 @contextlib.contextmanager
-def server(num_workers, env, logdir):
+def server(num_workers, env, logdir, args=()):
     """Runs `python -m tensorkv_server` in sync mode on a free port of
-    127.0.0.1; yields "127.0.0.1:PORT" once it accepts connections."""
+    127.0.0.1 (with `args` added); yields "127.0.0.1:PORT" once it accepts
+    connections."""
     port = common.free_port()
     log = os.path.join(logdir, f"server-{port}.log")
     proc = _spawn([sys.executable, "-m", "tensorkv_server", "--host",
                    "127.0.0.1", "--port", str(port), "--num-workers",
-                   str(num_workers), "--mode", "sync"], env, log)
+                   str(num_workers), "--mode", "sync", *args], env, log)
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT
         while True:
@@ -245,11 +253,31 @@ def _env(extra):
     return env
 
 
+def _path_setup(path, logdir):
+    """(the environment, the server's extra arguments) of `path`: a TLS path
+    gets a CA and a server certificate made for this run (trustme), the CA in
+    TENSORKV_TLS_CA for the workers."""
+    env = dict(PATHS[path]["env"])
+    if not PATHS[path].get("tls"):
+        return env, []
+    import trustme
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    files = {name: os.path.join(logdir, f"{path}-{name}.pem")
+             for name in ("ca", "cert", "key")}
+    ca.cert_pem.write_to_path(files["ca"])
+    leaf.cert_chain_pems[0].write_to_path(files["cert"])
+    leaf.private_key_pem.write_to_path(files["key"])
+    env["TENSORKV_TLS_CA"] = files["ca"]
+    return env, ["--tls-cert", files["cert"], "--tls-key", files["key"]]
+
+
 def pair_rtt(path, options, repeats, logdir):
     """Two worker processes push+pull one 4 MiB key in dist_sync on a fresh
     server; returns each worker's median round-trip seconds."""
-    env = _env(PATHS[path]["env"])
-    with server(2, env, logdir) as address:
+    extra, args = _path_setup(path, logdir)
+    env = _env(extra)
+    with server(2, env, logdir, args) as address:
         procs, outs = [], []
         try:
             for rank in range(2):
@@ -401,7 +429,7 @@ class Run:
         import tensorkv
         path_stack = contextlib.ExitStack()
         self.stack.enter_context(path_stack)
-        env = PATHS[path]["env"]
+        env, args = _path_setup(path, self.logdir)
         for name, value in env.items():  # the worker is this process
             path_stack.callback(
                 lambda n=name, v=os.environ.get(name): (
@@ -410,7 +438,7 @@ class Run:
             os.environ[name] = value
         options, notes = _path_options(path)
         address = path_stack.enter_context(
-            server(1, _env(env), self.logdir))
+            server(1, _env(env), self.logdir, args))
         kv = path_stack.enter_context(
             tensorkv.create("dist_sync", servers=address, **options))
         self.results["paths"][path] = {
@@ -593,6 +621,14 @@ def goals(table, mxnet):
                 status = "missed"
         out.append({"goal": text, "ratio": ratio, "needed": need,
                     "status": status})
+    for text, rid, need in TLS_GOALS:
+        tls, plain = by.get((rid, "tls-tcp")), by.get((rid, "tcp-only"))
+        ratio = None
+        if tls and plain and tls["tensorkv"] and plain["tensorkv"]:
+            ratio = tls["tensorkv"] / plain["tensorkv"]
+        status = "not measured" if ratio is None else "met" if ratio >= need else "missed"
+        out.append({"goal": text, "ratio": ratio, "needed": need,
+                    "status": status})
     return out
 
 
@@ -642,7 +678,7 @@ def format_report(table, goal_list, mxnet, results, notes):
                      + (f"; env {p['env']}" if p["env"] else "")
                      + "".join(f"; {n}" for n in p["notes"]))
     lines += notes
-    lines += ["", "Goals (issue 4):"]
+    lines += ["", "Goals (issues 4 and 12):"]
     for g in goal_list:
         ratio = "" if g["ratio"] is None else f" ({g['ratio']:.2f}x)"
         lines.append(f"  [{g['status']}] {g['goal']}{ratio}")
@@ -679,7 +715,7 @@ def format_markdown(table, goal_list, mxnet, report):
     lines += ["", "x: how many times better tensorkv is (tensorkv/reference "
               "for GB/s, reference/tensorkv for times). The 'local' row's "
               "TCP echo column is a NumPy copy of 4 MiB.", "",
-              "| goal (issue 4) | ratio | status |", "| --- | ---: | --- |"]
+              "| goal (issues 4 and 12) | ratio | status |", "| --- | ---: | --- |"]
     for g in goal_list:
         ratio = "—" if g["ratio"] is None else f"{g['ratio']:.2f}x"
         lines.append(f"| {g['goal']} | {ratio} | {g['status']} |")

@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tensorkv.security import Security
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 START_TIMEOUT = 30.0  # seconds a server gets to start serving
@@ -34,6 +36,15 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def rss(pid):
+    """The resident memory of process ``pid``, in bytes (VmRSS)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
 def stop(process, timeout=STOP_TIMEOUT):
     """SIGTERM ``process`` (by its PID), SIGKILL it if still alive after ``timeout``; its return code."""
     if process.poll() is None:
@@ -46,9 +57,9 @@ def stop(process, timeout=STOP_TIMEOUT):
     return process.returncode
 
 
-def health(address, service="tensorkv.v1.KVStoreService", timeout=5.0):
-    """The health status name of ``service`` on ``address``."""
-    with grpc.insecure_channel(address) as channel:
+def health(address, service="tensorkv.v1.KVStoreService", timeout=5.0, security=Security()):
+    """The health status name of ``service`` on ``address`` (reached with ``security``)."""
+    with security.channel(address, ()) as channel:
         request = health_pb2.HealthCheckRequest(service=service)
         reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -56,9 +67,11 @@ def health(address, service="tensorkv.v1.KVStoreService", timeout=5.0):
 
 class Cluster:
     """S servers for ``num_workers`` workers; ``addresses`` and ``env`` (TENSORKV_SERVERS) for
-    workers. Use as a context manager, or call :meth:`stop`."""
+    workers. Use as a context manager, or call :meth:`stop`. ``security``: how the health
+    probe reaches servers started with TLS."""
 
-    def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=()):
+    def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=(),
+                 security=Security()):
         self.num_workers = num_workers
         self.addresses, self.processes, self.logs, self.commands = [], [], [], []
         log_dir = Path(tmp_path) if tmp_path else None
@@ -74,19 +87,19 @@ class Cluster:
                 self.processes.append(subprocess.Popen(self.commands[-1], stdout=log, stderr=subprocess.STDOUT))
                 self.addresses.append(f"127.0.0.1:{port}")
             for address, process in zip(self.addresses, self.processes):
-                self._wait_serving(address, process)
+                self._wait_serving(address, process, security)
         except BaseException:
             self.stop()
             raise
 
     @staticmethod
-    def _wait_serving(address, process):
+    def _wait_serving(address, process, security=Security()):
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"server {address} exited with {process.returncode}")
             try:
-                if health(address, timeout=1.0) == "SERVING":
+                if health(address, timeout=1.0, security=security) == "SERVING":
                     return
             except grpc.RpcError:
                 pass

@@ -49,9 +49,10 @@ def test_help_gives_every_flag_its_text_and_default():
     assert result.returncode == 0, result.stderr
     options = result.stdout.split("\noptions:\n", 1)[1]
     entries = {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in re.split(r"\n  (?=-)", options)}
-    assert set(entries) == {"-h", "--host", "--port", "--num-workers", "--mode", "--round-timeout", "--grace",
+    assert set(entries) >= {"-h", "--host", "--port", "--num-workers", "--mode", "--round-timeout", "--grace",
                             "--device", "--no-shared-memory", "--data-port", "--no-data-channel", "--log-level",
-                            "--version"}
+                            "--version", "--max-key-bytes", "--tls-cert", "--tls-key", "--tls-client-ca",
+                            "--token-file", "--insecure"}
     for flag, entry in entries.items():
         if flag not in ("-h", "--version"):
             assert "(default" in entry, entry

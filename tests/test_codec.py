@@ -69,6 +69,13 @@ def test_wait_only_frames_carry_no_data():
     assert item.key == "w" and item.shape == (3, 5) and item.array.dtype == np.float32
 
 
+def test_a_wait_only_entry_takes_no_memory():
+    entry = tensor_pb2.TensorFrame(entries=[tensor_pb2.Entry(
+        key=tensor_pb2.Key(str_key="w"), tensor=tensor(shape=(1 << 38,), data=b""))])
+    (item,) = decode([entry], with_data=False)
+    assert item.shape == (1 << 38,) and item.array.dtype == np.float32 and item.array.strides == (0,)
+
+
 def tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,), data=b"\0" * 8):
     return tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data)
 
@@ -302,3 +309,20 @@ def test_frame_with_entries_before_the_more_that_completes_the_previous_entry():
     assert messages[1].index(b"\x12", 2) < len(messages[1]) - len(a.tobytes()[10:]) - 2  # entries come first
     _, items = stream_decode(kvstore_pb2.PushRequest, messages)
     assert_same_items(items, [Item(1, a), Item(2, b)])
+
+
+def test_decoders_learn_entries_only_when_told():
+    """The entry cache that makes known entries fast learns a stream's entries only at
+    remember() (the server calls it once the call succeeded), within a byte budget."""
+    key = "learned-only-when-told-" + "k" * 4096
+    (message,) = codec.encode_stream(kvstore_pb2.PushRequest, [Item(key, sample(np.float32))], {"rank": 0})
+    decoder = codec.StreamDecoder(kvstore_pb2.PushRequest, "frame")
+    decoder.feed(message)
+    decoder.finish()
+    assert not any(key.encode() in start for start in codec._KNOWN_ENTRIES)
+    decoder.remember()
+    assert any(key.encode() in start for start in codec._KNOWN_ENTRIES)
+    cache = codec._Cache(100_000)
+    for i in range(1000):
+        cache.put(i, b"", 1000)
+        assert cache.used <= 100_000 and len(cache) <= 100_000 // (1000 + cache.ENTRY_OVERHEAD)

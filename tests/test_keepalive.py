@@ -22,12 +22,12 @@ from workers.fast_pings_server import faster
 GAP = 12.0
 
 
-def _pull_unknown_key(session):
-    """The status code of a Session pull of a key nobody initialized (NOT_FOUND when the
-    stream answers)."""
+def _pull_unknown_key(session, incarnation):
+    """The status code of a Session pull by rank 0 of a key nobody initialized (NOT_FOUND
+    when the stream answers)."""
     def build(call_id, timeout_ms, region, channel):
-        return kvstore_pb2.SessionRequest(id=call_id, rank=0, op=kvstore_pb2.SESSION_OP_PULL, timeout_ms=timeout_ms,
-                                          keys=[tensor_pb2.Key(int_key=7)]).SerializeToString(), ()
+        return kvstore_pb2.SessionRequest(id=call_id, rank=0, incarnation=incarnation, op=kvstore_pb2.SESSION_OP_PULL,
+                                          timeout_ms=timeout_ms, keys=[tensor_pb2.Key(int_key=7)]).SerializeToString(), ()
     _, data = session.call(build, 5.0)
     return status_code(kvstore_pb2.SessionResponse.FromString(data).code)
 
@@ -41,20 +41,21 @@ def test_pings_through_a_long_wait_and_an_idle_stream_are_accepted(tmp_path):
     with open(tmp_path / "server.log", "w+") as log:
         server = subprocess.Popen(
             [sys.executable, str(WORKERS / "fast_pings_server.py"), "--port", address.rsplit(":", 1)[1],
-             "--num-workers", "2", "--round-timeout", str(GAP), "--device", "cpu"],
+             "--num-workers", "2", "--round-timeout", str(GAP), "--device", "cpu",
+             "--lease-timeout", str(2 * GAP)],  # this raw client sends no heartbeats
             stdout=log, stderr=subprocess.STDOUT)
         try:
             Cluster._wait_serving(address, server)
             with grpc.insecure_channel(address, options=faster(CHANNEL_OPTIONS)) as channel:
                 stub = Stub(channel)
-                stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=5)
+                incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=5).incarnation
                 session = Session(channel, address)
                 try:
-                    assert _pull_unknown_key(session) == grpc.StatusCode.NOT_FOUND
+                    assert _pull_unknown_key(session, incarnation) == grpc.StatusCode.NOT_FOUND
                     with pytest.raises(grpc.RpcError) as waited:
-                        stub.Barrier(kvstore_pb2.BarrierRequest(rank=0), timeout=GAP + 30)
+                        stub.Barrier(kvstore_pb2.BarrierRequest(rank=0, incarnation=incarnation), timeout=GAP + 30)
                     assert waited.value.code() == grpc.StatusCode.ABORTED, waited.value.details()
-                    assert _pull_unknown_key(session) == grpc.StatusCode.NOT_FOUND
+                    assert _pull_unknown_key(session, incarnation) == grpc.StatusCode.NOT_FOUND
                 finally:
                     session.close()
         finally:

@@ -12,7 +12,8 @@ from . import lr_scheduler, optimizer
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError,
     InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,
-    KVStoreError, RoundAbortedError, ServerUnavailableError, ShapeMismatchError,
+    KVStoreError, PermissionDeniedError, ResourceExhaustedError, RoundAbortedError, ServerUnavailableError,
+    ShapeMismatchError, UnauthenticatedError,
 )
 from .kvstore import KVStore
 
@@ -68,5 +69,6 @@ __all__ = [
     "create", "reset", "KVStore", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
     "InvalidTensorError", "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError",
     "KeyExistsError", "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError",
-    "DeadlineExceededError", "InternalError",
+    "DeadlineExceededError", "ResourceExhaustedError", "InternalError", "UnauthenticatedError",
+    "PermissionDeniedError",
 ]

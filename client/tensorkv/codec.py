@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from .backend import shape_dtype, to_host
-from .errors import InvalidTensorError, KeyTypeError
+from .errors import InvalidArgumentError, InvalidTensorError, KeyTypeError, key_repr, no_memory
 from google.protobuf.message import DecodeError
 
 from .v1 import tensor_pb2
@@ -95,7 +95,17 @@ def check_key(key):
         if not _INT64_MIN <= key <= _INT64_MAX:
             raise KeyTypeError(f"int key {key} does not fit in 64 bits")
         return int(key)
-    raise KeyTypeError(f"key {key!r} has type {type(key).__name__}; keys are int or str")
+    raise KeyTypeError(f"key {key_repr(key)} has type {type(key).__name__}; keys are int or str")
+
+
+def check_key_bytes(key, max_key_bytes):
+    """The bytes ``key`` takes against a server's key limit (UTF-8 of a str; 0 for an int);
+    InvalidArgumentError when that is more than ``max_key_bytes``."""
+    size = len(key.encode()) if type(key) is str else 0
+    if size > max_key_bytes:
+        raise InvalidArgumentError(f"key {key_repr(key)} takes {size} bytes of UTF-8; this server's limit is "
+                                   f"{max_key_bytes} bytes (--max-key-bytes)")
+    return size
 
 
 def set_key(message, key):
@@ -192,12 +202,15 @@ class FrameDecoder:
 
     Feed it every frame in order; :meth:`feed` returns the items completed by that frame
     and :meth:`finish` checks that nothing was left incomplete. Every malformed input
-    raises InvalidTensorError before anything is stored.
+    raises InvalidTensorError before anything is stored, and a str key of more than
+    ``max_key_bytes`` bytes (None: any length) InvalidArgumentError. Call :meth:`remember`
+    once the call succeeded.
     """
 
     def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None, resolve=None,
-                 copy_refs=False, channel=False, staging=None):
+                 copy_refs=False, channel=False, staging=None, max_key_bytes=None):
         self.max_bytes = max_bytes
+        self.max_key_bytes = math.inf if max_key_bytes is None else max_key_bytes
         self.with_data = with_data
         # resolve(region_id, offset, length): the uint8 array of a shared-memory reference,
         # bounds-checked (InvalidTensorError otherwise); None: references are rejected.
@@ -220,6 +233,17 @@ class FrameDecoder:
         self.staging = staging
         self._count = 0  # entries seen
         self._pending = None  # (item, buffer, bytes filled)
+        # (entry bytes up to the end of its key, what _KNOWN_ENTRIES keeps for it) of the
+        # entries read by the generated class, for :meth:`remember`.
+        self._learned = []
+
+    def remember(self):
+        """Let later decoders read the entries of this stream by hand (_KNOWN_ENTRIES). Call it
+        once the call that sent them succeeded: nothing of a refused call is kept."""
+        for start, known in self._learned:
+            prefix, header, _ = known
+            _KNOWN_ENTRIES.put(start, known, len(start) + len(prefix) + header.key_bytes)
+        self._learned.clear()
 
     def feed(self, frame):
         done = []
@@ -229,10 +253,10 @@ class FrameDecoder:
             if self._pending is not None:
                 header, _, filled, _ = self._pending
                 raise InvalidTensorError(
-                    f"key {header.key!r}: a new entry arrived after {filled} of {header.nbytes} bytes "
+                    f"key {key_repr(header.key)}: a new entry arrived after {filled} of {header.nbytes} bytes "
                     "of the previous one"
                 )
-            header = _Header(entry, self.max_bytes)
+            header = _Header(entry, self.max_bytes, self.max_key_bytes)
             index, self._count = self._count, self._count + 1
             data = entry.tensor.data
             if header.follows is not None:
@@ -240,7 +264,7 @@ class FrameDecoder:
             elif header.ref is not None:
                 done.append(self._referenced(index, header, len(data)))
             elif not self.with_data:
-                done.append(header.item(np.empty(header.data_shape, header.dtype)))
+                done.append(header.item(header.no_data()))
             elif len(data) == header.nbytes:
                 done.append(header.item(np.frombuffer(data, dtype=header.dtype)))
             elif len(data) < header.nbytes and i == len(frame.entries) - 1:
@@ -249,7 +273,7 @@ class FrameDecoder:
                 self._pending = (header, buffer, len(data), owned)
             else:
                 raise InvalidTensorError(
-                    f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} "
+                    f"key {key_repr(header.key)}: tensor of shape {header.shape} and dtype {header.dtype} "
                     f"needs {header.nbytes} bytes, got {len(data)}"
                 )
         return done
@@ -269,7 +293,7 @@ class FrameDecoder:
         if self._pending is not None:
             return None
         done, pos, count, with_data = [], start, self._count, self.with_data
-        known = _KNOWN_ENTRIES
+        known, max_bytes, max_key_bytes = _KNOWN_ENTRIES, self.max_bytes, self.max_key_bytes
         while pos < end:
             entry_start = pos
             if data[pos] != _ENTRY_TAG:
@@ -294,28 +318,24 @@ class FrameDecoder:
             if found is not None and data.startswith(found[0], entry_start):
                 prefix, header, data_len = found
                 source, data_start = data, entry_start + len(prefix)
+                if header.nbytes > max_bytes or header.key_bytes > max_key_bytes:  # learned under other limits
+                    header.check_limits(max_bytes, max_key_bytes)
             else:
                 entry = _parse_entry(data[body:entry_end])
-                header = _Header(entry, self.max_bytes)
+                header = _Header(entry, max_bytes, max_key_bytes)
                 source, data_start = entry.tensor.data, 0
                 data_len = len(source)
-                prefix = _entry_prefix(header.key, entry.tensor.dtype, header.shape, header.slice, data_len,
+                prefix = _build_prefix(header.key, entry.tensor.dtype, header.shape, header.slice, data_len,
                                        header.ref, header.follows)
                 if entry_start + len(prefix) + data_len == entry_end and data.startswith(prefix, entry_start):
-                    if len(known) >= _MAX_CACHED_PREFIXES:
-                        known.clear()
-                    known[data[entry_start:key_start + key_length]] = (prefix, header, data_len)
-            if header.nbytes > self.max_bytes:
-                raise InvalidTensorError(
-                    f"key {header.key!r}: shape {header.shape} of {header.dtype} needs {header.nbytes} bytes; "
-                    f"the limit is {self.max_bytes}")
+                    self._learned.append((data[entry_start:key_start + key_length], (prefix, header, data_len)))
             pos = entry_end
             if header.follows is not None:
                 done.append(self._following(count, header, data_len))
             elif header.ref is not None:
                 done.append(self._referenced(count, header, data_len))
             elif not with_data:
-                done.append(header.item(np.empty(header.data_shape, header.dtype)))
+                done.append(header.item(header.no_data()))
             elif data_len == header.nbytes:
                 flat = np.frombuffer(source, header.dtype, header.nbytes // header.dtype.itemsize, data_start)
                 target = None
@@ -334,7 +354,7 @@ class FrameDecoder:
                 return None
             else:
                 raise InvalidTensorError(
-                    f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} "
+                    f"key {key_repr(header.key)}: tensor of shape {header.shape} and dtype {header.dtype} "
                     f"needs {header.nbytes} bytes, got {data_len}")
             count += 1
         self._count = count
@@ -343,15 +363,15 @@ class FrameDecoder:
     def _referenced(self, index, header, data_len):
         """The item of an entry whose bytes are in shared memory (``header.ref``)."""
         if data_len:
-            raise InvalidTensorError(f"key {header.key!r}: an entry with a shared-memory reference carries "
+            raise InvalidTensorError(f"key {key_repr(header.key)}: an entry with a shared-memory reference carries "
                                      f"{data_len} bytes of data too")
         region_id, offset, length = header.ref
         if length != header.nbytes:
             raise InvalidTensorError(
-                f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} needs "
+                f"key {key_repr(header.key)}: tensor of shape {header.shape} and dtype {header.dtype} needs "
                 f"{header.nbytes} bytes, the shared-memory reference has {length}")
         if self.resolve is None:
-            raise InvalidTensorError(f"key {header.key!r}: shared-memory references are only valid on the "
+            raise InvalidTensorError(f"key {key_repr(header.key)}: shared-memory references are only valid on the "
                                      "Session stream that registered the region")
         source = self.resolve(region_id, offset, length)
         if not self.copy_refs:
@@ -364,11 +384,11 @@ class FrameDecoder:
         """The item of an entry whose bytes follow on the data channel: its receive buffer,
         listed in :attr:`incoming` (filled by the caller)."""
         if not self.channel:
-            raise InvalidTensorError(f"key {header.key!r}: data-channel entries are only valid on a Session "
+            raise InvalidTensorError(f"key {key_repr(header.key)}: data-channel entries are only valid on a Session "
                                      "stream with a data channel")
         if data_len or header.follows != header.nbytes:
             raise InvalidTensorError(
-                f"key {header.key!r}: tensor of shape {header.shape} and dtype {header.dtype} needs "
+                f"key {key_repr(header.key)}: tensor of shape {header.shape} and dtype {header.dtype} needs "
                 f"{header.nbytes} bytes on the data channel; the entry says {header.follows} and carries "
                 f"{data_len} bytes of data")
         buffer, owned = self._buffer(index, header)
@@ -378,7 +398,10 @@ class FrameDecoder:
     def _receiver(self, index, header):
         """Where the bytes of an entry that continues in later frames go, and whether it is owned."""
         if self.staging is not None and self.destination is None:
-            receiver = self.staging(header.key, header.dtype, header.data_shape, header.nbytes)
+            try:
+                receiver = self.staging(header.key, header.dtype, header.data_shape, header.nbytes)
+            except MemoryError:
+                raise no_memory(header.key, header.shape, header.dtype, header.nbytes) from None
             if receiver is not None:
                 return receiver, True
         return self._buffer(index, header)
@@ -389,14 +412,17 @@ class FrameDecoder:
         if self.destination is not None:
             array = self.destination(index, header.key, header.dtype, header.shape, header.slice)
         if array is None:
-            return np.empty(header.nbytes, dtype=np.uint8), True
+            try:
+                return np.empty(header.nbytes, dtype=np.uint8), True
+            except MemoryError:
+                raise no_memory(header.key, header.shape, header.dtype, header.nbytes) from None
         return array.reshape(-1).view(np.uint8), False
 
     def finish(self):
         if self._pending is not None:
             header, _, filled, _ = self._pending
             raise InvalidTensorError(
-                f"key {header.key!r}: stream ended after {filled} of {header.nbytes} bytes"
+                f"key {key_repr(header.key)}: stream ended after {filled} of {header.nbytes} bytes"
             )
 
     def _continue(self, more):
@@ -405,7 +431,8 @@ class FrameDecoder:
         header, buffer, filled, owned = self._pending
         end = filled + len(more)
         if end > header.nbytes:
-            raise InvalidTensorError(f"key {header.key!r}: {end} bytes sent for a tensor of {header.nbytes} bytes")
+            raise InvalidTensorError(
+                f"key {key_repr(header.key)}: {end} bytes sent for a tensor of {header.nbytes} bytes")
         buffer[filled:end] = np.frombuffer(more, dtype=np.uint8)
         if end < header.nbytes:
             self._pending = (header, buffer, end, owned)
@@ -452,18 +479,47 @@ def _field(field, body):
     return _tag(field, _LEN) + _varint(len(body)) + body
 
 
-_ENTRY_PREFIXES = {}
-_MAX_CACHED_PREFIXES = 1 << 16
+class _Cache(dict):
+    """A dict of encodings, emptied when what it holds passes ``budget`` bytes: however many
+    and however long the keys its process meets, it holds at most that much."""
+
+    # Bytes counted for each entry on top of the bytes of its keys and encodings: the
+    # Python objects that hold them.
+    ENTRY_OVERHEAD = 512
+
+    def __init__(self, budget):
+        super().__init__()
+        self.budget, self.used = budget, 0
+
+    def put(self, key, value, nbytes):
+        """``self[key] = value``, counting ``nbytes`` (those of the keys and bytes it holds)."""
+        nbytes += self.ENTRY_OVERHEAD
+        if self.used + nbytes > self.budget:
+            self.clear()
+            self.used = 0
+        if nbytes <= self.budget:
+            self[key] = value
+            self.used += nbytes
+
+
+_CACHE_BYTES = 32 << 20  # for each of the three caches
+_ENTRY_PREFIXES = _Cache(_CACHE_BYTES)
 
 
 def _entry_prefix(key, wire, shape, slice, data_len, ref=None, follows=None):
+    """:func:`_build_prefix`, cached."""
+    cache_key = (type(key), key, wire, shape, slice, data_len, ref, follows)
+    prefix = _ENTRY_PREFIXES.get(cache_key)
+    if prefix is None:
+        prefix = _build_prefix(key, wire, shape, slice, data_len, ref, follows)
+        _ENTRY_PREFIXES.put(cache_key, prefix, len(prefix) + (len(key) if type(key) is str else 0))
+    return prefix
+
+
+def _build_prefix(key, wire, shape, slice, data_len, ref=None, follows=None):
     """The bytes of a frame's ``entries`` field up to the tensor's data (``data_len`` bytes
     follow), with the shared-memory reference ``ref`` (region id, offset, length) if any, or
     the byte count ``follows`` of a value sent on the data channel."""
-    cache_key = (type(key), key, wire, shape, slice, data_len, ref, follows)
-    prefix = _ENTRY_PREFIXES.get(cache_key)
-    if prefix is not None:
-        return prefix
     if isinstance(key, str):
         key_body = _field(2, key.encode())
     else:
@@ -483,14 +539,10 @@ def _entry_prefix(key, wire, shape, slice, data_len, ref=None, follows=None):
     if data_len:
         tensor += _tag(3, _LEN) + _varint(data_len)
     before_data = _field(1, key_body) + slice_part + _tag(2, _LEN) + _varint(len(tensor) + data_len) + tensor
-    prefix = _tag(1, _LEN) + _varint(len(before_data) + data_len) + before_data
-    if len(_ENTRY_PREFIXES) >= _MAX_CACHED_PREFIXES:
-        _ENTRY_PREFIXES.clear()
-    _ENTRY_PREFIXES[cache_key] = prefix
-    return prefix
+    return _tag(1, _LEN) + _varint(len(before_data) + data_len) + before_data
 
 
-_KEY_FIELDS = {}
+_KEY_FIELDS = _Cache(_CACHE_BYTES)
 
 
 def key_fields(keys, field=6):
@@ -502,10 +554,9 @@ def key_fields(keys, field=6):
     for key in keys:
         piece = cache.get((field, type(key), key))
         if piece is None:
-            if len(cache) >= _MAX_CACHED_PREFIXES:
-                cache.clear()
             body = _field(2, key.encode()) if isinstance(key, str) else _tag(1, _VARINT) + _varint(key)
-            piece = cache[(field, type(key), key)] = _field(field, body)
+            piece = _field(field, body)
+            cache.put((field, type(key), key), piece, len(piece) + (len(key) if type(key) is str else 0))
         pieces.append(piece)
     return b"".join(pieces)
 
@@ -625,8 +676,8 @@ def _split_message(data, frame_number):
 
 # (bytes of an entry up to the end of its key) -> (its bytes up to its data, _Header,
 # data bytes), learned from entries that were parsed and validated by the generated class
-# and laid out as _entry_prefix lays them out.
-_KNOWN_ENTRIES = {}
+# and laid out as _build_prefix lays them out, in calls that succeeded (FrameDecoder.remember).
+_KNOWN_ENTRIES = _Cache(_CACHE_BYTES)
 _ENTRY_TAG = 1 << 3 | _LEN
 
 
@@ -639,10 +690,11 @@ class StreamDecoder:
     straight into the receiving array (``destination``, see :class:`FrameDecoder`). Anything
     else a conforming sender may produce is parsed with the generated class.
     ``with_data(first)`` says whether the stream carries data (Init's wait_only does not).
+    Call :meth:`remember` once the call succeeded.
     """
 
     def __init__(self, message_class, frame_field, max_bytes=MAX_TENSOR_BYTES, destination=None,
-                 with_data=None, resolve=None, copy_refs=False, channel=False, staging=None):
+                 with_data=None, resolve=None, copy_refs=False, channel=False, staging=None, max_key_bytes=None):
         self.message_class = message_class
         self.frame_name = frame_field
         self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
@@ -650,7 +702,7 @@ class StreamDecoder:
         self.items = []
         self._with_data = with_data
         self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
-                                   channel=channel, staging=staging)
+                                   channel=channel, staging=staging, max_key_bytes=max_key_bytes)
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""
@@ -685,6 +737,10 @@ class StreamDecoder:
         self.frames.finish()
         return self.items
 
+    def remember(self):
+        """See :meth:`FrameDecoder.remember`."""
+        self.frames.remember()
+
 
 def _parse_entry(data):
     try:
@@ -706,8 +762,9 @@ def _only_more_follows(data, pos, end):
 class _Header:
     """The validated metadata of one Entry: key, dtype, full shape, slice and byte count."""
 
-    def __init__(self, entry, max_bytes):
+    def __init__(self, entry, max_bytes, max_key_bytes):
         self.key = check_key(get_key(entry.key))
+        self.key_bytes = check_key_bytes(self.key, max_key_bytes)
         self.dtype = numpy_dtype(entry.tensor.dtype)
         self.shape, size = check_shape(entry.tensor.shape)
         self.slice = None
@@ -715,7 +772,7 @@ class _Header:
             begin, end = entry.slice.begin, entry.slice.end
             if not 0 <= begin <= end <= size:
                 raise InvalidTensorError(
-                    f"key {self.key!r}: slice [{begin}, {end}) is outside a value of {size} elements "
+                    f"key {key_repr(self.key)}: slice [{begin}, {end}) is outside a value of {size} elements "
                     f"(shape {self.shape})"
                 )
             self.slice, size = (begin, end), end - begin
@@ -724,19 +781,32 @@ class _Header:
             self.ref = (entry.shm.region_id, entry.shm.offset, entry.shm.length)
         self.follows = entry.channel.length if entry.HasField("channel") else None
         if self.ref is not None and self.follows is not None:
-            raise InvalidTensorError(f"key {self.key!r}: an entry is in shared memory or on the data channel, "
+            raise InvalidTensorError(f"key {key_repr(self.key)}: an entry is in shared memory or on the data channel, "
                                      "not both")
         self.data_shape = self.shape if self.slice is None else (size,)
         self.nbytes = size * self.dtype.itemsize
+        self._check_nbytes(max_bytes)
+
+    def check_limits(self, max_bytes, max_key_bytes):
+        """InvalidArgumentError when the key or the value is over a decoder's limits."""
+        check_key_bytes(self.key, max_key_bytes)
+        self._check_nbytes(max_bytes)
+
+    def _check_nbytes(self, max_bytes):
         if self.nbytes > max_bytes:
             raise InvalidTensorError(
-                f"key {self.key!r}: shape {self.shape} of {self.dtype} needs {self.nbytes} bytes; "
+                f"key {key_repr(self.key)}: shape {self.shape} of {self.dtype} needs {self.nbytes} bytes; "
                 f"the limit is {max_bytes}"
             )
 
     def item(self, flat, owned=False):
         array = flat if flat.shape == self.data_shape else flat.reshape(self.data_shape)
         return Item(self.key, array, self.shape, self.slice, owned)
+
+    def no_data(self):
+        """A read-only array of the entry's dtype and shape that takes no memory, for an entry
+        without data (Init's wait_only: the shapes and dtypes are checked, nothing is stored)."""
+        return np.broadcast_to(np.zeros((), self.dtype), self.data_shape)
 
 
 # ---- shared memory ----------------------------------------------------------------------

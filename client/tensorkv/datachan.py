@@ -7,9 +7,11 @@ server's one-byte acknowledgement: the connection is then bound to that stream o
 go out with ``sendall`` straight from the arrays and come in with ``recv_into`` straight
 into their destinations (the kernel's copies only). Every read and write is bounded by the
 call's deadline; any failure closes the socket (the Session negotiates a new channel on a
-later call) and raises ServerUnavailableError, or DeadlineExceededError on time-out.
+later call) and raises ServerUnavailableError, or DeadlineExceededError on time-out. With a
+TLS server the connection is TLS, checked as the gRPC channel is, before the token is sent.
 """
 import socket
+import ssl
 import time
 
 from .errors import DeadlineExceededError, ServerUnavailableError
@@ -18,6 +20,7 @@ ACK = b"\x01"
 # Seconds to connect and be bound at most: a port that a firewall drops must not hold the
 # call that negotiates for its whole timeout.
 CONNECT_TIMEOUT = 10.0
+TLS_IO_BYTES = 1 << 18  # bytes encrypted, or read from the socket, at a time over TLS
 
 
 def split_address(address):
@@ -28,15 +31,18 @@ def split_address(address):
 
 class Channel:
     """A data channel to server ``address`` (its gRPC address) on ``port``, bound with ``token``
-    within ``timeout`` seconds (CONNECT_TIMEOUT at most); OSError when the server refuses or
-    cannot be reached."""
+    within ``timeout`` seconds (CONNECT_TIMEOUT at most), over TLS with the ssl.SSLContext
+    ``tls`` unless it is None; OSError when the server refuses or cannot be reached."""
 
-    def __init__(self, address, port, token, timeout):
+    def __init__(self, address, port, token, timeout, tls=None):
         self.address = address
         self.deadline = None  # of the call in progress (time.monotonic())
-        self._sock = socket.create_connection((split_address(address), port), min(timeout, CONNECT_TIMEOUT))
+        host = split_address(address)
+        self._sock = socket.create_connection((host, port), min(timeout, CONNECT_TIMEOUT))
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                self._sock = TlsSocket(self._sock, tls, host)
             self._sock.sendall(token)
             if self._sock.recv(1) != ACK:
                 raise ConnectionRefusedError(f"server {address} refused the data-channel token")
@@ -94,3 +100,61 @@ class Channel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class TlsSocket:
+    """A connected blocking socket with TLS as a client, for what :class:`Channel` calls.
+
+    TLS runs through an ``ssl.SSLObject`` on memory buffers, so that each system call moves
+    up to TLS_IO_BYTES (an ``ssl.SSLSocket`` makes one or two per 16 KiB record)."""
+
+    def __init__(self, sock, context, host):
+        self._sock = sock
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
+        while True:
+            try:
+                self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                if not self._fill():
+                    raise ConnectionResetError("the server closed the connection in the TLS handshake") from None
+        self._flush()
+
+    def settimeout(self, timeout):
+        self._sock.settimeout(timeout)
+
+    def sendall(self, data):
+        view = memoryview(data)
+        for start in range(0, len(view), TLS_IO_BYTES):
+            self._tls.write(view[start:start + TLS_IO_BYTES])
+            self._flush()
+
+    def recv_into(self, view):
+        while True:
+            try:
+                return self._tls.read(len(view), view)
+            except ssl.SSLWantReadError:
+                if not self._fill():
+                    return 0
+            except ssl.SSLZeroReturnError:
+                return 0
+
+    def recv(self, size):
+        buffer = bytearray(size)
+        return bytes(buffer[:self.recv_into(memoryview(buffer))])
+
+    def _flush(self):
+        data = self._outgoing.read()
+        if data:
+            self._sock.sendall(data)
+
+    def _fill(self):
+        """Read what the socket has (up to TLS_IO_BYTES) into the TLS object; False at its end."""
+        data = self._sock.recv(TLS_IO_BYTES)
+        self._incoming.write(data)
+        return bool(data)
+
+    def close(self):
+        self._sock.close()

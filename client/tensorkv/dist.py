@@ -25,10 +25,11 @@ from .codec import (
 from .engine import Engine, dtype_mismatch
 from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
-    ServerUnavailableError, ShapeMismatchError,
+    ServerUnavailableError, ShapeMismatchError, key_repr,
 )
 from .kvstore import KVStore
 from .lease import Heartbeat
+from .security import Security
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 from .words import plural
@@ -171,11 +172,13 @@ class DistStore(KVStore):
     uses the data channel only; 'grpc' always sends them in the gRPC messages.
     ``if_exists`` (or ``TENSORKV_IF_EXISTS``) is what a new run does with the keys that an
     earlier run left on a server: 'fail' (the default), 'resume' or 'replace'.
+    ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
+    (:class:`tensorkv.security.Security`).
     """
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
-                 if_exists=None):
+                 if_exists=None, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         super().__init__(name)
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
@@ -189,14 +192,17 @@ class DistStore(KVStore):
         allocator.tune_this_process()
         self._timeout = timeout
         self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
-        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses]
+        self._security = Security.from_options(tls_ca, tls_cert, tls_key, token)
+        self._channels = [self._security.channel(a, CHANNEL_OPTIONS) for a in self._addresses]
         self._stubs = [Stub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(len(self._stubs)) if len(self._stubs) > 1 else None
         # Small calls go over one long-lived Session stream per server (off with session=False
         # or TENSORKV_NO_SESSION=1).
         if session is None:
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
-        self._sessions = [Session(c, a) for c, a in zip(self._channels, self._addresses)] if session else None
+        data_tls = self._security.data_channel_context()
+        self._sessions = [Session(c, a, data_tls=data_tls) for c, a in zip(self._channels, self._addresses)] \
+            if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         self._registered = {}  # server index -> the incarnation of this worker's registration there
         self._heartbeat = None  # renews the registrations' leases
@@ -233,6 +239,8 @@ class DistStore(KVStore):
                 raise ServerUnavailableError(
                     f"server {address} is unreachable: no answer within {connect_timeout:g} s; "
                     f"is tensorkv-server running on {address}?") from None
+            except ServerUnavailableError as error:  # no connection: a TLS mismatch is named as such
+                raise self._security.diagnose(address) or error from None
             if info.mode != _MODES[self.type]:
                 mode = kvstore_pb2.Mode.Name(info.mode).removeprefix("MODE_").lower()
                 raise FailedPreconditionError(
@@ -382,6 +390,7 @@ class DistStore(KVStore):
             items = decoder.finish()
             if decoder.frames.incoming:
                 channel.receive(decoder.frames.incoming)
+            decoder.remember()
             return items
 
         return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output),
@@ -400,7 +409,9 @@ class DistStore(KVStore):
         decoder = DistStore._decoder(message_type, part, outs)
         for data in responses:
             decoder.feed(data)
-        return decoder.finish()
+        items = decoder.finish()
+        decoder.remember()
+        return items
 
     @staticmethod
     def _decoder(message_type, part, outs, resolve=None, channel=False):
@@ -449,7 +460,8 @@ class DistStore(KVStore):
         if dtype != known[1]:
             raise dtype_mismatch(key, verb, dtype, known[1])
         if shape != known[0]:
-            raise ShapeMismatchError(f"key {key!r}: {verb} shape {shape} does not match the stored shape {known[0]}")
+            raise ShapeMismatchError(
+                f"key {key_repr(key)}: {verb} shape {shape} does not match the stored shape {known[0]}")
 
     def _merged(self, pairs):
         """{key: one array}: the arrays pushed for each key, summed (a repeated key too); GPU

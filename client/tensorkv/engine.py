@@ -16,6 +16,7 @@ from .backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
 from .codec import check_key, wire_dtype
 from .errors import (
     DtypeMismatchError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError, ShapeMismatchError,
+    key_repr, keys_repr, no_memory,
 )
 from .kernels import accumulator_dtype
 from .optimizer import Updater
@@ -25,7 +26,7 @@ def dtype_mismatch(key, verb, dtype, stored):
     """The DtypeMismatchError of a value of ``dtype`` ``verb`` ('pushed', ...) into a key
     stored as ``stored``, saying how to cast it: values are never converted silently."""
     module = "ml_dtypes" if stored == BFLOAT16 else "numpy"
-    return DtypeMismatchError(f"key {key!r}: {verb} dtype {dtype} does not match the stored dtype {stored}; "
+    return DtypeMismatchError(f"key {key_repr(key)}: {verb} dtype {dtype} does not match the stored dtype {stored}; "
                               f"cast it with value.astype({module}.{stored})")
 
 
@@ -79,7 +80,7 @@ class Engine:
         try:
             return self._values[key]
         except KeyError:
-            raise KeyNotFoundError(f"key {key!r} has not been initialized") from None
+            raise KeyNotFoundError(f"key {key_repr(key)} has not been initialized") from None
 
     # ---- validation -----------------------------------------------------------------
 
@@ -89,7 +90,7 @@ class Engine:
         kinds = {type(k) for k in keys} | ({self._key_type} if self._key_type else set())
         if len(kinds) > 1:
             held = f"the store holds {self._key_type.__name__} keys; " if self._key_type else ""
-            raise KeyTypeError(f"{held}int and str keys cannot be mixed: {keys!r}")
+            raise KeyTypeError(f"{held}int and str keys cannot be mixed: {keys_repr(keys)}")
         return keys
 
     def check_new(self, items):
@@ -99,15 +100,15 @@ class Engine:
         seen = set()
         for key, item in zip(keys, items):
             if key in self._values:
-                raise KeyExistsError(f"key {key!r} is already initialized")
+                raise KeyExistsError(f"key {key_repr(key)} is already initialized")
             if key in seen:
-                raise KeyExistsError(f"key {key!r} appears twice in one init")
+                raise KeyExistsError(f"key {key_repr(key)} appears twice in one init")
             seen.add(key)
             _, dtype = shape_dtype(item.array)
             try:
                 wire_dtype(dtype)
             except InvalidTensorError as error:
-                raise InvalidTensorError(f"key {key!r}: {error}") from None
+                raise InvalidTensorError(f"key {key_repr(key)}: {error}") from None
 
     def check_value(self, key, value, shape=None, slice=None, verb="pushed"):
         """Check ``value`` agrees with the stored dtype and shape (and slice) of ``key``."""
@@ -122,7 +123,7 @@ class Engine:
         if full_shape != stored.shape or slice != stored.slice or data_shape != tuple(stored.array.shape):
             where = "" if slice == stored.slice else f" (slice {slice}, stored slice {stored.slice})"
             raise ShapeMismatchError(
-                f"key {key!r}: {verb} shape {full_shape} does not match the stored shape {stored.shape}{where}"
+                f"key {key_repr(key)}: {verb} shape {full_shape} does not match the stored shape {stored.shape}{where}"
             )
         return stored
 
@@ -142,11 +143,19 @@ class Engine:
         """Store the values of ``items`` (codec.Item), all or none."""
         self.check_new(items)
         with self.on_device():
-            for item in items:
-                value = to_namespace(item.array, self.xp)
-                array = self._copy(value, value.dtype)
-                self._values[check_key(item.key)] = Stored(array, item.shape, item.slice)
-                self._key_type = type(check_key(item.key))
+            arrays = [self._stored_copy(item) for item in items]
+        for item, array in zip(items, arrays):
+            key = check_key(item.key)
+            self._values[key] = Stored(array, item.shape, item.slice)
+            self._key_type = type(key)
+
+    def _stored_copy(self, item):
+        """A copy of ``item``'s value in this namespace; ResourceExhaustedError if it does not fit."""
+        try:
+            value = to_namespace(item.array, self.xp)
+            return self._copy(value, value.dtype)
+        except MemoryError:
+            raise no_memory(item.key, item.shape, shape_dtype(item.array)[1], item.array.nbytes) from None
 
     def clear(self):
         """Forget every value, the updater and the key type, as a new engine."""

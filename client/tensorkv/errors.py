@@ -73,6 +73,25 @@ class DeadlineExceededError(KVStoreError, TimeoutError):
     code = "DEADLINE_EXCEEDED"
 
 
+class ResourceExhaustedError(KVStoreError):
+    """A call that needs more than the server has: memory for a value of its declared size."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class UnauthenticatedError(KVStoreError):
+    """A call without valid credentials: no token or an unknown one, or a TLS handshake that
+    failed (the message says which credential)."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(KVStoreError):
+    """A call the credentials do not allow: a read-only token on a call that writes."""
+
+    code = "PERMISSION_DENIED"
+
+
 class InternalError(KVStoreError):
     """A bug on the server side; the message says what failed."""
 
@@ -85,7 +104,8 @@ CATALOGUE = {
         KVStoreError, InvalidArgumentError, InvalidTensorError, ShapeMismatchError,
         DtypeMismatchError, KeyTypeError, KeyNotFoundError, KeyExistsError,
         FailedPreconditionError, RoundAbortedError, ServerUnavailableError,
-        DeadlineExceededError, InternalError,
+        DeadlineExceededError, ResourceExhaustedError, UnauthenticatedError, PermissionDeniedError,
+        InternalError,
     )
 }
 
@@ -98,8 +118,38 @@ BY_CODE = {
     "ABORTED": RoundAbortedError,
     "UNAVAILABLE": ServerUnavailableError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "RESOURCE_EXHAUSTED": ResourceExhaustedError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
     "INTERNAL": InternalError,
 }
+
+
+# What a message shows of a str key, and of a list of keys: a key may be megabytes long and
+# a list thousands of keys, and a status message must fit in gRPC's metadata.
+SHOWN_KEY_CHARS = 100
+SHOWN_KEYS = 10
+
+
+def key_repr(key):
+    """``repr(key)`` for a message, cut after SHOWN_KEY_CHARS characters (then with its length)."""
+    if isinstance(key, str) and len(key) > SHOWN_KEY_CHARS:
+        return f"{key[:SHOWN_KEY_CHARS]!r}... ({len(key)} characters)"
+    return repr(key)
+
+
+def keys_repr(keys):
+    """``repr(keys)`` of a list of keys for a message: the first SHOWN_KEYS, each by :func:`key_repr`."""
+    shown = ", ".join(map(key_repr, keys[:SHOWN_KEYS]))
+    more = f", ... ({len(keys)} keys)" if len(keys) > SHOWN_KEYS else ""
+    return f"[{shown}{more}]"
+
+
+def no_memory(key, shape, dtype, nbytes):
+    """The ResourceExhaustedError for a value of ``key`` that cannot be allocated."""
+    return ResourceExhaustedError(
+        f"key {key_repr(key)}: not enough memory for a value of shape {tuple(shape)} and dtype {dtype} "
+        f"({nbytes} bytes)")
 
 
 def error_from_status(code_name, message, class_name=None):

@@ -8,7 +8,7 @@ import numpy as np
 
 from .backend import is_array, shape_dtype, to_host, write_into
 from .codec import Item, check_key
-from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
+from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .words import plural
 
 
@@ -32,11 +32,11 @@ def _arrays(key, value):
         return [value]
     arrays = list(value) if isinstance(value, (list, tuple)) else [value]
     if not arrays:
-        raise InvalidArgumentError(f"key {key!r}: an empty list of values")
+        raise InvalidArgumentError(f"key {key_repr(key)}: an empty list of values")
     for i, array in enumerate(arrays):
         if not is_array(array):
             raise InvalidArgumentError(
-                f"key {key!r}: value of type {type(array).__name__} is not an array"
+                f"key {key_repr(key)}: value of type {type(array).__name__} is not an array"
             )
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             arrays[i] = to_host(array)
@@ -52,9 +52,9 @@ def _check_same(key, arrays, verb, shape=None, dtype=None):
     for other in arrays:
         other_shape, other_dtype = shape_dtype(other)
         if other_dtype != dtype:
-            raise DtypeMismatchError(f"key {key!r}: {verb} dtype {other_dtype} where {dtype} is expected")
+            raise DtypeMismatchError(f"key {key_repr(key)}: {verb} dtype {other_dtype} where {dtype} is expected")
         if other_shape != shape:
-            raise ShapeMismatchError(f"key {key!r}: {verb} shape {other_shape} where {shape} is expected")
+            raise ShapeMismatchError(f"key {key_repr(key)}: {verb} shape {other_shape} where {shape} is expected")
 
 
 class KVStore:
@@ -251,7 +251,7 @@ class KVStore:
             k = check_key(k)
             arrays = _arrays(k, v)
             if len(arrays) != 1:
-                raise InvalidArgumentError(f"key {k!r}: init takes one array per key, got {len(arrays)}")
+                raise InvalidArgumentError(f"key {key_repr(k)}: init takes one array per key, got {len(arrays)}")
             items.append(Item(k, arrays[0]))
         return items
 
@@ -291,11 +291,12 @@ class KVStore:
                 shape, dtype = shape_dtype(target)
                 if shape != tuple(value.shape):
                     raise ShapeMismatchError(
-                        f"key {k!r}: out array of shape {shape} cannot hold the stored shape {tuple(value.shape)}"
+                        f"key {key_repr(k)}: out array of shape {shape} cannot hold the stored shape "
+                        f"{tuple(value.shape)}"
                     )
                 if dtype != value.dtype:
                     raise DtypeMismatchError(
-                        f"key {k!r}: out array of dtype {dtype} does not match the stored dtype {value.dtype}"
+                        f"key {key_repr(k)}: out array of dtype {dtype} does not match the stored dtype {value.dtype}"
                     )
         for targets, value in zip(outs, values):
             for target in targets:

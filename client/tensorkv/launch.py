@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .v1 import kvstore_pb2
+from .words import plural
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 POLL = 0.05  # seconds between looks at the processes
@@ -296,7 +297,7 @@ def run(args):
             job.start(launch)
         for (launch, process), address in zip(list(job.processes), addresses):
             job.wait_serving(launch, process, address, args.start_timeout)
-        job.say(f"job {args.job}: {len(servers)} servers serving at {','.join(addresses)}")
+        job.say(f"job {args.job}: {plural(len(servers), 'server')} serving at {','.join(addresses)}")
         for launch in launches[len(servers):]:
             job.start(launch)
         return job.wait_workers()

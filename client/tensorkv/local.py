@@ -19,7 +19,7 @@ import numpy as np
 from . import states_file
 from .backend import host_copy, select
 from .engine import Engine
-from .errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError
+from .errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError, key_repr
 from .kvstore import KVStore
 from .optimizer import Optimizer, Updater
 
@@ -96,7 +96,8 @@ class LocalStore(KVStore):
             states = {}
             for key, (num_update, arrays) in saved.items():
                 if key not in self._engine:
-                    raise KeyNotFoundError(f"{fname} holds states of key {key!r}, which has not been initialized")
+                    raise KeyNotFoundError(
+                        f"{fname} holds states of key {key_repr(key)}, which has not been initialized")
                 weight = self._engine.get(key).array
                 states[key] = (num_update, updater.check_states(key, weight, arrays))
             updater.set_states(states)

@@ -23,6 +23,7 @@ comes from the schedule, at the update count MXNet uses: the largest number of u
 applied to any key so far (:class:`Updater` counts them).
 """
 import functools
+import heapq
 import inspect
 import math
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from .backend import array_module
 from .kernels import Kernel
-from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError
+from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .lr_scheduler import LRScheduler
 from .words import plural
 
@@ -401,14 +402,22 @@ def create(name, lr_scheduler=None, **params):
     """
     cls = OPTIMIZERS.get(str(name).lower())
     if cls is None:
-        raise InvalidArgumentError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-    unknown = sorted(set(params) - set(cls.parameter_names()))
+        raise InvalidArgumentError(f"unknown optimizer {_shown([name])!r}; use one of {', '.join(OPTIMIZERS)}")
+    unknown = set(params) - set(cls.parameter_names())
     if unknown:
         raise InvalidArgumentError(
-            f"optimizer {cls.name!r} has no parameter {', '.join(unknown)}; "
+            f"optimizer {cls.name!r} has no parameter {_shown(unknown)}; "
             f"its parameters are {', '.join(cls.parameter_names())}"
         )
     return cls(**params, lr_scheduler=lr_scheduler)
+
+
+def _shown(names, most=5, chars=40):
+    """``names`` for an error message, however many and long they are (they may come from
+    the wire): the ``most`` first in sorted order, each cut to ``chars`` characters."""
+    first = heapq.nsmallest(most, map(str, names))
+    shown = ", ".join(name if len(name) <= chars else name[:chars] + "..." for name in first)
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 class Updater:
@@ -438,7 +447,7 @@ class Updater:
         """Raise DtypeMismatchError unless ``weight`` has a floating-point dtype the optimizer can update."""
         if np.dtype(weight.dtype).kind != "f" and np.dtype(weight.dtype).name != "bfloat16":
             raise DtypeMismatchError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
+                f"key {key_repr(key)}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
             )
 
     def __call__(self, key, grad, weight):
@@ -470,14 +479,15 @@ class Updater:
         states = self.optimizer.create_state(xp, weight)
         if len(arrays) != len(states):
             raise InvalidArgumentError(
-                f"key {key!r}: optimizer {self.optimizer.name!r} keeps {plural(len(states), 'state array')}, "
+                f"key {key_repr(key)}: optimizer {self.optimizer.name!r} keeps {plural(len(states), 'state array')}, "
                 f"got {len(arrays)}"
             )
         for state, array in zip(states, arrays):
             if tuple(array.shape) != tuple(state.shape):
-                raise ShapeMismatchError(f"key {key!r}: state of shape {tuple(array.shape)}, expected {state.shape}")
+                raise ShapeMismatchError(
+                    f"key {key_repr(key)}: state of shape {tuple(array.shape)}, expected {state.shape}")
             if array.dtype != state.dtype:
-                raise DtypeMismatchError(f"key {key!r}: state of dtype {array.dtype}, expected {state.dtype}")
+                raise DtypeMismatchError(f"key {key_repr(key)}: state of dtype {array.dtype}, expected {state.dtype}")
             state[...] = xp.asarray(array)
         return states
 

@@ -17,8 +17,8 @@ import time
 import grpc
 
 from .errors import (
-    ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError,
-    error_from_status,
+    ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ResourceExhaustedError,
+    ServerUnavailableError, error_from_status,
 )
 from . import datachan, shm
 from .v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -67,10 +67,20 @@ SERVER_OPTIONS = _COMMON_OPTIONS + [
 
 # ---- server side ----------------------------------------------------------------------
 
+def _as_kvstore_error(error, where):
+    """``error`` as the KVStoreError a client gets: a MemoryError is RESOURCE_EXHAUSTED, anything
+    else but a KVStoreError is INTERNAL (and logged with its traceback)."""
+    if isinstance(error, KVStoreError):
+        return error
+    if isinstance(error, MemoryError):
+        log.warning("out of memory in %s: %s", where, error)
+        return ResourceExhaustedError(f"the server ran out of memory: {type(error).__name__}: {error}")
+    log.exception("unexpected error in %s", where)
+    return InternalError(f"{type(error).__name__}: {error}")
+
+
 async def _abort(context, error):
-    if not isinstance(error, KVStoreError):
-        log.exception("unexpected error in %s", context)
-        error = InternalError(f"{type(error).__name__}: {error}")
+    error = _as_kvstore_error(error, context)
     await context.abort(
         grpc.StatusCode[error.code], str(error),
         trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
@@ -80,7 +90,8 @@ async def _abort(context, error):
 def translate_errors(handler, parse=None):
     """``handler`` (an async function or async generator function of (request, context), e.g.
     a bound servicer method) as a gRPC handler whose errors reach the client as statuses: a
-    KVStoreError as its own code, anything else as INTERNAL (and logged with its traceback).
+    KVStoreError as its own code, a MemoryError as RESOURCE_EXHAUSTED, anything else
+    as INTERNAL (and logged with its traceback).
     ``parse(request, context)``, when given, turns the request as gRPC delivers it (bytes, or
     an async iterator of them) into what ``handler`` receives, within that translation: a
     malformed request fails with its own status."""
@@ -168,11 +179,9 @@ def status_code(number):
 
 
 def error_status(error):
-    """(status number, message, class name) that a server sends for ``error``; anything but
-    a KVStoreError is INTERNAL (and logged with its traceback)."""
-    if not isinstance(error, KVStoreError):
-        log.exception("unexpected error in a session call")
-        error = InternalError(f"{type(error).__name__}: {error}")
+    """(status number, message, class name) that a server sends for ``error`` (see
+    :func:`_as_kvstore_error`)."""
+    error = _as_kvstore_error(error, "a session call")
     return grpc.StatusCode[error.code].value[0], str(error), type(error).__name__
 
 
@@ -239,10 +248,10 @@ class Session:
     stream (negotiated here, under the call's lock). A failed negotiation turns the channel
     off for this session. A channel that broke, or that a failed call used (the server
     closes it then), is dropped; the next call negotiates a new one. It lives no longer
-    than the stream.
+    than the stream. ``data_tls``: the ssl.SSLContext of the data channel of a TLS server.
     """
 
-    def __init__(self, channel, address, shm_allowed=False, data_port=0):
+    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None):
         self._method = channel.stream_stream(Stub._PATH + "Session")
         self._address = address
         self._lock = threading.Lock()
@@ -255,6 +264,7 @@ class Session:
         self.shm_allowed = shm_allowed
         self.region = None
         self.data_port = data_port
+        self.data_tls = data_tls
         self.data_channel = None
 
     def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call"):
@@ -393,7 +403,8 @@ class Session:
         try:
             if response.code:
                 raise ConnectionRefusedError(response.message)
-            self.data_channel = datachan.Channel(self._address, self.data_port, response.data_token, timeout)
+            self.data_channel = datachan.Channel(self._address, self.data_port, response.data_token, timeout,
+                                                 self.data_tls)
         except OSError as error:
             self.data_port = 0
             log.info("no data channel to server %s (%s): values travel in the gRPC messages", self._address, error)

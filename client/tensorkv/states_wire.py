@@ -5,7 +5,7 @@ its lr_scheduler) and lists the keys with their number of states and updates; th
 tensors follow as frames, key after key. (Files of states are :mod:`tensorkv.states_file`.)
 """
 from . import codec, lr_scheduler, optimizer as optimizers
-from .errors import InvalidArgumentError, InvalidTensorError
+from .errors import InvalidArgumentError, InvalidTensorError, key_repr
 from .v1 import tensor_pb2
 from .words import plural
 
@@ -74,13 +74,14 @@ def _group(key_states, items):
     for state in key_states:
         key = codec.check_key(codec.get_key(state.key))
         if key in states:
-            raise InvalidArgumentError(f"key {key!r} appears twice in key_states")
+            raise InvalidArgumentError(f"key {key_repr(key)} appears twice in key_states")
         chunk = items[position:position + state.num_states]
         position += state.num_states
         for item in chunk:
             if item.key != key:
                 raise InvalidTensorError(
-                    f"a state tensor of key {item.key!r} arrived where the states of key {key!r} belong")
+                    f"a state tensor of key {key_repr(item.key)} arrived where the states of key "
+                    f"{key_repr(key)} belong")
         states[key] = (state.num_update, chunk)
     return states
 

@@ -8,8 +8,10 @@ from tensorkv import __version__, allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
+from . import security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, check_free, serve
+from .service import MAX_KEY_BYTES
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
 # tensorkv_server logger hierarchy the other modules log in.
@@ -48,6 +50,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages "
                              "(default: data channel on)")
+    parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
+                        help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
+                             "with INVALID_ARGUMENT (default %(default)s)")
+    security.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="least severe log messages written to stderr (default %(default)s)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -60,6 +66,15 @@ def parse_args(argv=None):
         parser.error(f"--lease-timeout must be positive and at most {MAX_LEASE_TIMEOUT:g} s")
     if args.data_channel and args.data_port == args.port != 0:
         parser.error("--data-port must differ from --port")
+    if args.max_key_bytes < 1:
+        parser.error("--max-key-bytes must be at least 1")
+    try:
+        args.security = security.ServerSecurity.from_args(args)
+    except ValueError as error:
+        parser.exit(2, f"tensorkv-server: {error}\n")
+    refusal = args.security.refusal(args.host)
+    if refusal:
+        parser.exit(2, f"tensorkv-server: {refusal}\n")
     return args
 
 
@@ -86,7 +101,7 @@ def _serve(args, reexec):
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
                               args.lease_timeout)
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None))
+                      args.data_port if args.data_channel else None, args.max_key_bytes, args.security))
 
 
 if __name__ == "__main__":

@@ -4,23 +4,29 @@ of large values for one Session stream (the client's half is ``tensorkv.datachan
 A stream asks for a channel and gets a one-time random token; a connection to the data
 port that sends that token first is bound to that stream, acknowledged with one byte, and
 the token is gone. A connection with an unknown (or already used) token, or none within
-HANDSHAKE_TIMEOUT, is closed. A stream's channel is closed when the stream ends, however it
-ends, when a call that uses it fails, and when the server stops.
+HANDSHAKE_TIMEOUT, is closed, and at most MAX_PENDING connections wait to present one. A
+stream's channel is closed when the stream ends, however it ends, when a call that uses it
+fails, and when the server stops. With TLS on the gRPC port, the data port speaks TLS too
+(same certificate; mutual TLS when the gRPC port has it), before the token is read.
 """
 import asyncio
 import logging
 import secrets
 import socket
+import traceback
 
 import numpy as np
 
 from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, ServerUnavailableError
 
+from . import datalink
+
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
 ACK = b"\x01"
-HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection gets to send its token
+HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection gets for the TLS handshake and its token
+MAX_PENDING = 64  # connections that may wait for their handshake and token at once
 
 
 def bare_host(host):
@@ -29,15 +35,17 @@ def bare_host(host):
 
 
 class DataPort:
-    """The listening socket on ``host``:``port`` (0: any free port) and the tokens handed out."""
+    """The listening socket on ``host``:``port`` (0: any free port) and the tokens handed out;
+    ``tls_context()`` (None: plaintext) gives the ssl.SSLContext for each new connection."""
 
-    def __init__(self, host, port=0):
+    def __init__(self, host, port=0, tls_context=None):
         ipv6 = ":" in host  # then both families, as gRPC serves them
         self._listener = socket.create_server((bare_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
                                               dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._pending = {}  # token -> future of the bound socket
+        self._tls_context = tls_context
+        self._pending = {}  # token -> future of the bound link
         self._tasks = set()
         self._accepting = None
 
@@ -53,28 +61,37 @@ class DataPort:
                 log.warning("data port: accept failed: %s", error)
                 await asyncio.sleep(0.1)
                 continue
+            if len(self._tasks) >= MAX_PENDING:
+                log.warning("data channel connection from %s refused: %d connections already wait for their "
+                            "token", peer, MAX_PENDING)
+                conn.close()
+                continue
             task = loop.create_task(self._bind(conn, peer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _bind(self, conn, peer):
-        loop = asyncio.get_running_loop()
-        conn.setblocking(False)
         try:
-            token = await asyncio.wait_for(_read_exactly(loop, conn, TOKEN_BYTES), HANDSHAKE_TIMEOUT)
+            link, token = await asyncio.wait_for(self._handshake(conn), HANDSHAKE_TIMEOUT)
             waiter = self._pending.pop(token, None)
             if waiter is None or waiter.done():
                 raise ConnectionRefusedError("unknown or used token")
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            waiter.set_result(conn)  # bound before the client hears so and sends its next call
-            await loop.sock_sendall(conn, ACK)
+            waiter.set_result(link)  # bound before the client hears so and sends its next call
+            await link.sendall(ACK)
             log.info("data channel from %s bound", peer)
-        except (OSError, EOFError, asyncio.TimeoutError) as error:
+        except (OSError, EOFError, asyncio.TimeoutError) as error:  # ssl.SSLError is an OSError
             log.warning("data channel connection from %s refused: %s", peer, error or type(error).__name__)
             conn.close()
         except asyncio.CancelledError:  # the server is stopping
             conn.close()
             raise
+
+    async def _handshake(self, conn):
+        """(the connection's link, the token it presents)."""
+        link = await datalink.accept(conn, self._tls_context() if self._tls_context else None)
+        token = bytearray(TOKEN_BYTES)
+        await link.read_into(memoryview(token))
+        return link, bytes(token)
 
     def offer(self):
         """(a new token, the future of the socket that presents it)."""
@@ -92,21 +109,6 @@ class DataPort:
         for task in list(self._tasks):
             task.cancel()
         self._listener.close()
-
-
-async def _read_exactly(loop, conn, size):
-    buffer = bytearray(size)
-    await _read_into(loop, conn, memoryview(buffer))
-    return bytes(buffer)
-
-
-async def _read_into(loop, conn, view):
-    filled = 0
-    while filled < len(view):
-        count = await loop.sock_recv_into(conn, view[filled:])
-        if count == 0:
-            raise EOFError("the client closed the data channel")
-        filled += count
 
 
 class StreamChannel:
@@ -128,7 +130,7 @@ class StreamChannel:
         waiter = self._waiter
         return waiter is not None and waiter.done() and not waiter.cancelled()
 
-    def _socket(self):
+    def _link(self):
         if not self.bound:
             raise FailedPreconditionError("this stream has no connected data channel: ask for one first")
         return self._waiter.result()
@@ -138,17 +140,16 @@ class StreamChannel:
         await self._io(self._receive(buffers), timeout)
 
     async def _receive(self, buffers):
-        conn, loop = self._socket(), asyncio.get_running_loop()
+        link = self._link()
         for buffer in buffers:
-            await _read_into(loop, conn, memoryview(buffer))
+            await link.read_into(memoryview(buffer))
 
     async def send(self, buffer, timeout):
         """Write the uint8 array ``buffer`` on the channel within ``timeout`` s."""
         await self._io(self._send(buffer), timeout)
 
     async def _send(self, buffer):
-        conn = self._socket()
-        await asyncio.get_running_loop().sock_sendall(conn, memoryview(buffer))
+        await self._link().sendall(memoryview(buffer))
 
     async def _io(self, work, timeout):
         try:
@@ -158,6 +159,10 @@ class StreamChannel:
             raise DeadlineExceededError(f"the data channel did not move the bytes within {timeout:g} s") from None
         except (OSError, EOFError) as error:
             self.close()
+            # The failed read's (or write's) asyncio future, and wait_for's task, hold this error,
+            # whose traceback holds the frames that awaited them: reference cycles that would keep
+            # the frames' buffers (a whole value) until the cyclic GC runs. Their locals go now.
+            traceback.clear_frames(error.__traceback__)
             raise ServerUnavailableError(f"the data channel broke: {error}") from None
 
     def close(self):

@@ -28,7 +28,7 @@ from tensorkv.backend import to_host
 from tensorkv.codec import Item
 from tensorkv.errors import (
     FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, RoundAbortedError,
-    ServerUnavailableError, ShapeMismatchError,
+    ServerUnavailableError, ShapeMismatchError, key_repr, keys_repr,
 )
 from tensorkv.words import plural
 
@@ -173,7 +173,8 @@ class Coordinator:
             self._check_not_left_by_earlier_runs(keys)
         for key in keys:
             if rank in self._initialized.get(key, ()):
-                raise KeyExistsError(f"key {key!r} is already initialized (rank {rank} called init on it before)")
+                raise KeyExistsError(
+                    f"key {key_repr(key)} is already initialized (rank {rank} called init on it before)")
         if rank == 0 and not wait_only:
             # Keys already stored are those of a rank 0 that registered again, or those an
             # earlier run left for this one to resume: kept.
@@ -224,7 +225,7 @@ class Coordinator:
         if pending:
             still = [key for key in missing if key not in self.engine]
             raise RoundAbortedError(
-                f"init of keys {still!r} aborted after {self.round_timeout:g} s: "
+                f"init of keys {keys_repr(still)} aborted after {self.round_timeout:g} s: "
                 "rank 0 has not initialized them (missing rank: [0])"
             )
 
@@ -304,7 +305,7 @@ class Coordinator:
         missing = sorted(set(range(self.num_workers)) - round_.ranks)
         why = why or f"aborted after {self.round_timeout:g} s"
         error = error_class(
-            f"key {key!r}: round {round_.number} {why}; missing ranks {missing} "
+            f"key {key_repr(key)}: round {round_.number} {why}; missing ranks {missing} "
             f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded)"
         )
         log.warning("%s", error)
@@ -347,7 +348,7 @@ class Coordinator:
         keys = self.engine.check_keys([item.key for item in items])
         if len(set(keys)) != len(keys):
             twice = sorted({k for k in keys if keys.count(k) > 1}, key=repr)
-            raise InvalidArgumentError(f"keys {twice!r} appear more than once in one {verb}")
+            raise InvalidArgumentError(f"keys {keys_repr(twice)} appear more than once in one {verb}")
         return keys
 
     # ---- barrier ----------------------------------------------------------------------
@@ -395,8 +396,8 @@ class Coordinator:
             for item in items:
                 if item.shape != stored.shape or item.slice != stored.slice:
                     raise ShapeMismatchError(
-                        f"key {key!r}: optimizer state for shape {item.shape} (slice {item.slice}) does not match "
-                        f"the stored shape {stored.shape} (slice {stored.slice})")
+                        f"key {key_repr(key)}: optimizer state for shape {item.shape} (slice {item.slice}) does "
+                        f"not match the stored shape {stored.shape} (slice {stored.slice})")
             checked[key] = (num_update, updater.check_states(key, stored.array, [item.array for item in items]))
         updater.set_states(checked)
         self.engine.updater = updater

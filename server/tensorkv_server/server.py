@@ -15,7 +15,8 @@ from tensorkv.v1 import kvstore_pb2
 from tensorkv.words import plural
 
 from .datachan import DataPort, bare_host
-from .service import KVStoreService, add_to_server
+from .service import MAX_KEY_BYTES, KVStoreService, add_to_server
+from .security import ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +57,43 @@ def check_free(host, port, flag):
                 raise _listen_error(flag, host, port, error) from None
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0):
+async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, max_key_bytes=MAX_KEY_BYTES,
+                security=None):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish."""
-    server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT)
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests may carry str
+    keys of up to ``max_key_bytes`` bytes. ``security``: a ServerSecurity (default: plaintext, no
+    tokens), for the gRPC port and the data channel."""
+    security = security or ServerSecurity()
+    server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT, interceptors=security.interceptors())
     address = f"{host}:{port}"
     if data_port is not None:
         try:
-            data_port = DataPort(host, data_port)
+            data_port = DataPort(host, data_port, security.data_channel_context)
         except OSError as error:
             raise _listen_error("--data-port", host, data_port, error) from None
-    servicer = KVStoreService(coordinator, shared_memory, data_port)
+    servicer = KVStoreService(coordinator, shared_memory, data_port, max_key_bytes)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
-        server.add_insecure_port(address)
-    except RuntimeError:  # taken since check_free looked
-        raise ListenError(f"--port {port}: cannot listen on {address}") from None
+        bound = security.add_port(server, address)
+    except RuntimeError:  # gRPC raises for a port taken since check_free looked
+        bound = 0
+    if bound == 0:
+        raise ListenError(f"--port {port}: cannot listen on {address}")
     await server.start()
     if data_port is not None:
         data_port.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s: %s, %s mode, values on %s, round timeout %g s, lease timeout %g s, "
-             "shared memory %s, data channel %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
+             "shared memory %s, data channel %s, %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
              coordinator.mode, coordinator.device, coordinator.round_timeout, coordinator.members.lease_timeout,
-             "on" if servicer.shared_memory else "off",
-             f"on port {data_port.port}" if data_port else "off")
+             "on" if servicer.shared_memory else "off", f"on port {data_port.port}" if data_port else "off",
+             security.describe())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

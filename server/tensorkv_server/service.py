@@ -34,19 +34,8 @@ RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
-
-
-async def _read(requests, message_class, with_data=None, staging=None):
-    """(first request or None, [codec.Item]) of a stream of serialized ``message_class``.
-
-    ``with_data(first)`` says whether the frames carry data (Init's wait_only does not);
-    ``staging`` receives values that span several messages (a GPU server's Staging).
-    """
-    decoder = codec.StreamDecoder(message_class, "frame", with_data=with_data,
-                                  staging=staging.receiver if staging else None)
-    async for data in requests:
-        decoder.feed(data)
-    return decoder.first, decoder.finish()
+# Default of --max-key-bytes: the UTF-8 bytes of a str key.
+MAX_KEY_BYTES = 4096
 
 
 if hasattr(asyncio, "timeout"):  # Python 3.11+
@@ -115,8 +104,10 @@ def _parser(method):
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
-    def __init__(self, coordinator, shared_memory=True, data_port=None):
+    def __init__(self, coordinator, shared_memory=True, data_port=None, max_key_bytes=MAX_KEY_BYTES):
         self.coordinator = coordinator
+        # The longest str key a request may carry, in bytes of UTF-8 (--max-key-bytes).
+        self.max_key_bytes = max_key_bytes
         # Whether Session streams may register shared-memory regions (--no-shared-memory).
         self.shared_memory = shared_memory and shm.available()
         # The datachan.DataPort that binds data channels to Session streams, or None.
@@ -124,6 +115,33 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # Pinned buffers and a CUDA stream between the wire and a GPU engine, or None.
         xp = coordinator.engine.xp
         self.staging = Staging(xp) if xp is not np else None
+
+    def _decoder(self, message_class, **options):
+        """A decoder of a stream of serialized ``message_class`` (see codec.StreamDecoder) within
+        this server's limits; values that span several messages go to the GPU's staging."""
+        return codec.StreamDecoder(message_class, "frame", max_key_bytes=self.max_key_bytes,
+                                   staging=self.staging.receiver if self.staging else None, **options)
+
+    async def _apply(self, requests, message_class, call, with_data=None):
+        """``await call(first request, items)`` for a stream of serialized ``message_class``; None
+        for an empty stream. ``with_data(first)`` says whether the frames carry data (Init's
+        wait_only does not)."""
+        decoder = self._decoder(message_class, with_data=with_data)
+        async for data in requests:
+            decoder.feed(data)
+        items = decoder.finish()
+        if decoder.first is None:
+            return None
+        result = await call(decoder.first, items)
+        decoder.remember()
+        return result
+
+    def _keys(self, request):
+        """The keys of a Pull or Session request; InvalidArgumentError for one over --max-key-bytes."""
+        keys = [codec.get_key(key) for key in request.keys]
+        for key in keys:
+            codec.check_key_bytes(key, self.max_key_bytes)
+        return keys
 
     def _host(self, items):
         """``items`` with values on the GPU copied to the host through pinned memory."""
@@ -160,29 +178,27 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, **info)
 
     async def Init(self, request_iterator, context):
-        first, items = await _read(request_iterator, kvstore_pb2.InitRequest,
-                                   with_data=lambda first: not first.wait_only, staging=self.staging)
-        if first is not None:
-            await self.coordinator.init(first.rank, first.incarnation, items, first.wait_only)
+        await self._apply(request_iterator, kvstore_pb2.InitRequest,
+                          lambda first, items: self.coordinator.init(
+                              first.rank, first.incarnation, items, first.wait_only),
+                          with_data=lambda first: not first.wait_only)
         return kvstore_pb2.InitResponse()
 
     async def Push(self, request_iterator, context):
-        first, items = await _read(request_iterator, kvstore_pb2.PushRequest, staging=self.staging)
-        if first is not None:
-            await self.coordinator.push(first.rank, first.incarnation, items)
+        await self._apply(request_iterator, kvstore_pb2.PushRequest,
+                          lambda first, items: self.coordinator.push(first.rank, first.incarnation, items))
         return kvstore_pb2.PushResponse()
 
     async def Pull(self, request, context):
-        keys = [codec.get_key(key) for key in request.keys]
-        items = await self.coordinator.pull(request.rank, request.incarnation, keys)
+        items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
         for message in _responses(self._host(items)):
             yield message
 
     async def PushPull(self, request_iterator, context):
-        first, items = await _read(request_iterator, kvstore_pb2.PushPullRequest, staging=self.staging)
-        if first is not None:
-            pulled = await self.coordinator.pushpull(first.rank, first.incarnation, items)
-            for message in _responses(self._host(pulled)):
+        items = await self._apply(request_iterator, kvstore_pb2.PushPullRequest,
+                                  lambda first, items: self.coordinator.pushpull(first.rank, first.incarnation, items))
+        if items is not None:
+            for message in _responses(self._host(items)):
                 yield message
 
     async def Session(self, request_iterator, context):
@@ -204,9 +220,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def _session_call(self, data, regions, channel):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
         to send on the data channel after it, seconds to send it in))."""
-        decoder = codec.StreamDecoder(kvstore_pb2.SessionRequest, "frame", resolve=regions.resolve,
-                                      with_data=lambda first: not first.wait_only, channel=channel is not None,
-                                      staging=self.staging.receiver if self.staging else None)
+        decoder = self._decoder(kvstore_pb2.SessionRequest, resolve=regions.resolve,
+                                with_data=lambda first: not first.wait_only, channel=channel is not None)
         call_id, uses_channel = 0, True  # until the request says otherwise
         try:
             decoder.feed(data)
@@ -233,6 +248,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                     raise DeadlineExceededError(f"the call took longer than its {request.timeout_ms} ms") from None
             else:
                 items = await work
+            decoder.remember()
             items = self._host(items)
             if output is not None:
                 items = output.place(items)
@@ -280,8 +296,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             await self.coordinator.push(request.rank, request.incarnation, items)
             return []
         if request.op == kvstore_pb2.SESSION_OP_PULL:
-            keys = [codec.get_key(key) for key in request.keys]
-            return await self.coordinator.pull(request.rank, request.incarnation, keys)
+            return await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
         if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
             return await self.coordinator.pushpull(request.rank, request.incarnation, items)
         if request.op == kvstore_pb2.SESSION_OP_INIT:

@@ -1,0 +1,96 @@
+"""One accepted data-channel connection on the event loop, plaintext or TLS: fill a buffer
+exactly, send a buffer whole.
+
+TLS runs through an ``ssl.SSLObject`` on memory buffers over the same non-blocking socket
+calls as plaintext, so a value is decrypted straight into its destination buffer.
+"""
+import asyncio
+import socket
+import ssl
+
+RECV_BYTES = 1 << 18  # encrypted bytes read from the socket at a time
+WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time
+
+
+class PlainLink:
+    def __init__(self, sock):
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+
+    async def read_into(self, view):
+        filled = 0
+        while filled < len(view):
+            count = await self._loop.sock_recv_into(self.sock, view[filled:])
+            if count == 0:
+                raise EOFError("the client closed the data channel")
+            filled += count
+
+    async def sendall(self, view):
+        await self._loop.sock_sendall(self.sock, view)
+
+    def close(self):
+        self.sock.close()
+
+
+class TlsLink(PlainLink):
+    """A TLS server connection; :meth:`handshake` first."""
+
+    def __init__(self, sock, context):
+        super().__init__(sock)
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
+
+    async def handshake(self):
+        await self._complete(self._tls.do_handshake)
+
+    async def read_into(self, view):
+        filled = 0
+        while filled < len(view):
+            try:  # one TLS record per read: no coroutine per record unless bytes must come in
+                count = self._tls.read(len(view) - filled, view[filled:])
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._receive()
+                continue
+            if count == 0:
+                raise EOFError("the client closed the data channel")
+            filled += count
+
+    async def sendall(self, view):
+        for start in range(0, len(view), WRITE_BYTES):
+            await self._complete(self._tls.write, view[start:start + WRITE_BYTES])
+
+    async def _complete(self, operation, *args):
+        """``operation(*args)`` on the SSLObject, feeding it the socket's bytes until it has
+        enough, and sending what it produced."""
+        while True:
+            try:
+                result = operation(*args)
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._receive()
+                continue
+            await self._flush()
+            return result
+
+    async def _receive(self):
+        data = await self._loop.sock_recv(self.sock, RECV_BYTES)
+        if not data:
+            raise EOFError("the client closed the data channel")
+        self._incoming.write(data)
+
+    async def _flush(self):
+        data = self._outgoing.read()
+        if data:
+            await self._loop.sock_sendall(self.sock, data)
+
+
+async def accept(sock, tls_context):
+    """The link of a new connection ``sock``: TLS (handshake done) with ``tls_context``, else plaintext."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls_context is None:
+        return PlainLink(sock)
+    link = TlsLink(sock, tls_context)
+    await link.handshake()
+    return link

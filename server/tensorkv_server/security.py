@@ -1,0 +1,209 @@
+"""Who may use a server: TLS on its port (``--tls-cert``, ``--tls-key``; mutual TLS with
+``--tls-client-ca``), bearer tokens (``--token-file``), and the refusal to listen beyond
+loopback unprotected (``--insecure`` overrides it).
+
+The token file holds one token per line; a line ``TOKEN ro`` makes that token read-only
+(Info, Pull and GetOptimizerStates only); ``#`` starts a comment, blank lines are skipped.
+The file is read once, at start: a token stays valid for the server's lifetime, so it never
+expires in the middle of a job. Tokens are checked by :class:`TokenInterceptor`, for every
+method but the health service (probes need no token, and it says only SERVING or not).
+
+Certificate files are looked at again on each new connection, of the gRPC port and of the
+data channel: replacing them (cert and key together, e.g. by renaming new files over them)
+serves the new pair to new connections, while connections already open keep theirs.
+"""
+import hmac
+import logging
+import os
+import ssl
+from pathlib import Path
+
+import grpc
+
+from tensorkv.errors import ERROR_METADATA_KEY, PermissionDeniedError, UnauthenticatedError
+from tensorkv.security import is_loopback
+from tensorkv.v1 import kvstore_pb2
+
+log = logging.getLogger(__name__)
+
+_SERVICE = "/" + kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name + "/"
+READ_ONLY_METHODS = frozenset(_SERVICE + name for name in ("Info", "Pull", "GetOptimizerStates"))
+PUBLIC_PREFIX = "/grpc.health.v1.Health/"
+READ_ONLY_MARK = "ro"
+MIN_TOKEN_CHARS = 16
+
+
+def add_arguments(parser):
+    parser.add_argument("--tls-cert", metavar="FILE",
+                        help="PEM certificate chain: serve TLS, with --tls-key (default: no TLS)")
+    parser.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (default: none)")
+    parser.add_argument("--tls-client-ca", metavar="FILE",
+                        help="PEM CA certificates: require client certificates signed by them, mutual TLS "
+                             "(default: no client certificates)")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="bearer tokens, one per line ('TOKEN ro': read-only); every call but health "
+                             "must carry one (default: no tokens)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="WEAKENS SECURITY: allow a non-loopback --host with neither TLS nor a token, "
+                             "so any peer that reaches the port can read and change every value "
+                             "(default: refuse)")
+
+
+def read_tokens(path):
+    """{token: read_only} from a token file; ValueError naming the line of a malformed one."""
+    with open(path, encoding="utf-8") as file:
+        lines = file.read().splitlines()
+    tokens = {}
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 2 or len(fields) == 2 and fields[1] != READ_ONLY_MARK:
+            raise ValueError(f"--token-file line {number}: expected 'TOKEN' or 'TOKEN {READ_ONLY_MARK}'")
+        if len(fields[0]) < MIN_TOKEN_CHARS or not fields[0].isprintable():
+            raise ValueError(f"--token-file line {number}: a token needs at least {MIN_TOKEN_CHARS} "
+                             "printable characters")
+        tokens[fields[0]] = len(fields) == 2
+    if not tokens:
+        raise ValueError("--token-file holds no token")
+    return tokens
+
+
+class ServerSecurity:
+    """The security options of one server; see the module docstring."""
+
+    def __init__(self, tls_cert=None, tls_key=None, tls_client_ca=None, token_file=None, insecure=False):
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if tls_client_ca is not None and tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        self._files = tuple(path for path in (tls_cert, tls_key, tls_client_ca) if path is not None)
+        self.tls, self.mutual, self.insecure = tls_cert is not None, tls_client_ca is not None, insecure
+        self.tokens = read_tokens(token_file) if token_file is not None else {}
+        self._config = self._stamp = None
+        if self.tls:
+            self._config, self._stamp = self._load(), self._file_stamp()
+
+    @classmethod
+    def from_args(cls, args):
+        try:
+            return cls(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file, args.insecure)
+        except ssl.SSLError as error:
+            raise ValueError(f"cannot load --tls-cert with --tls-key: {(error.reason or str(error)).lower()}") from None
+        except OSError as error:
+            raise ValueError(f"cannot read {error.filename}: {error.strerror}") from None
+
+    def refusal(self, host):
+        """Why not to listen on ``host`` (one line), or None."""
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if is_loopback(bare) or self.tls:
+            return None
+        if self.tokens:
+            return (f"refusing --host {host} with tokens but no TLS: tokens would cross the network in "
+                    "plaintext; add --tls-cert and --tls-key")
+        if self.insecure:
+            return None
+        return (f"refusing --host {host} with neither TLS nor a token: any peer could read and change every "
+                "value; add --tls-cert/--tls-key and --token-file, or --insecure to accept that")
+
+    def describe(self):
+        tls = "mutual TLS" if self.mutual else "TLS" if self.tls else "plaintext"
+        return f"{tls}, {'tokens' if self.tokens else 'no tokens'}"
+
+    def interceptors(self):
+        return [TokenInterceptor(self.tokens)] if self.tokens else []
+
+    def add_port(self, server, address):
+        """Listen on ``address``, with TLS when configured; the port (0: failed)."""
+        if not self.tls:
+            return server.add_insecure_port(address)
+        credentials = grpc.dynamic_ssl_server_credentials(
+            self._config, self._fetch_config, require_client_authentication=self.mutual)
+        return server.add_secure_port(address, credentials)
+
+    @property
+    def data_channel_context(self):
+        """A function that makes the ssl.SSLContext of a new data-channel connection from the
+        files as they are now (so a rotation reaches the data channel too); None without TLS."""
+        return self._data_channel_context if self.tls else None
+
+    def _data_channel_context(self):
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self._files[0], self._files[1])
+        if self.mutual:
+            context.load_verify_locations(self._files[2])
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def _file_stamp(self):
+        return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, self._files))
+
+    def _load(self):
+        cert, key, *ca = (Path(path).read_bytes() for path in self._files)
+        ssl.create_default_context().load_cert_chain(self._files[0], self._files[1])  # a key that fits the cert
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca[0] if ca else None)
+
+    def _fetch_config(self):
+        """gRPC asks on each new connection: a new configuration when the files changed, else None."""
+        try:
+            stamp = self._file_stamp()
+            if stamp == self._stamp:
+                return None
+            config = self._load()
+        except (OSError, ssl.SSLError) as error:  # mid-rotation: keep serving the last good pair
+            log.warning("TLS files changed but cannot be loaded (%s): keeping the previous certificate", error)
+            return None
+        self._stamp = stamp
+        log.info("TLS certificate files changed: new connections get the new certificate")
+        return config
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every call but health carries ``authorization: Bearer TOKEN`` with a token of the file:
+    else UNAUTHENTICATED; a read-only token on a method that writes: PERMISSION_DENIED. The
+    check happens before the handler runs, so neither answer says anything about keys."""
+
+    def __init__(self, tokens):
+        self._tokens = [(token.encode(), read_only) for token, read_only in tokens.items()]
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(PUBLIC_PREFIX):
+            return handler
+        read_only = self._lookup(details.invocation_metadata)
+        if read_only is None:
+            return _refusal(handler, UnauthenticatedError(
+                "this server requires a token: pass token= or TENSORKV_TOKEN with one of its tokens"))
+        if read_only and details.method not in READ_ONLY_METHODS:
+            return _refusal(handler, PermissionDeniedError(
+                f"a read-only token may call only Info, Pull and GetOptimizerStates, not "
+                f"{details.method.rsplit('/', 1)[1]}"))
+        return handler
+
+    def _lookup(self, metadata):
+        """Whether the call's token is read-only; None when it has no known token. Every
+        token is compared, in constant time, so the time taken says nothing about them."""
+        value = next((v for k, v in metadata or () if k == "authorization"), "")
+        scheme, _, presented = value.partition(" ")
+        presented = presented.strip().encode() if scheme.lower() == "bearer" else b""
+        found = None
+        for token, read_only in self._tokens:
+            if hmac.compare_digest(token, presented):
+                found = read_only
+        return found
+
+
+_HANDLERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _refusal(handler, error):
+    """A handler of the same kind as ``handler`` that fails the call with ``error``."""
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode[error.code], str(error),
+                            trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
+    return _HANDLERS[handler.request_streaming, handler.response_streaming](refuse)

@@ -1,0 +1,392 @@
+"""TLS, mutual TLS and tokens on real server processes, with certificates made in the test
+(trustme): every refusal fails at once and says which credential is wrong."""
+import datetime
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import tensorkv
+from tensorkv.security import Security
+from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
+
+from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
+
+SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
+READ_ONLY = {"Info", "Pull", "GetOptimizerStates"}
+TOKEN, READ_ONLY_TOKEN = "rw-token-0123456789abcdef", "ro-token-0123456789abcdef"
+FAST = 5.0  # seconds within which a refused connection must fail (the connect timeout is 10 s)
+
+
+class Pki:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, as files in ``path``."""
+
+    def __init__(self, path, server_not_after=None):
+        path.mkdir(exist_ok=True)
+        self.path, self.ca = path, trustme.CA()
+        self.ca_file = self._write("ca.pem", self.ca.cert_pem.bytes())
+        self.cert, self.key = self.issue("server", "127.0.0.1", "localhost", not_after=server_not_after)
+        self.client_cert, self.client_key = self.issue("client", "worker@example")
+
+    def issue(self, name, *identities, ca=None, not_after=None):
+        leaf = (ca or self.ca).issue_cert(*identities, not_after=not_after)
+        return (self._write(f"{name}.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems)),
+                self._write(f"{name}.key", leaf.private_key_pem.bytes()))
+
+    def _write(self, name, data):
+        file = self.path / name
+        file.write_bytes(data)
+        return str(file)
+
+    def server_args(self, mutual=False):
+        return ["--tls-cert", self.cert, "--tls-key", self.key, *(["--tls-client-ca", self.ca_file] if mutual else [])]
+
+    def env(self, client_cert=True):
+        env = {"TENSORKV_TLS_CA": self.ca_file}
+        if client_cert:
+            env.update(TENSORKV_TLS_CERT=self.client_cert, TENSORKV_TLS_KEY=self.client_key)
+        return env
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return Pki(tmp_path)
+
+
+def _fails_at_once(match, **kwargs):
+    """The store raises UnauthenticatedError matching ``match`` well before the connect timeout."""
+    start = time.monotonic()
+    with pytest.raises(tensorkv.UnauthenticatedError, match=match):
+        tensorkv.create("dist_sync", **kwargs)
+    assert time.monotonic() - start < FAST
+
+
+def test_tutorial_against_a_tls_server(pki, tmp_path):
+    expected = (ROOT / "tests" / "data" / "tutorial_expected.txt").read_text().splitlines(keepends=True)
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(), security=Security(pki.ca_file)) as cluster:
+        result = subprocess.run([sys.executable, str(ROOT / "examples" / "tutorial_dist.py")],
+                                env={**cluster.env, **pki.env(client_cert=False)},
+                                capture_output=True, text=True, timeout=WORKER_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(line for line in expected if not line.startswith("update on key"))
+    assert "TLS, no tokens" in (tmp_path / "server0.log").read_text()
+
+
+def test_sync_rounds_over_mutual_tls_with_a_token_and_the_data_channel(pki, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# workers\n{TOKEN}\n")
+    security = Security(pki.ca_file, pki.client_cert, pki.client_key, TOKEN)
+    env = {**pki.env(), "TENSORKV_TOKEN": TOKEN, "TENSORKV_TRANSPORT": "tcp", "TENSORKV_DATACHAN_MIN_BYTES": "1"}
+    with Cluster(num_workers=2, tmp_path=tmp_path, security=security,
+                 server_args=[*pki.server_args(mutual=True), "--token-file", str(tokens)]) as cluster:
+        outs = check_workers(cluster.run_workers("sync_rounds", 3, env=env))
+    assert sorted(outs) == ["ok 0\n", "ok 1\n"]
+    log = (tmp_path / "server0.log").read_text()
+    assert "mutual TLS, tokens" in log and log.count("data channel from") == 2  # one per worker
+
+
+def test_values_over_a_tls_data_channel(pki, tmp_path):
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(), security=Security(pki.ca_file)) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", tls_ca=pki.ca_file) as kv:
+            for size in (10, 100_000, 3 << 20):
+                value = np.arange(size, dtype=np.float32) % 1000
+                kv.init(size, value)
+                kv.push(size, value * 2)
+                out = np.empty(size, np.float32)
+                kv.pull(size, out=out)
+                fused = np.empty(size, np.float32)
+                kv.pushpull(size, value * 3, out=fused)
+                assert np.array_equal(out, value * 2) and np.array_equal(fused, value * 3)
+            assert kv._sessions[0].data_channel is not None
+
+
+def _tls_data_port(pki, cluster):
+    """The data port of a TLS server, and a client context that presents a client certificate."""
+    with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", tls_ca=pki.ca_file,
+                         tls_cert=pki.client_cert, tls_key=pki.client_key) as kv:
+        return kv._sessions[0].data_port, kv._security.data_channel_context()
+
+
+def _closed_by_server(sock, within):
+    """Whether the server closes ``sock`` within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, ssl.SSLError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_the_tls_data_port_refuses_strangers(pki, tmp_path):
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(mutual=True),
+                 security=Security(pki.ca_file, pki.client_cert, pki.client_key)) as cluster:
+        port, context = _tls_data_port(pki, cluster)
+        with socket.create_connection(("127.0.0.1", port), 5) as plain:  # a token in plaintext
+            plain.sendall(bytes(32))
+            assert _closed_by_server(plain, FAST)
+        anonymous = ssl.create_default_context(cafile=pki.ca_file)
+        try:
+            with anonymous.wrap_socket(socket.create_connection(("127.0.0.1", port), 5),
+                                       server_hostname="127.0.0.1") as tls:
+                tls.sendall(bytes(32))  # TLS 1.3: the missing certificate is refused after the handshake
+                assert _closed_by_server(tls, FAST)
+        except (ssl.SSLError, ConnectionError):
+            pass  # refused within the handshake
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", port), 5), server_hostname="127.0.0.1") as tls:
+            tls.sendall(bytes(32))  # a certificate, but no token the server gave
+            assert _closed_by_server(tls, FAST)
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", port), 5), server_hostname="127.0.0.1") as idle:
+            assert _closed_by_server(idle, HANDSHAKE_TIMEOUT + FAST)  # no token at all
+    log = (tmp_path / "server0.log").read_text()
+    assert log.count("data channel connection from") == 4 and "PEER_DID_NOT_RETURN_A_CERTIFICATE" in log, log
+
+
+def test_pending_data_connections_are_bounded(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            port = kv._sessions[0].data_port
+        idle = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(MAX_PENDING)]
+        try:
+            extra = socket.create_connection(("127.0.0.1", port), 5)
+            with extra:
+                assert _closed_by_server(extra, FAST)
+            assert not _closed_by_server(idle[0], 0.1)  # the waiting ones still have their time
+        finally:
+            for sock in idle:
+                sock.close()
+    assert "connections already wait for their token" in (tmp_path / "server0.log").read_text()
+
+
+def test_tls_refusals_fail_at_once_and_say_why(pki, tmp_path):
+    other = Pki(tmp_path / "other")
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(), security=Security(pki.ca_file)) as cluster:
+        servers = cluster.addresses[0]
+        _fails_at_once("uses TLS and this client does not", servers=servers)
+        _fails_at_once("certificate is not trusted", servers=servers, tls_ca=other.ca_file)
+        with tensorkv.create("dist_sync", servers=servers, tls_ca=pki.ca_file) as kv:
+            kv.init(1, np.ones(2))
+    with Cluster(tmp_path=tmp_path) as plaintext:
+        _fails_at_once("does not use TLS", servers=plaintext.addresses[0], tls_ca=pki.ca_file)
+
+
+def test_an_expired_server_certificate_is_named(tmp_path):
+    expired = Pki(tmp_path, server_not_after=datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1))
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tensorkv_server", "--port", str(port), "--device", "cpu",
+                                *expired.server_args()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _listening(port), "the server's port")
+        _fails_at_once("certificate has expired", servers=f"127.0.0.1:{port}", tls_ca=expired.ca_file)
+    finally:
+        stop(process)
+
+
+def test_mutual_tls_refuses_a_client_without_or_with_a_foreign_certificate(pki, tmp_path):
+    stranger = trustme.CA()
+    foreign_cert, foreign_key = pki.issue("foreign", "worker@example", ca=stranger)
+    security = Security(pki.ca_file, pki.client_cert, pki.client_key)
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(mutual=True), security=security) as cluster:
+        servers = cluster.addresses[0]
+        _fails_at_once("requires a client certificate", servers=servers, tls_ca=pki.ca_file)
+        _fails_at_once("refused this client.s certificate", servers=servers, tls_ca=pki.ca_file,
+                       tls_cert=foreign_cert, tls_key=foreign_key)
+        with tensorkv.create("dist_sync", servers=servers, tls_ca=pki.ca_file, tls_cert=pki.client_cert,
+                             tls_key=pki.client_key):
+            pass
+
+
+def test_a_rotated_certificate_serves_new_connections(pki, tmp_path):
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(), security=Security(pki.ca_file)) as cluster:
+        servers = cluster.addresses[0]
+        with tensorkv.create("dist_sync", servers=servers, tls_ca=pki.ca_file) as kv:
+            kv.init("w", np.ones(3))
+            os.replace(pki.client_key, pki.key)  # a key that does not fit the certificate
+            assert Security(pki.ca_file).diagnose(servers) is None  # a new connection: the previous pair
+            assert "keeping the previous certificate" in (tmp_path / "server0.log").read_text()
+            new = Pki(tmp_path / "new")
+            for source, target in ((new.cert, pki.cert), (new.key, pki.key)):
+                os.replace(source, target)  # as a secret volume swaps its files
+            _fails_at_once("certificate is not trusted", servers=servers, tls_ca=pki.ca_file)
+            assert health(servers, security=Security(new.ca_file)) == "SERVING"
+            assert (kv.pull("w") == 1).all()  # the open connection keeps its session
+        with tensorkv.create("dist_sync", servers=servers, tls_ca=new.ca_file) as kv:
+            assert (kv.pull("w") == 1).all()
+
+
+def _listening(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _raw_call(channel, method, metadata, request=b""):
+    """Call ``method`` of the service with the serialized ``request``; its status code and details."""
+    path = f"/{SERVICE.full_name}/{method.name}"
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+    call = kind[method.client_streaming, method.server_streaming](path)
+    request = iter([request]) if method.client_streaming else request
+    try:
+        result = call(request, timeout=5, metadata=metadata)
+        if method.server_streaming:
+            list(result)
+    except grpc.RpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+@pytest.fixture
+def token_server(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# training jobs\n{TOKEN}\n\n{READ_ONLY_TOKEN} ro  # dashboards\n")
+    with Cluster(tmp_path=tmp_path, server_args=["--token-file", str(tokens)]) as cluster:
+        yield cluster.addresses[0]
+
+
+def test_every_method_needs_a_token_and_read_only_tokens_only_read(token_server):
+    refused = []
+    with grpc.insecure_channel(token_server) as channel:
+        for method in SERVICE.methods:
+            for metadata, expected in (
+                    ((), grpc.StatusCode.UNAUTHENTICATED),
+                    ((("authorization", "Bearer not-a-token-0123456789"),), grpc.StatusCode.UNAUTHENTICATED),
+                    ((("authorization", TOKEN),), grpc.StatusCode.UNAUTHENTICATED),  # no Bearer scheme
+                    ((("authorization", f"Bearer {READ_ONLY_TOKEN}"),),
+                     None if method.name in READ_ONLY else grpc.StatusCode.PERMISSION_DENIED)):
+                code, details = _raw_call(channel, method, metadata)
+                if expected is None:
+                    assert code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), details
+                else:
+                    assert code == expected, (method.name, metadata, code, details)
+                    refused.append(details)
+        for details in refused:
+            assert TOKEN not in details and READ_ONLY_TOKEN not in details and "/" not in details  # nor a path
+        # health answers without a token; reflection, which lists the service, does not
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as error:
+            list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_refusals_do_not_tell_whether_a_key_exists(token_server):
+    with tensorkv.create("dist_sync", servers=token_server, token=TOKEN) as kv:
+        kv.init("present", np.ones(2))
+        answers = set()
+        with grpc.insecure_channel(token_server) as channel:
+            for key in ("present", "absent"):
+                request = kvstore_pb2.PullRequest(keys=[tensor_pb2.Key(str_key=key)]).SerializeToString()
+                for metadata in ((), (("authorization", "Bearer not-a-token-0123456789"),)):
+                    answers.add(_raw_call(channel, SERVICE.methods_by_name["Pull"], metadata, request))
+        assert len(answers) == 1 and answers.pop()[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_store_with_a_token(token_server):
+    with tensorkv.create("dist_sync", servers=token_server, token=TOKEN) as kv:
+        kv.init(3, np.ones(4))
+        kv.push(3, np.full(4, 2.0))
+        assert (kv.pull(3) == 2).all()
+    _fails_at_once("requires a token", servers=token_server)
+    _fails_at_once("requires a token", servers=token_server, token="not-a-token-0123456789")
+    with pytest.raises(tensorkv.PermissionDeniedError, match="read-only token .* not Register"):
+        tensorkv.create("dist_sync", servers=token_server, token=READ_ONLY_TOKEN)
+    with pytest.raises(tensorkv.InvalidArgumentError, match="would cross the network in plaintext"):
+        tensorkv.create("dist_sync", servers="192.0.2.1:50051", token=TOKEN)
+
+
+def _server(*args):
+    return [sys.executable, "-m", "tensorkv_server", "--device", "cpu", *args]
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "with neither TLS nor a token"),
+    (["--token-file", "{tokens}"], "with tokens but no TLS"),
+])
+def test_a_non_loopback_address_without_protection_is_refused(args, says, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    args = [arg.format(tokens=tokens) for arg in args]
+    result = subprocess.run(_server("--host", "0.0.0.0", "--port", str(free_port()), *args),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+def test_insecure_allows_a_non_loopback_address(tmp_path):
+    port = free_port()
+    with open(tmp_path / "server.log", "w+") as log:
+        process = subprocess.Popen(_server("--host", "0.0.0.0", "--port", str(port), "--insecure"),
+                                   stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: _serving(f"127.0.0.1:{port}"), "the insecure server serving")
+        finally:
+            assert stop(process) == 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tls-cert", "{pki.cert}"], "--tls-cert and --tls-key go together"),
+    (["--tls-client-ca", "{pki.ca_file}"], "--tls-client-ca needs --tls-cert"),
+    (["--tls-cert", "{pki.cert}", "--tls-key", "{pki.client_key}"], "cannot load --tls-cert with --tls-key: key_values_mismatch"),
+    (["--token-file", "{tmp_path}/missing"], "cannot read"),
+    (["--token-file", "{tmp_path}/short"], "line 2: a token needs at least 16"),
+    (["--token-file", "{tmp_path}/marked"], "line 1: expected 'TOKEN' or 'TOKEN ro'"),
+])
+def test_bad_security_options_are_refused_in_one_line(args, says, pki, tmp_path):
+    (tmp_path / "short").write_text(f"{TOKEN}\nshort\n")
+    (tmp_path / "marked").write_text(f"{TOKEN} rw\n")
+    args = [arg.format(pki=pki, tmp_path=tmp_path) for arg in args]
+    result = subprocess.run(_server("--port", str(free_port()), *args), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+def _serving(address):
+    try:
+        return health(address, timeout=1.0) == "SERVING"
+    except grpc.RpcError:
+        return False
+
+
+@pytest.mark.parametrize("optimizer, says", [
+    (kvstore_pb2.Optimizer(name="x" * 1_000_000), "unknown optimizer 'xxxx"),
+    (kvstore_pb2.Optimizer(name="sgd", params={f"p{i:06d}": 1.0 for i in range(100_000)}),
+     "has no parameter p000000, p000001, p000002, p000003, p000004 and 99995 more"),
+])
+def test_huge_optimizer_names_and_maps_are_refused_in_a_short_message(optimizer, says, tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster, grpc.insecure_channel(cluster.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            kvstore_pb2_grpc.KVStoreServiceStub(channel).SetUpdater(
+                iter([kvstore_pb2.SetUpdaterRequest(optimizer=optimizer)]), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert says in caught.value.details() and len(caught.value.details()) < 300, caught.value.details()[:300]
+        info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+        assert info.optimizer == ""  # nothing installed
+
+
+def test_a_missing_tls_server_fails_at_once_and_a_started_one_serves(pki):
+    """Nothing listening is a refused connection, said at once (issue 17), not a TLS failure."""
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(tensorkv.ServerUnavailableError, match="connection was refused"):
+        tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file, connect_timeout=10)
+    assert time.monotonic() - start < 2
+    process = subprocess.Popen(_server("--port", str(port), *pki.server_args()),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        Cluster._wait_serving(f"127.0.0.1:{port}", process, security=Security(pki.ca_file))
+        with tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file) as kv:
+            assert kv.rank == 0
+    finally:
+        stop(process)
