@@ -9,6 +9,7 @@ Other failures (a server briefly unreachable) are logged and the renewals go on.
 """
 import logging
 import threading
+import time
 
 import grpc
 
@@ -41,7 +42,10 @@ class Heartbeat:
             raise FailedPreconditionError(self._lost)
 
     def _run(self):
-        while not self._stop.wait(self._interval):
+        due = time.monotonic() + self._interval
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            # A steady pace, however long the renewals take; no burst after this process was paused.
+            due = max(due + self._interval, time.monotonic())
             self._calls = {index: self._stubs[index].KeepAlive.future(
                 kvstore_pb2.KeepAliveRequest(rank=self._rank, incarnation=incarnation), timeout=self._interval)
                 for index, (incarnation, _) in self._leases.items()}

@@ -129,15 +129,25 @@ class Membership:
     def _grant(self, rank, incarnation):
         loop = asyncio.get_running_loop()
         lease = self._leases[rank] = _Lease(incarnation, loop.time())
-        lease.timer = loop.call_at(lease.renewed + self.lease_timeout, self._expire, rank, lease)
+        self._look_at(rank, lease, lease.renewed + self.lease_timeout)
 
-    def _expire(self, rank, lease):
+    def _look_at(self, rank, lease, when):
+        lease.timer = asyncio.get_running_loop().call_at(when, self._expire, rank, lease, when)
+
+    def _expire(self, rank, lease, when):
         """Free ``rank`` if ``lease`` was not renewed in time, else look again when it is due
-        (one timer per lease, moved forward only when it fires, rather than one per renewal)."""
-        loop = asyncio.get_running_loop()
+        (one timer per lease, moved forward only when it fires, rather than one per renewal).
+
+        A timer that fires more than a third of a lease after ``when`` shows that this server
+        did not run meanwhile (its host paused, or its loop was busy): it could not hear the
+        heartbeats, so the worker gets a whole lease from now to be heard again."""
+        now = asyncio.get_running_loop().time()
+        if now - when > self.lease_timeout / 3:
+            self._look_at(rank, lease, now + self.lease_timeout)
+            return
         due = lease.renewed + self.lease_timeout
-        if loop.time() < due:
-            lease.timer = loop.call_at(due, self._expire, rank, lease)
+        if now < due:
+            self._look_at(rank, lease, due)
             return
         log.warning("lease of rank %d (incarnation %d) expired after %g s: rank freed",
                     rank, lease.incarnation, self.lease_timeout)
