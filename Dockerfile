@@ -18,6 +18,7 @@ RUN pip install --no-cache-dir . && cd / && rm -rf /src
 ENV PYTHONUNBUFFERED=1
 USER 65534:65534
 WORKDIR /tensorkv
-EXPOSE 50051 50052
-ENTRYPOINT ["tensorkv-server", "--host", "0.0.0.0", "--port", "50051", "--data-port", "50052"]
+# Prometheus metrics on 50053 (http://HOST:50053/metrics).
+EXPOSE 50051 50052 50053
+ENTRYPOINT ["tensorkv-server", "--host", "0.0.0.0", "--port", "50051", "--data-port", "50052", "--metrics-port", "50053"]
 CMD ["--num-workers", "1", "--mode", "sync"]

@@ -8,7 +8,7 @@ from tensorkv import __version__, allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
-from . import security
+from . import logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, check_free, serve
 from .service import MAX_KEY_BYTES
@@ -53,9 +53,13 @@ def parse_args(argv=None):
     parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
                         help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
                              "with INVALID_ARGUMENT (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     security.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="least severe log messages written to stderr (default %(default)s)")
+    parser.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                        help="text, or json: one object a line with fixed fields (default %(default)s)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
     if args.num_workers < 1:
@@ -75,6 +79,8 @@ def parse_args(argv=None):
     refusal = args.security.refusal(args.host)
     if refusal:
         parser.exit(2, f"tensorkv-server: {refusal}\n")
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error("--metrics-port must be 0 (off) or a port number up to 65535")
     return args
 
 
@@ -92,7 +98,7 @@ def _serve(args, reexec):
         check_free(args.host, args.data_port, "--data-port")
     if reexec:  # a process of its own, not a call from Python
         allocator.reexec_with_tunables()
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_format, args.log_level)
     log.debug("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
     try:
         xp, device = select(args.device)
@@ -100,8 +106,13 @@ def _serve(args, reexec):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
                               args.lease_timeout)
+    try:
+        interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []
+    except OSError as error:
+        raise SystemExit(f"tensorkv-server: --metrics-port {args.metrics_port}: {error}") from None
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None, args.max_key_bytes, args.security))
+                      args.data_port if args.data_channel else None, args.max_key_bytes, args.security,
+                      interceptors))
 
 
 if __name__ == "__main__":

@@ -100,18 +100,20 @@ class Membership:
         started = not self.running
         if started:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists)
-            log.info("run %d starts (if_exists=%r)", self.run.number, if_exists)
+            log.info("run %d starts (if_exists=%r)", self.run.number, if_exists, extra={"event": "run_started"})
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
         self._grant(rank, incarnation)
         log.info("worker registered with rank %d, incarnation %d (%d of %d)",
-                 rank, incarnation, len(self.incarnations), self.num_workers)
+                 rank, incarnation, len(self.incarnations), self.num_workers,
+                 extra={"event": "worker_registered", "rank": rank})
         return rank, incarnation, started
 
     def unregister(self, rank, incarnation):
         """Give ``rank`` back (only its current holder may); whether that ended the run."""
         self.check(rank, incarnation)
-        log.info("worker with rank %d, incarnation %d unregistered", rank, incarnation)
+        log.info("worker with rank %d, incarnation %d unregistered", rank, incarnation,
+                 extra={"event": "worker_unregistered", "rank": rank})
         return self._free(rank)
 
     def renew(self, rank, incarnation):
@@ -150,7 +152,7 @@ class Membership:
             self._look_at(rank, lease, due)
             return
         log.warning("lease of rank %d (incarnation %d) expired after %g s: rank freed",
-                    rank, lease.incarnation, self.lease_timeout)
+                    rank, lease.incarnation, self.lease_timeout, extra={"event": "lease_expired", "rank": rank})
         self.expired_leases += 1
         self._expired[rank] = lease.incarnation
         self._on_expired(rank, self._free(rank))
@@ -161,7 +163,7 @@ class Membership:
         self._leases.pop(rank).timer.cancel()
         log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:
-            log.info("run %d ended: every rank left or lost its lease", self.run.number)
+            log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})
         return not self.running
 
     def check(self, rank, incarnation):

@@ -20,6 +20,7 @@ and push; then it aborts as any other.
 """
 import asyncio
 import logging
+import time
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from tensorkv.errors import (
 )
 from tensorkv.words import plural
 
+from . import metrics
 from .membership import FAIL, REPLACE, Membership
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class _Wait:
     """Something workers wait on (one round of one key, or one barrier): the ranks that
     arrived, a future done when all have, and the timer that aborts it."""
 
-    __slots__ = ("number", "ranks", "total", "_done", "timer")
+    __slots__ = ("number", "ranks", "total", "_done", "timer", "opened", "latest")
 
     def __init__(self, number):
         self.number = number
@@ -51,6 +53,7 @@ class _Wait:
         self.total = None  # a round's running sum of pushes
         self._done = None  # created when first needed: most rounds of one worker never wait
         self.timer = None
+        self.opened = self.latest = None  # time.monotonic() of a round's first and latest push
 
     @property
     def done(self):
@@ -111,6 +114,7 @@ class Coordinator:
             log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
                      len(self.engine))
             self._drop_state()
+        metrics.COUNTS.workers = len(self.members.ranks)
         return rank, incarnation
 
     def unregister(self, rank, incarnation):
@@ -123,6 +127,7 @@ class Coordinator:
         aborted before; it takes the rank's place in the current rounds (see the module's
         docstring). The last rank of a run to leave (``ended``) ends it: nobody can complete
         its incomplete rounds any more, so their pushes are discarded."""
+        metrics.COUNTS.workers = len(self.members.ranks)
         for ranks in self._initialized.values():
             ranks.discard(rank)
         for rounds in self._rounds.values():
@@ -149,6 +154,7 @@ class Coordinator:
         """Forget every key, the optimizer and its states, the rounds and the key type, as a
         server that just started. Only while no rank is registered: no wait is in progress."""
         self.engine.clear()
+        metrics.cleared()
         self.optimizer = None
         self._rounds.clear()
         self._updates.clear()
@@ -184,6 +190,7 @@ class Coordinator:
             new = [item for item in items if item.key not in self.engine]
             self.engine.init(new)
             self._initialized_in.update((item.key, self.members.run.number) for item in new)
+            metrics.stored(new)
             for key in keys:
                 waiter = self._init_waiters.pop(key, None)
                 if waiter is not None and not waiter.done():
@@ -244,17 +251,21 @@ class Coordinator:
         if self.mode == ASYNC:
             for item in items:
                 self._apply(item.key, self.engine.merge([item.array]))
+            metrics.COUNTS.pushes += len(items)
             return
         if self.num_workers == 1:
             # Every round of one worker is complete with its push: applied at once, as
             # _add_to_round would (such a round never waits, so it is never aborted).
             for item in items:
                 self._apply(item.key, self.engine.merge([item.array]))
+            metrics.COUNTS.pushes += len(items)
+            metrics.COUNTS.rounds_completed += len(items)
             return
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settle(rank, [item.key for item in items]):
             pass
         self.members.check(rank, incarnation)
+        metrics.COUNTS.pushes += len(items)
         for item in items:
             self._add_to_round(rank, item)
 
@@ -268,6 +279,7 @@ class Coordinator:
             self.engine.get(key)
         if self.mode == SYNC and await self._settle(rank, keys):
             self.members.check(rank, incarnation)
+        metrics.COUNTS.pulls += len(keys)
         return [self._snapshot(key) for key in keys]
 
     async def pushpull(self, rank, incarnation, items):
@@ -279,6 +291,7 @@ class Coordinator:
         current = rounds.current
         current.ranks.add(rank)
         complete = len(current.ranks) == self.num_workers
+        now = time.monotonic()
         if complete and current.total is None:
             # One worker's push completes the round: applied straight from the received value
             # (e.g. a view of the client's shared memory), without a copy into a total.
@@ -287,12 +300,16 @@ class Coordinator:
             current.total = total = self.engine.accumulate(current.total, item.array, item.owned)
         if complete:
             self._apply(item.key, total)
+            metrics.round_completed(current.opened, current.latest, now)
             if current.timer is not None:
                 current.timer.cancel()
             rounds.current = _Wait(current.number + 1)
             if current._done is not None:
                 current._done.set_result(None)
-        elif len(current.ranks) == 1:
+            return
+        current.latest = now
+        if len(current.ranks) == 1:
+            current.opened = now
             loop = asyncio.get_running_loop()
             current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
 
@@ -308,7 +325,8 @@ class Coordinator:
             f"key {key_repr(key)}: round {round_.number} {why}; missing ranks {missing} "
             f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded)"
         )
-        log.warning("%s", error)
+        log.warning("%s", error, extra={"event": "round_aborted", "key": key, "round": round_.number})
+        metrics.COUNTS.rounds_aborted += 1
         if round_.timer is not None:
             round_.timer.cancel()
         rounds.current = _Wait(round_.number)
@@ -374,7 +392,7 @@ class Coordinator:
         missing = sorted(set(range(self.num_workers)) - barrier.ranks)
         why = why or f"aborted after {self.round_timeout:g} s"
         error = error_class(f"barrier {barrier.number} {why}; missing ranks {missing}")
-        log.warning("%s", error)
+        log.warning("%s", error, extra={"event": "barrier_aborted", "round": barrier.number})
         barrier.timer.cancel()
         self._barrier = None
         _fail(barrier.done, error)
@@ -403,7 +421,7 @@ class Coordinator:
         self.engine.updater = updater
         self.optimizer = optimizer
         log.info("optimizer %s %s installed with states for %s", optimizer.name, optimizer.params,
-                 plural(len(states), "key"))
+                 plural(len(states), "key"), extra={"event": "optimizer_installed"})
 
     def set_learning_rate(self, learning_rate):
         """Change the installed optimizer's learning rate; its states and counts stay."""

@@ -58,14 +58,16 @@ def check_free(host, port, flag):
 
 
 async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, max_key_bytes=MAX_KEY_BYTES,
-                security=None):
+                security=None, interceptors=()):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
     fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests may carry str
     keys of up to ``max_key_bytes`` bytes. ``security``: a ServerSecurity (default: plaintext, no
-    tokens), for the gRPC port and the data channel."""
+    tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
+    interceptors, which run before the token check (so that refused calls are counted too)."""
     security = security or ServerSecurity()
-    server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT, interceptors=security.interceptors())
+    server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT,
+                             interceptors=[*interceptors, *security.interceptors()])
     address = f"{host}:{port}"
     if data_port is not None:
         try:
@@ -93,17 +95,18 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
              "shared memory %s, data channel %s, %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
              coordinator.mode, coordinator.device, coordinator.round_timeout, coordinator.members.lease_timeout,
              "on" if servicer.shared_memory else "off", f"on port {data_port.port}" if data_port else "off",
-             security.describe())
+             security.describe(), extra={"event": "server_started"})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace)
+    log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace,
+             extra={"event": "server_stopping"})
     await health_servicer.enter_graceful_shutdown()
     coordinator.shutdown()
     if data_port is not None:
         data_port.close()  # no new channels; the streams' own close as they end
     await server.stop(grace)
-    log.info("stopped")
+    log.info("stopped", extra={"event": "server_stopped"})

@@ -19,7 +19,7 @@ from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, Inva
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from . import datachan, shm
+from . import datachan, logs, metrics, shm
 from .membership import FAIL, REPLACE, RESUME
 from .staging import Staging
 
@@ -57,7 +57,9 @@ def _ms(seconds):
 def _responses(items):
     """The serialized PullResponse (= PushPullResponse) messages of ``items``, all encoded
     before the caller's next await, so that they hold the values of this moment."""
-    return codec.encode_messages(items, kvstore_pb2.PullResponse.DESCRIPTOR.fields_by_name["frame"].number)
+    messages = codec.encode_messages(items, kvstore_pb2.PullResponse.DESCRIPTOR.fields_by_name["frame"].number)
+    metrics.sent("grpc", sum(map(len, messages)))
+    return messages
 
 
 def add_to_server(service, server):
@@ -128,6 +130,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         wait_only does not)."""
         decoder = self._decoder(message_class, with_data=with_data)
         async for data in requests:
+            metrics.received("grpc", len(data))
             decoder.feed(data)
         items = decoder.finish()
         if decoder.first is None:
@@ -151,6 +154,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 if on_gpu(item.array) else item for item in items]
 
     async def Register(self, request, context):
+        logs.PEER.set(context.peer())
         if_exists = _IF_EXISTS_BY_VALUE.get(request.if_exists)
         if if_exists is None:
             raise InvalidArgumentError(f"unknown if_exists value {request.if_exists}")
@@ -160,6 +164,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
 
     async def Unregister(self, request, context):
+        logs.PEER.set(context.peer())
         self.coordinator.unregister(request.rank, request.incarnation)
         return kvstore_pb2.UnregisterResponse()
 
@@ -208,7 +213,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         channel = datachan.StreamChannel(self.data_port, context.peer()) if self.data_port else None
         try:
             async for data in request_iterator:
+                metrics.received("grpc", len(data))
                 response, outgoing = await self._session_call(data, regions, channel)
+                metrics.sent("grpc", len(response))
                 yield response
                 if outgoing is not None:
                     await self._send_after(channel, *outgoing)
@@ -220,7 +227,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def _session_call(self, data, regions, channel):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
         to send on the data channel after it, seconds to send it in))."""
-        decoder = self._decoder(kvstore_pb2.SessionRequest, resolve=regions.resolve,
+        decoder = self._decoder(kvstore_pb2.SessionRequest, resolve=metrics.counting_shm(regions.resolve),
                                 with_data=lambda first: not first.wait_only, channel=channel is not None)
         call_id, uses_channel = 0, True  # until the request says otherwise
         try:
@@ -252,6 +259,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             items = self._host(items)
             if output is not None:
                 items = output.place(items)
+                metrics.sent("shm", sum(item.array.nbytes for item in items if item.ref))
             outgoing = None
             if request.data_channel_min_bytes:
                 items, arrays = codec.following(items, request.data_channel_min_bytes)
@@ -272,6 +280,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         call fails on its side)."""
         try:
             await channel.send(buffer, timeout)
+            metrics.sent("datachan", buffer.nbytes)
         except KVStoreError as error:
             log.warning("data channel of %s: %s", channel.peer, error)
 
@@ -292,6 +301,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def _session_work(self, request, items, channel=None, incoming=(), timeout=None):
         if incoming:  # the bytes first, so that the channel stays in step whatever the work does
             await channel.receive(incoming, timeout)
+            metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
             await self.coordinator.push(request.rank, request.incarnation, items)
             return []

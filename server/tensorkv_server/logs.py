@@ -1,0 +1,55 @@
+"""The server's log lines: ``--log-format text`` (for people) or ``json`` (one object a line,
+for log pipelines).
+
+Lifecycle events are log calls that name their event and its fields through ``extra``::
+
+    log.warning("%s", error, extra={"event": "round_aborted", "key": key, "round": number})
+
+Every JSON line has the same fields, so that a query never meets a missing one: ``time``
+(ISO 8601, UTC), ``level``, ``event`` (null for lines that are not lifecycle events),
+``rank``, ``key`` (a number or a string, as the key is), ``round`` (a barrier's number for
+barrier_aborted), ``peer`` (null when the line has none), ``logger`` and ``message``, plus
+``exception`` when there is a traceback. ``peer`` is the gRPC peer of the call being
+handled (see :data:`PEER`) unless the call passes one.
+
+The events: server_started, server_stopping, server_stopped, worker_registered,
+worker_unregistered, lease_expired, round_aborted, barrier_aborted, optimizer_installed.
+"""
+import contextvars
+import datetime
+import json
+import logging
+
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# The peer of the gRPC call the current task handles, set by the handlers that log.
+PEER = contextvars.ContextVar("peer", default=None)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line, with the fields of the module's docstring."""
+
+    def format(self, record):
+        line = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+            .isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "event": getattr(record, "event", None),
+            "rank": getattr(record, "rank", None),
+            "key": getattr(record, "key", None),
+            "round": getattr(record, "round", None),
+            "peer": getattr(record, "peer", None) or PEER.get(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure(log_format, level):
+    """Send the server's log lines to stderr in ``log_format`` ('text' or 'json')."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])

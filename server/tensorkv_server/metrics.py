@@ -1,0 +1,134 @@
+"""The server's Prometheus metrics (the ``tensorkv_`` family) and their HTTP endpoint.
+
+The state they describe is counted where it changes (rounds.py, service.py), with one call
+or one addition here. The counts on the path of every call are plain numbers in
+:data:`COUNTS`: the event loop is their only writer, an addition costs a tenth of a
+prometheus_client Counter's locked increment, and the scrape (another thread) reads them.
+No label takes a key name, so the series stay few however many keys are stored. Process
+metrics (``process_``, ``python_``) come with prometheus-client's default registry, the
+gRPC ones from :mod:`.grpc_metrics`.
+"""
+import numpy as np
+import prometheus_client
+from prometheus_client import Gauge, Histogram
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+
+from .grpc_metrics import MetricsInterceptor
+
+prometheus_client.disable_created_metrics()  # no _created series beside each counter
+
+TRANSPORTS = ("grpc", "shm", "datachan")
+
+
+class Counts:
+    """What the server holds and has done, as numbers the event loop adds to."""
+
+    def __init__(self):
+        self.keys = 0
+        self.stored_bytes = 0
+        self.pushes = 0  # values pushed and accepted: one per key of each push
+        self.pulls = 0  # values pulled: one per key of each pull
+        self.rounds_completed = 0
+        self.rounds_aborted = 0
+        self.workers = 0  # ranks registered now
+        # Leases (issue 11) join here: workers alive, leases expired, snapshots written.
+        self.bytes_in = dict.fromkeys(TRANSPORTS, 0)
+        self.bytes_out = dict.fromkeys(TRANSPORTS, 0)
+
+
+COUNTS = Counts()
+
+ROUND_SECONDS = Histogram(
+    "tensorkv_round_seconds", "From the first push of a round to its last, for rounds of several workers.")
+LAST_WORKER_WAIT_SECONDS = Histogram(
+    "tensorkv_round_last_worker_wait_seconds",
+    "From the next-to-last push of a round to its last: how long a round waited for its last worker.")
+
+
+def received(transport, nbytes):
+    COUNTS.bytes_in[transport] += nbytes
+
+
+def sent(transport, nbytes):
+    COUNTS.bytes_out[transport] += nbytes
+
+
+def counting_shm(resolve):
+    """``resolve(region_id, offset, length)`` of a stream's regions, counting the bytes it
+    hands out as values received in shared memory."""
+    def counted(region_id, offset, length):
+        COUNTS.bytes_in["shm"] += length
+        return resolve(region_id, offset, length)
+    return counted
+
+
+def cleared():
+    """Count every stored key as dropped (Reset, or a run that replaces them)."""
+    COUNTS.keys = COUNTS.stored_bytes = 0
+
+
+def stored(items):
+    """Count the values of ``items`` (codec.Item) as new keys stored."""
+    COUNTS.keys += len(items)
+    COUNTS.stored_bytes += sum(item.array.nbytes for item in items)
+
+
+def round_completed(opened, last_but_one, now):
+    """A round of several workers completed at ``now``: its first push came at ``opened``, the
+    one before the last at ``last_but_one`` (monotonic seconds)."""
+    COUNTS.rounds_completed += 1
+    ROUND_SECONDS.observe(now - opened)
+    LAST_WORKER_WAIT_SECONDS.observe(now - last_but_one)
+
+
+class _CountsCollector:
+    """:data:`COUNTS` as Prometheus metrics, read at each scrape."""
+
+    def collect(self):
+        counts = COUNTS
+        yield GaugeMetricFamily("tensorkv_keys", "Keys stored.", value=counts.keys)
+        yield GaugeMetricFamily("tensorkv_stored_bytes", "Bytes of the values stored (of the slices this "
+                                "server holds).", value=counts.stored_bytes)
+        yield CounterMetricFamily("tensorkv_pushes", "Values pushed and accepted: one per key of each push.",
+                                  value=counts.pushes)
+        yield CounterMetricFamily("tensorkv_pulls", "Values pulled: one per key of each pull.", value=counts.pulls)
+        rounds = CounterMetricFamily("tensorkv_rounds", "Sync rounds (of one key), by how they ended.",
+                                     labels=["outcome"])
+        rounds.add_metric(["completed"], counts.rounds_completed)
+        rounds.add_metric(["aborted"], counts.rounds_aborted)
+        yield rounds
+        moved = CounterMetricFamily(
+            "tensorkv_transport_bytes", "Bytes received (in) and sent (out): grpc counts the messages of Init, "
+            "Push, Pull, PushPull and Session; shm and datachan the values that travel in shared memory and on "
+            "the data channel.", labels=["direction", "transport"])
+        for direction, by_transport in (("in", counts.bytes_in), ("out", counts.bytes_out)):
+            for transport in TRANSPORTS:
+                moved.add_metric([direction, transport], by_transport[transport])
+        yield moved
+        yield GaugeMetricFamily("tensorkv_registered_workers", "Ranks registered now.", value=counts.workers)
+
+
+REGISTRY.register(_CountsCollector())
+
+
+def start(port, host, engine):
+    """Serve the metrics as Prometheus text on http://host:port/metrics, in a thread; the
+    server interceptors that record the gRPC metrics. An ``engine`` on CuPy adds the memory
+    of its device."""
+    if engine.xp is not np:
+        _watch_device_memory(engine)
+    prometheus_client.start_http_server(port, addr=host)
+    return [MetricsInterceptor()]
+
+
+def _watch_device_memory(engine):
+    pool = engine.xp.get_default_memory_pool()
+    memory = Gauge("tensorkv_device_memory_bytes", "Memory of the GPU the values live on: used by arrays, "
+                   "and held by CuPy's pool (used and cached).", ["kind"])
+    for kind, measure in (("used", pool.used_bytes), ("held", pool.total_bytes)):
+        memory.labels(kind).set_function(lambda measure=measure: _on_device(engine, measure))
+
+
+def _on_device(engine, measure):
+    with engine.on_device():  # the pool counts per device, and this runs in the HTTP thread
+        return measure()

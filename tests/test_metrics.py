@@ -1,0 +1,126 @@
+"""--metrics-port: a real server's Prometheus text after real workers' calls, with exact
+counts of the gRPC and tensorkv_ metrics."""
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import tensorkv
+from cluster import Cluster, check_workers, free_port
+
+KVSTORE = "tensorkv.v1.KVStoreService"
+
+
+def scrape(port):
+    """(the text of http://127.0.0.1:port/metrics, {(sample name, sorted label items): value})."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples}
+    return text, samples
+
+
+def grpc_labels(method, kind, code=None):
+    labels = {"grpc_method": method, "grpc_service": KVSTORE, "grpc_type": kind}
+    if code is not None:
+        labels["grpc_code"] = code
+    return tuple(sorted(labels.items()))
+
+
+def metrics_cluster(tmp_path, **options):
+    port = free_port()
+    return port, Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port)), **options)
+
+
+def test_counts_of_plain_rpcs(tmp_path):
+    """One worker, the plain RPCs: 3 pushes and pulls, a pull of a missing key (NOT_FOUND)."""
+    port, cluster = metrics_cluster(tmp_path)
+    with cluster:
+        kv = tensorkv.create("dist_sync", servers=cluster.addresses, session=False, transport="grpc")
+        kv.init("secret_layer_weight", np.ones((2, 3), np.float32))
+        for _ in range(3):
+            kv.push("secret_layer_weight", np.ones((2, 3), np.float32))
+            kv.pull("secret_layer_weight")
+        with pytest.raises(tensorkv.KeyNotFoundError):
+            kv.pull("another_secret_key")
+        _, during = scrape(port)
+        kv.close()
+        text, samples = scrape(port)
+    assert "secret" not in text
+    assert samples[("grpc_server_started_total", grpc_labels("Push", "client_stream"))] == 3
+    assert samples[("grpc_server_handled_total", grpc_labels("Push", "client_stream", "OK"))] == 3
+    assert samples[("grpc_server_handled_total", grpc_labels("Pull", "server_stream", "OK"))] == 3
+    assert samples[("grpc_server_handled_total", grpc_labels("Pull", "server_stream", "NOT_FOUND"))] == 1
+    assert samples[("grpc_server_handling_seconds_count", grpc_labels("Pull", "server_stream"))] == 4
+    assert samples[("grpc_server_handled_total", grpc_labels("Unregister", "unary", "OK"))] == 1
+    assert samples[("tensorkv_keys", ())] == 1
+    assert samples[("tensorkv_stored_bytes", ())] == 24
+    assert samples[("tensorkv_pushes_total", ())] == 3
+    assert samples[("tensorkv_pulls_total", ())] == 3
+    assert samples[("tensorkv_rounds_total", (("outcome", "completed"),))] == 3
+    assert samples[("tensorkv_rounds_total", (("outcome", "aborted"),))] == 0
+    assert during[("tensorkv_registered_workers", ())] == 1
+    assert samples[("tensorkv_registered_workers", ())] == 0
+    # Init, 3 pushes: at least their 4 x 24 bytes of values in; 3 pulls: 3 x 24 out.
+    assert samples[("tensorkv_transport_bytes_total", (("direction", "in"), ("transport", "grpc")))] > 4 * 24
+    assert samples[("tensorkv_transport_bytes_total", (("direction", "out"), ("transport", "grpc")))] > 3 * 24
+
+
+@pytest.mark.parametrize("transport, counted", [("auto", "shm"), ("tcp", "datachan")])
+def test_bytes_by_transport(tmp_path, transport, counted):
+    """A 4 MiB init, push and pull by a worker on the server's host: 8 MiB in and 4 MiB out
+    in shared memory, or on the data channel with transport='tcp'."""
+    port, cluster = metrics_cluster(tmp_path)
+    with cluster:
+        kv = tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport)
+        kv.init(1, np.ones(1 << 20, np.float32))
+        kv.push(1, np.ones(1 << 20, np.float32))
+        kv.pull(1)
+        kv.close()
+        _, samples = scrape(port)
+    moved = {labels: value for (name, labels), value in samples.items() if name == "tensorkv_transport_bytes_total"}
+    assert moved[("direction", "in"), ("transport", counted)] == 8 << 20
+    assert moved[("direction", "out"), ("transport", counted)] == 4 << 20
+    assert sum(moved.values()) < (12 << 20) + 1024  # the rest: a few small gRPC messages
+
+
+def test_rounds_of_two_workers(tmp_path):
+    """Two workers, 3 iterations of tests/workers/sync_rounds.py: 4 keys a round, 12 rounds,
+    each timed; the Session stream's bytes are counted as gRPC's."""
+    port, cluster = metrics_cluster(tmp_path, num_workers=2)
+    with cluster:
+        check_workers(cluster.run_workers("sync_rounds", 3))
+        _, samples = scrape(port)
+    assert samples[("tensorkv_rounds_total", (("outcome", "completed"),))] == 12
+    assert samples[("tensorkv_round_seconds_count", ())] == 12
+    assert samples[("tensorkv_round_last_worker_wait_seconds_count", ())] == 12
+    assert samples[("tensorkv_pushes_total", ())] == 2 * 3 * 4
+    assert samples[("tensorkv_keys", ())] == 4
+    assert samples[("tensorkv_transport_bytes_total", (("direction", "in"), ("transport", "grpc")))] > 0
+    assert samples[("grpc_server_started_total", grpc_labels("Session", "bidi_stream"))] == 2
+
+
+def test_aborted_round(tmp_path):
+    """A round that one of two workers never joins is aborted after --round-timeout."""
+    port, cluster = metrics_cluster(tmp_path, num_workers=2, round_timeout=1)
+    with cluster:
+        check_workers(cluster.run_workers("abort"))
+        _, samples = scrape(port)
+    assert samples[("tensorkv_rounds_total", (("outcome", "aborted"),))] == 1
+    assert samples[("tensorkv_rounds_total", (("outcome", "completed"),))] == 0
+
+
+def test_metrics_port_in_use_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "tensorkv_server", "--port", str(free_port()),
+                                 "--device", "cpu", "--metrics-port", str(port)],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1].startswith(f"tensorkv-server: --metrics-port {port}: ")
