@@ -22,7 +22,8 @@ lint: breaking
 	$(VENV)/bin/buf lint
 
 # `make breaking`: protos/ against protos/baseline.json, the wire contract of the last release
-# (a buf image; there is no release tag yet, so it is the protos as first published). Added
+# (a buf image; there is no release tag yet: it is v1 as of 2026-11-23, after shared memory moved
+# to sealed memfds (SharedMemoryRegion.name removed) and calls gained incarnations). Added
 # fields, methods and messages pass; a renamed, renumbered or removed one fails. A committed
 # file works in any clone, shallow or not, on any branch. `make breaking-baseline` rewrites
 # it when a release is cut.
