@@ -84,7 +84,8 @@ run-dist: $(STAMP)
 # `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
 # has written bench-results/mxnet.json) MXNet 1.9.1, measured on 127.0.0.1;
 # writes bench-results/bench.json and bench-results/throughput.png; then the update
-# engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md.
+# engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md;
+# then the Trainer's (bench/trainer.py) -> bench-results/trainer.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -100,6 +101,7 @@ bench: $(BENCH_STAMP)
 	@if [ -x $(MXNET_VENV)/bin/python ]; then $(MAKE) --no-print-directory bench-mxnet; fi
 	$(PY) bench/run.py $(BENCH_ARGS)
 	$(PY) bench/engine.py $(BENCH_ARGS)
+	$(PY) bench/trainer.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too. The smoke run overrides the image's --host 0.0.0.0
 # with loopback, where the server needs neither TLS nor a token.
