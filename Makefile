@@ -22,7 +22,8 @@ lint: breaking
 	$(VENV)/bin/buf lint
 
 # `make breaking`: protos/ against protos/baseline.json, the wire contract of the last release
-# (a buf image; there is no release tag yet, so it is the protos as first published). Added
+# (a buf image; there is no release tag yet: it is v1 as of 2026-11-23, after shared memory moved
+# to sealed memfds (SharedMemoryRegion.name removed) and calls gained incarnations). Added
 # fields, methods and messages pass; a renamed, renumbered or removed one fails. A committed
 # file works in any clone, shallow or not, on any branch. `make breaking-baseline` rewrites
 # it when a release is cut.
@@ -83,7 +84,8 @@ run-dist: $(STAMP)
 # `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
 # has written bench-results/mxnet.json) MXNet 1.9.1, measured on 127.0.0.1;
 # writes bench-results/bench.json and bench-results/throughput.png; then the update
-# engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md.
+# engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md;
+# then the Trainer's (bench/trainer.py) -> bench-results/trainer.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -99,6 +101,7 @@ bench: $(BENCH_STAMP)
 	@if [ -x $(MXNET_VENV)/bin/python ]; then $(MAKE) --no-print-directory bench-mxnet; fi
 	$(PY) bench/run.py $(BENCH_ARGS)
 	$(PY) bench/engine.py $(BENCH_ARGS)
+	$(PY) bench/trainer.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too. The smoke run overrides the image's --host 0.0.0.0
 # with loopback, where the server needs neither TLS nor a token.

@@ -1,4 +1,8 @@
-"""What the bench scripts share: loopback ports, stopping processes, medians, GB/s."""
+"""What the bench scripts share: loopback ports, stopping processes, medians, GB/s, and the
+command line and result files of the scripts `make bench` runs after run.py."""
+import argparse
+import json
+import os
 import socket
 import statistics
 import subprocess
@@ -50,3 +54,25 @@ def median_time(fn, repeats, warmup=1):
 def gbps(nbytes, seconds):
     """GB/s of a round trip that moves nbytes each way."""
     return 2 * nbytes / seconds / 1e9
+
+
+def parse_args(doc, argv):
+    """``--quick`` and ``--out-dir`` (default <repository>/bench-results) of a bench script
+    whose module docstring is ``doc``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 repeats in place of 10")
+    parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                          "bench-results"))
+    return parser.parse_args(argv)
+
+
+def write_results(args, name, text, numbers):
+    """Print the Markdown ``text``; write it to <out-dir>/<name>.md and ``numbers`` to
+    <out-dir>/<name>.json (<name>-quick.* with --quick)."""
+    print(text)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, name + ("-quick" if args.quick else ""))
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(numbers, f, indent=2)

@@ -11,9 +11,6 @@ against the copy. Pushed arrays live where the values live (CuPy arrays on a GPU
 timed push is checked afterwards against the same arithmetic in NumPy float64: a wrong
 value fails the bench with exit status 2. Writes <out-dir>/engine.{json,md}.
 """
-import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,7 +20,8 @@ import numpy as np
 import tensorkv
 from tensorkv.backend import select
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import common
+
 SIZE = 64 << 20
 
 
@@ -105,25 +103,15 @@ def markdown(device, rows, command):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 repeats in place of 10")
-    parser.add_argument("--out-dir", default=os.path.join(ROOT, "bench-results"))
-    args = parser.parse_args(argv)
+    args = common.parse_args(__doc__, argv)
     command = "python bench/engine.py" + (" --quick" if args.quick else "")
     try:
         device, rows = measure(3 if args.quick else 10)
     except CheckError as error:
         print(f"engine bench FAILED: value check failed: {error}", file=sys.stderr)
         return 2
-    text = markdown(device, rows, command)
-    print(text)
-    os.makedirs(args.out_dir, exist_ok=True)
-    suffix = "-quick" if args.quick else ""
-    with open(os.path.join(args.out_dir, f"engine{suffix}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out_dir, f"engine{suffix}.json"), "w") as f:
-        json.dump({"command": command, "device": device,
-                   "rows": [{"row": n, "gbps": r, "x_copy": x} for n, r, x in rows]}, f, indent=2)
+    common.write_results(args, "engine", markdown(device, rows, command), {
+        "command": command, "device": device, "rows": [{"row": n, "gbps": r, "x_copy": x} for n, r, x in rows]})
     return 0
 
 

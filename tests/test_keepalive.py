@@ -41,7 +41,8 @@ def test_pings_through_a_long_wait_and_an_idle_stream_are_accepted(tmp_path):
     with open(tmp_path / "server.log", "w+") as log:
         server = subprocess.Popen(
             [sys.executable, str(WORKERS / "fast_pings_server.py"), "--port", address.rsplit(":", 1)[1],
-             "--num-workers", "2", "--round-timeout", str(GAP), "--device", "cpu"],
+             "--num-workers", "2", "--round-timeout", str(GAP), "--device", "cpu",
+             "--lease-timeout", str(2 * GAP)],  # this raw client sends no heartbeats
             stdout=log, stderr=subprocess.STDOUT)
         try:
             Cluster._wait_serving(address, server)

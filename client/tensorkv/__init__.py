@@ -16,6 +16,7 @@ from .errors import (
     ShapeMismatchError, UnauthenticatedError,
 )
 from .kvstore import KVStore
+from .trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -66,7 +67,7 @@ def reset(servers=None, **options):
 
 
 __all__ = [
-    "create", "reset", "KVStore", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
+    "create", "reset", "KVStore", "Trainer", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
     "InvalidTensorError", "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError",
     "KeyExistsError", "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError",
     "DeadlineExceededError", "ResourceExhaustedError", "InternalError", "UnauthenticatedError",

@@ -28,6 +28,7 @@ from .errors import (
     ServerUnavailableError, ShapeMismatchError, key_repr,
 )
 from .kvstore import KVStore
+from .lease import Heartbeat
 from .security import Security
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
@@ -204,6 +205,7 @@ class DistStore(KVStore):
             if session else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         self._registered = {}  # server index -> the incarnation of this worker's registration there
+        self._heartbeat = None  # renews the registrations' leases
         try:
             infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
                                    connect_timeout, IF_EXISTS[if_exists])
@@ -250,11 +252,16 @@ class DistStore(KVStore):
                     f"this worker was told {num_workers}")
             num_workers = info.num_workers
             infos.append(info)
+        leases = {}  # server index -> (incarnation, lease seconds)
         for index in range(len(self._addresses)):
             request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists)
             response = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout), "register")
             rank = self._rank = response.rank
             self._registered[index] = response.incarnation
+            if response.lease_ttl_ms:  # 0: a server without leases
+                leases[index] = (response.incarnation, response.lease_ttl_ms / 1000)
+        if leases:
+            self._heartbeat = Heartbeat(self._stubs, self._addresses, rank, leases)
         self._num_workers = num_workers
         return infos
 
@@ -281,7 +288,10 @@ class DistStore(KVStore):
 
     def _call(self, index, call, kind):
         """``call(stub)`` on server ``index``, with gRPC errors raised as KVStoreError; ``kind``
-        names the call in them ('push', 'pull', ...: see rpc.transport_error)."""
+        names the call in them ('push', 'pull', ...: see rpc.transport_error).
+        FailedPreconditionError once this worker has lost its lease on a server."""
+        if self._heartbeat is not None:
+            self._heartbeat.check()
         try:
             return call(self._stubs[index])
         except grpc.RpcError as error:
@@ -683,6 +693,8 @@ class DistStore(KVStore):
 
     def close(self):
         if not self._closed:
+            if self._heartbeat is not None:
+                self._heartbeat.close()
             self._unregister()
             for session in self._sessions or ():
                 session.close()

@@ -138,6 +138,12 @@ class Client {
     const reply = await this.unary('Register', {});
     this.rank = reply.rank;
     this.incarnation = reply.incarnation; // undefined on servers that do not send one
+    if (reply.lease_ttl_ms) {
+      // The rank is a lease: renewed every third of it while the client is open. A lost
+      // lease shows as the next call's FAILED_PRECONDITION.
+      this.heartbeat = setInterval(() => this.unary('KeepAlive', this.who()).catch(() => {}), reply.lease_ttl_ms / 3);
+      this.heartbeat.unref();
+    }
     return reply;
   }
 
@@ -184,6 +190,7 @@ class Client {
   }
 
   async close() {
+    clearInterval(this.heartbeat);
     if (this.rank !== null) await this.unary('Unregister', this.who());
     this.stub.close();
   }

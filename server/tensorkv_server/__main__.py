@@ -17,6 +17,8 @@ from .service import MAX_KEY_BYTES
 # tensorkv_server logger hierarchy the other modules log in.
 log = logging.getLogger("tensorkv_server.main")
 
+MAX_LEASE_TIMEOUT = 86400.0  # a day: lease_ttl_ms is a uint32 of milliseconds
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
@@ -30,6 +32,10 @@ def parse_args(argv=None):
     parser.add_argument("--round-timeout", type=float, default=60.0,
                         help="seconds a sync round, barrier or init waits for every worker before it is "
                              "aborted (default %(default)s)")
+    parser.add_argument("--lease-timeout", type=float, default=10.0,
+                        help="seconds a worker's registration lasts without a heartbeat: a worker that dies "
+                             "or goes silent for longer loses its rank, which a replacement may then take "
+                             "(default %(default)s)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds calls in flight get to finish on SIGTERM/SIGINT (default %(default)s)")
     parser.add_argument("--device", default="auto",
@@ -60,6 +66,8 @@ def parse_args(argv=None):
         parser.error("--num-workers must be at least 1")
     if args.round_timeout <= 0:
         parser.error("--round-timeout must be positive")
+    if not 0 < args.lease_timeout <= MAX_LEASE_TIMEOUT:
+        parser.error(f"--lease-timeout must be positive and at most {MAX_LEASE_TIMEOUT:g} s")
     if args.data_channel and args.data_port == args.port != 0:
         parser.error("--data-port must differ from --port")
     if args.max_key_bytes < 1:
@@ -96,7 +104,8 @@ def _serve(args, reexec):
         xp, device = select(args.device)
     except (RuntimeError, ValueError) as error:  # a device this machine does not have
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
-    coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device)
+    coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
+                              args.lease_timeout)
     try:
         interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []
     except OSError as error:

@@ -8,11 +8,19 @@ registered with, and :meth:`Membership.check` refuses a call from a rank that no
 (the server restarted, or the rank was given back) or from an earlier holder of the rank,
 so that such a call never merges into a round.
 
+Every registration is a *lease* of ``lease_timeout`` seconds, renewed by the worker's
+heartbeats (:meth:`Membership.renew`, the KeepAlive RPC). A lease that is not renewed in
+time expires on the event loop: the rank is freed as if its holder had given it back, and
+the expired incarnation is refused from then on, so a worker that was paused past its
+lease cannot merge anything when it wakes up.
+
 A *run* is the set of workers registered together: it starts with a registration while no
-rank is registered, and ends when all of its ranks have been given back. Its first
-registration chooses its ``if_exists``, what it does with the keys that earlier runs left
-(FAIL, RESUME or REPLACE), and the run's other registrations must ask for the same.
+rank is registered, and ends when all of its ranks have been given back or have lost their
+lease. Its first registration chooses its ``if_exists``, what it does with the keys that
+earlier runs left (FAIL, RESUME or REPLACE), and the run's other registrations must ask for
+the same.
 """
+import asyncio
 import logging
 import time
 
@@ -34,14 +42,33 @@ class Run:
         self.if_exists = if_exists
 
 
-class Membership:
-    """The ranks 0 <= rank < ``num_workers`` registered on one server and their incarnations."""
+class _Lease:
+    """The lease of one registration: when it was last renewed (event-loop time), and the
+    timer that checks it then ``lease_timeout`` seconds later."""
 
-    def __init__(self, num_workers):
+    __slots__ = ("incarnation", "renewed", "timer")
+
+    def __init__(self, incarnation, renewed):
+        self.incarnation = incarnation
+        self.renewed = renewed
+        self.timer = None
+
+
+class Membership:
+    """The ranks 0 <= rank < ``num_workers`` registered on one server, their incarnations
+    and leases. ``on_expired(rank, ended)`` runs when a lease expires, after the rank is
+    freed; ``ended`` says whether that ended the run."""
+
+    def __init__(self, num_workers, lease_timeout=10.0, on_expired=lambda rank, ended: None):
         self.num_workers = num_workers
+        self.lease_timeout = lease_timeout
         self.incarnations = {}  # rank -> the incarnation of its registration
         self.run = None  # the current Run (the last one while no rank is registered)
+        self.expired_leases = 0  # since the server started
         self._next_incarnation = time.time_ns() // 1000
+        self._leases = {}  # rank -> _Lease of its registration
+        self._expired = {}  # rank -> the incarnation whose lease expired last
+        self._on_expired = on_expired
 
     @property
     def ranks(self):
@@ -76,6 +103,7 @@ class Membership:
             log.info("run %d starts (if_exists=%r)", self.run.number, if_exists, extra={"event": "run_started"})
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
+        self._grant(rank, incarnation)
         log.info("worker registered with rank %d, incarnation %d (%d of %d)",
                  rank, incarnation, len(self.incarnations), self.num_workers,
                  extra={"event": "worker_registered", "rank": rank})
@@ -84,18 +112,69 @@ class Membership:
     def unregister(self, rank, incarnation):
         """Give ``rank`` back (only its current holder may); whether that ended the run."""
         self.check(rank, incarnation)
-        del self.incarnations[rank]
-        log.info("worker with rank %d, incarnation %d unregistered (%d of %d left)",
-                 rank, incarnation, len(self.incarnations), self.num_workers,
+        log.info("worker with rank %d, incarnation %d unregistered", rank, incarnation,
                  extra={"event": "worker_unregistered", "rank": rank})
+        return self._free(rank)
+
+    def renew(self, rank, incarnation):
+        """Renew the lease of ``rank``'s registration (only its current holder may); the
+        seconds it now has left."""
+        self.check(rank, incarnation)
+        self._leases[rank].renewed = asyncio.get_running_loop().time()
+        return self.lease_timeout
+
+    def leases(self):
+        """[(rank, incarnation, seconds since its lease was renewed)], by rank."""
+        now = asyncio.get_running_loop().time()
+        return [(rank, lease.incarnation, now - lease.renewed) for rank, lease in sorted(self._leases.items())]
+
+    def _grant(self, rank, incarnation):
+        loop = asyncio.get_running_loop()
+        lease = self._leases[rank] = _Lease(incarnation, loop.time())
+        self._look_at(rank, lease, lease.renewed + self.lease_timeout)
+
+    def _look_at(self, rank, lease, when):
+        lease.timer = asyncio.get_running_loop().call_at(when, self._expire, rank, lease, when)
+
+    def _expire(self, rank, lease, when):
+        """Free ``rank`` if ``lease`` was not renewed in time, else look again when it is due
+        (one timer per lease, moved forward only when it fires, rather than one per renewal).
+
+        A timer that fires more than a third of a lease after ``when`` shows that this server
+        did not run meanwhile (its host paused, or its loop was busy): it could not hear the
+        heartbeats, so the worker gets a whole lease from now to be heard again."""
+        now = asyncio.get_running_loop().time()
+        if now - when > self.lease_timeout / 3:
+            self._look_at(rank, lease, now + self.lease_timeout)
+            return
+        due = lease.renewed + self.lease_timeout
+        if now < due:
+            self._look_at(rank, lease, due)
+            return
+        log.warning("lease of rank %d (incarnation %d) expired after %g s: rank freed",
+                    rank, lease.incarnation, self.lease_timeout, extra={"event": "lease_expired", "rank": rank})
+        self.expired_leases += 1
+        self._expired[rank] = lease.incarnation
+        self._on_expired(rank, self._free(rank))
+
+    def _free(self, rank):
+        """Forget ``rank``'s registration and its lease; whether that ended the run."""
+        del self.incarnations[rank]
+        self._leases.pop(rank).timer.cancel()
+        log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:
-            log.info("run %d ended: every rank left", self.run.number, extra={"event": "run_ended"})
+            log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})
         return not self.running
 
     def check(self, rank, incarnation):
         """FailedPreconditionError unless ``rank`` is registered with ``incarnation``."""
         self._check_range(rank)
         current = self.incarnations.get(rank)
+        if incarnation != current and incarnation == self._expired.get(rank):
+            now = "is free" if current is None else f"is held by incarnation {current}"
+            raise FailedPreconditionError(
+                f"rank {rank}: the lease of this call's incarnation {incarnation} expired (no heartbeat for "
+                f"{self.lease_timeout:g} s, --lease-timeout) and the rank {now}: create the store again to register")
         if current is None:
             raise FailedPreconditionError(
                 f"rank {rank} is not registered on this server (it restarted, or the rank was given back): "

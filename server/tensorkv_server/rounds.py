@@ -8,6 +8,15 @@ changes nothing. A call that awaited checks its caller's registration again befo
 changes anything: the rank may have been given back meanwhile. Waits (for a round, a
 barrier, an init by rank 0) are bounded by ``round_timeout``; one that does not complete
 is aborted with RoundAbortedError.
+
+A rank that leaves during a run (given back, or its lease expired) leaves its pushes in
+the rounds it pushed to, and its next holder (a replacement worker) takes its place in
+each key's current round: where the old holder had pushed, the round keeps that push and
+the replacement's first push of the key waits for the round and joins the next one (never
+counted twice); where it had not, the replacement's push completes the round the others
+wait in. So every round sums exactly one push per rank, each from the holder of the rank
+at the time. A round still waits at most ``round_timeout`` for the rank to be taken again
+and push; then it aborts as any other.
 """
 import asyncio
 import logging
@@ -78,13 +87,13 @@ class _KeyRounds:
 class Coordinator:
     """The state of one server for ``num_workers`` workers in ``mode`` 'sync' or 'async'."""
 
-    def __init__(self, engine, num_workers, mode, round_timeout, device="cpu"):
+    def __init__(self, engine, num_workers, mode, round_timeout, device="cpu", lease_timeout=10.0):
         self.engine = engine
         self.num_workers = num_workers
         self.mode = mode
         self.round_timeout = round_timeout
         self.device = device
-        self.members = Membership(num_workers)
+        self.members = Membership(num_workers, lease_timeout, on_expired=self._forget)
         self.optimizer = None
         self._rounds = {}  # key -> _KeyRounds
         self._updates = {}  # key -> updates applied to it (sync rounds, async pushes)
@@ -109,18 +118,23 @@ class Coordinator:
         return rank, incarnation
 
     def unregister(self, rank, incarnation):
-        """Give ``rank`` back. Its next holder may init its keys again (stored values are
-        kept) and does not get the errors of rounds that were aborted before. The last rank
-        of a run to leave ends it: nobody can complete its incomplete rounds any more, so
-        their pushes are discarded."""
-        ended = self.members.unregister(rank, incarnation)
+        """Give ``rank`` back: see :meth:`_forget`."""
+        self._forget(rank, self.members.unregister(rank, incarnation))
+
+    def _forget(self, rank, ended):
+        """After ``rank`` was given back or lost its lease: its next holder may init its keys
+        again (stored values are kept) and does not get the errors of rounds that were
+        aborted before; it takes the rank's place in the current rounds (see the module's
+        docstring). The last rank of a run to leave (``ended``) ends it: nobody can complete
+        its incomplete rounds any more, so their pushes are discarded."""
         metrics.COUNTS.workers = len(self.members.ranks)
         for ranks in self._initialized.values():
             ranks.discard(rank)
         for rounds in self._rounds.values():
             rounds.aborted.pop(rank, None)
         if ended:
-            self._abort_waits(f"aborted: every rank of run {self.members.run.number} left", RoundAbortedError)
+            self._abort_waits(f"aborted: every rank of run {self.members.run.number} left or lost its lease",
+                              RoundAbortedError)
             for rounds in self._rounds.values():
                 rounds.aborted.clear()  # the errors of ranks that left
 
@@ -436,6 +450,8 @@ class Coordinator:
             "num_keys": len(self.engine), "device": self.device,
             "optimizer": self.optimizer.name if self.optimizer else "",
             "run": run.number if run else 0, "if_exists": run.if_exists if run else None,
+            "lease_timeout": self.members.lease_timeout, "leases": self.members.leases(),
+            "expired_leases": self.members.expired_leases,
         }
 
     def describe_keys(self):

@@ -94,11 +94,11 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
         data_port.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s: %s, %s mode, values on %s, round timeout %g s, shared memory %s, "
-             "data channel %s, %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
-             coordinator.mode, coordinator.device, coordinator.round_timeout, "on" if servicer.shared_memory else "off",
-             f"on port {data_port.port}" if data_port else "off", security.describe(),
-             extra={"event": "server_started"})
+    log.info("serving %s on %s: %s, %s mode, values on %s, round timeout %g s, lease timeout %g s, "
+             "shared memory %s, data channel %s, %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
+             coordinator.mode, coordinator.device, coordinator.round_timeout, coordinator.members.lease_timeout,
+             "on" if servicer.shared_memory else "off", f"on port {data_port.port}" if data_port else "off",
+             security.describe(), extra={"event": "server_started"})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -51,6 +51,10 @@ else:
         return await asyncio.wait_for(work, seconds)
 
 
+def _ms(seconds):
+    return round(seconds * 1000)
+
+
 def _responses(items):
     """The serialized PullResponse (= PushPullResponse) messages of ``items``, all encoded
     before the caller's next await, so that they hold the values of this moment."""
@@ -158,19 +162,27 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             raise InvalidArgumentError(f"unknown if_exists value {request.if_exists}")
         rank, incarnation = self.coordinator.register(request.rank if request.HasField("rank") else None, if_exists)
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
-                                            mode=_MODES[self.coordinator.mode], incarnation=incarnation)
+                                            mode=_MODES[self.coordinator.mode], incarnation=incarnation,
+                                            lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
 
     async def Unregister(self, request, context):
         logs.PEER.set(context.peer())
         self.coordinator.unregister(request.rank, request.incarnation)
         return kvstore_pb2.UnregisterResponse()
 
+    async def KeepAlive(self, request, context):
+        ttl = self.coordinator.members.renew(request.rank, request.incarnation)
+        return kvstore_pb2.KeepAliveResponse(ttl_ms=_ms(ttl))
+
     async def Info(self, request, context):
         info = self.coordinator.info()
+        workers = [kvstore_pb2.WorkerLease(rank=rank, incarnation=incarnation, ms_since_renewal=_ms(since))
+                   for rank, incarnation, since in info.pop("leases")]
         return kvstore_pb2.InfoResponse(
             mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
             data_port=self.data_port.port if self.data_port else 0,
-            if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED), **info)
+            if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
+            lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, **info)
 
     async def Init(self, request_iterator, context):
         await self._apply(request_iterator, kvstore_pb2.InitRequest,
