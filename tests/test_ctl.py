@@ -13,6 +13,7 @@ from tensorkv.security import Security
 from cluster import WORKER_TIMEOUT, Cluster, check_workers, wait_until
 from test_security import READ_ONLY_TOKEN, TOKEN, Pki
 
+LEASE_MS = 10_000  # the servers' --lease-timeout
 # The values the job leaves, as its pushes (no optimizer: the sum of the last round's pushes).
 WEIGHT = (np.arange(3000, dtype=np.float32).reshape(60, 50) * 1 / 7 - 2) + \
          (np.arange(3000, dtype=np.float32).reshape(60, 50) * 2 / 7 - 2)
@@ -37,7 +38,8 @@ def job(tmp_path_factory):
     """Two servers, and a two-worker job that pushed its rounds and is still registered."""
     tmp_path = tmp_path_factory.mktemp("ctl")
     stop_file = tmp_path / "stop"
-    with Cluster(servers=2, num_workers=2, tmp_path=tmp_path) as cluster:
+    with Cluster(servers=2, num_workers=2, tmp_path=tmp_path, server_args=["--lease-timeout", str(LEASE_MS / 1000)]) \
+            as cluster:
         workers = [cluster.start_worker("ctl_job", tmp_path, stop_file, env={"TENSORKV_BIGARRAY_BOUND": "1000"})
                    for _ in range(2)]
         try:
@@ -55,9 +57,10 @@ def test_status_shows_every_server(job):
     code, out, err = ctl("status", servers=cluster.addresses)
     assert code == 0 and err == ""
     header, *rows = out.splitlines()
-    assert header.split() == ["server", "mode", "workers", "ranks", "keys", "run", "optimizer", "version"]
-    assert [row.split()[:4] + row.split()[5:7] for row in rows] == [
-        [address, "sync", "2/2", "0,1", "1", "-"] for address in cluster.addresses]
+    assert header.split() == ["server", "mode", "workers", "ranks", "keys", "run", "optimizer", "version",
+                              "lease_ttl_ms", "expired_leases"]  # Info's lease fields, shown as the protos have them
+    assert [row.split()[:4] + row.split()[5:7] + row.split()[8:] for row in rows] == [
+        [address, "sync", "2/2", "0,1", "1", "-", str(LEASE_MS), "0"] for address in cluster.addresses]
     assert sorted(int(row.split()[4]) for row in rows) == [1, 2]  # weight on both, bias on one
     infos = ctl_json("status", servers=cluster.addresses)
     assert [info["server"] for info in infos] == cluster.addresses
@@ -109,10 +112,13 @@ def test_health_and_workers(job):
     cluster, _, _ = job
     assert ctl_json("health", servers=cluster.addresses) == [
         {"server": address, "status": "SERVING"} for address in cluster.addresses]
-    assert ctl_json("workers", servers=cluster.addresses) == [
-        {"server": address, "run": 1, "rank": rank} for address in cluster.addresses for rank in (0, 1)]
+    rows = ctl_json("workers", servers=cluster.addresses)
+    assert [(row["server"], row["run"], row["rank"]) for row in rows] == [
+        (address, 1, rank) for address in cluster.addresses for rank in (0, 1)]
+    for row in rows:  # the lease fields of Info.workers, as plain numbers
+        assert row["incarnation"] > 0 and 0 <= row["ms_since_renewal"] < LEASE_MS
     code, out, _ = ctl("workers", servers=cluster.addresses)
-    assert code == 0 and out.splitlines()[0].split() == ["server", "run", "rank"]
+    assert code == 0 and out.splitlines()[0].split() == ["server", "run", "rank", "incarnation", "ms_since_renewal"]
 
 
 def test_reset_is_refused_while_the_job_runs(job):

@@ -26,6 +26,9 @@ EPILOG = """exit status:
      on stderr; the other servers are still reported)
   2  usage error
 
+-o json prints a list of objects, one a row; for status, each server's Info in protobuf's
+JSON mapping (64-bit integers as strings, enums by name).
+
 examples:
   tensorkv status
   tensorkv --servers tkv-0:50051,tkv-1:50051 --tls-ca ca.pem -o json keys
@@ -164,7 +167,7 @@ def workers(args, servers):
     rows = []
     for server, info in _answers(args, servers, Server.info, "info"):
         if "workers" in info.DESCRIPTOR.fields_by_name:  # ranks with their leases, where the protos have them
-            rows += [{"server": server.address, "run": info.run, **_fields(lease)} for lease in info.workers]
+            rows += [{"server": server.address, "run": info.run, **_scalars(lease)} for lease in info.workers]
         else:
             rows += [{"server": server.address, "run": info.run, "rank": rank} for rank in info.registered_ranks]
     return _show(args, rows)
@@ -260,8 +263,14 @@ def _key_row(key):
 
 
 def _fields(message):
+    """``message`` in protobuf's JSON mapping (64-bit integers as strings, enums by name)."""
     return json_format.MessageToDict(message, preserving_proto_field_name=True,
                                      always_print_fields_with_no_presence=True)
+
+
+def _scalars(message):
+    """The fields of a message of scalar fields, in their order, as Python values."""
+    return {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
 
 
 def _ranks(ranks):
