@@ -16,9 +16,13 @@ RUN pip install --no-cache-dir . && cd / && rm -rf /src
 # The server tunes glibc's malloc for tensor streams itself (tensorkv/allocator.py); a
 # GLIBC_TUNABLES given with `podman run -e` replaces that tuning.
 ENV PYTHONUNBUFFERED=1
+# Snapshots of the server's state (--state-dir): mount a volume here to keep them across containers.
+RUN mkdir -p /var/lib/tensorkv && chown 65534:65534 /var/lib/tensorkv
+VOLUME /var/lib/tensorkv
 USER 65534:65534
 WORKDIR /tensorkv
 # Prometheus metrics on 50053 (http://HOST:50053/metrics).
 EXPOSE 50051 50052 50053
-ENTRYPOINT ["tensorkv-server", "--host", "0.0.0.0", "--port", "50051", "--data-port", "50052", "--metrics-port", "50053"]
+ENTRYPOINT ["tensorkv-server", "--host", "0.0.0.0", "--port", "50051", "--data-port", "50052", "--metrics-port", "50053", \
+            "--state-dir", "/var/lib/tensorkv"]
 CMD ["--num-workers", "1", "--mode", "sync"]

@@ -42,12 +42,24 @@ def save(fname, optimizer, states):
         keys.append({"key": key, "num_update": int(num_update), "num_states": len(tensors)})
         for tensor in tensors:
             arrays[f"state_{len(arrays)}"] = to_host(tensor)
-    schedule = optimizer.lr_scheduler
-    header = {"format": FORMAT, "version": VERSION, "keys": keys,
-              "optimizer": {"name": optimizer.name, "params": optimizer.params,
-                            "lr_scheduler": schedule and {"name": schedule.name, "params": schedule.params}}}
+    header = {"format": FORMAT, "version": VERSION, "keys": keys, "optimizer": optimizer_header(optimizer)}
     with open(fname, "wb") as file:
         np.savez(file, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
+
+
+def optimizer_header(optimizer):
+    """The JSON-ready description of ``optimizer``: name, params and lr_scheduler."""
+    schedule = optimizer.lr_scheduler
+    return {"name": optimizer.name, "params": optimizer.params,
+            "lr_scheduler": schedule and {"name": schedule.name, "params": schedule.params}}
+
+
+def optimizer_from_header(description):
+    """The optimizer that :func:`optimizer_header` described."""
+    schedule = description.get("lr_scheduler")
+    if schedule is not None:
+        schedule = lr_scheduler.create(schedule["name"], **schedule["params"])
+    return create(description["name"], lr_scheduler=schedule, **description["params"])
 
 
 def load(fname):
@@ -64,10 +76,7 @@ def load(fname):
     if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") not in READABLE:
         raise InvalidArgumentError(f"{fname}: not a {FORMAT} file of version {' or '.join(map(str, READABLE))}")
     try:
-        schedule = header["optimizer"].get("lr_scheduler")
-        if schedule is not None:
-            schedule = lr_scheduler.create(schedule["name"], **schedule["params"])
-        optimizer = create(header["optimizer"]["name"], lr_scheduler=schedule, **header["optimizer"]["params"])
+        optimizer = optimizer_from_header(header["optimizer"])
         states, index = {}, 0
         for entry in header["keys"]:
             num_update, count = entry["num_update"], entry["num_states"]

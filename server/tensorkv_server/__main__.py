@@ -12,6 +12,7 @@ from . import logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, check_free, serve
 from .service import MAX_KEY_BYTES
+from .snapshot import BadSnapshot, Snapshots
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
 # tensorkv_server logger hierarchy the other modules log in.
@@ -53,6 +54,13 @@ def parse_args(argv=None):
     parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
                         help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
                              "with INVALID_ARGUMENT (default %(default)s)")
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="directory of snapshots of the server's state (values, rounds, optimizer and states, "
+                             "run): the newest whole one is restored at start, and new ones are written there "
+                             "(default: none, nothing survives a restart)")
+    parser.add_argument("--snapshot-interval", type=float, default=60.0, metavar="S",
+                        help="seconds between snapshots to --state-dir; 0: only on SIGTERM/SIGINT and on a "
+                             "Snapshot call (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     security.add_arguments(parser)
@@ -79,6 +87,8 @@ def parse_args(argv=None):
     refusal = args.security.refusal(args.host)
     if refusal:
         parser.exit(2, f"tensorkv-server: {refusal}\n")
+    if args.snapshot_interval < 0:
+        parser.error("--snapshot-interval must be 0 (off) or positive")
     if not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be 0 (off) or a port number up to 65535")
     return args
@@ -106,13 +116,22 @@ def _serve(args, reexec):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
                               args.lease_timeout)
+    snapshots = None
+    if args.state_dir is None:
+        log.warning("no --state-dir: nothing survives a restart")
+    else:
+        try:
+            snapshots = Snapshots(coordinator, args.state_dir)
+            snapshots.load()
+        except (OSError, BadSnapshot) as error:
+            raise SystemExit(f"tensorkv-server: --state-dir {args.state_dir}: {error}") from None
     try:
         interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []
     except OSError as error:
         raise SystemExit(f"tensorkv-server: --metrics-port {args.metrics_port}: {error}") from None
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
                       args.data_port if args.data_channel else None, args.max_key_bytes, args.security,
-                      interceptors))
+                      interceptors, snapshots, args.snapshot_interval))
 
 
 if __name__ == "__main__":

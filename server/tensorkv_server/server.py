@@ -59,14 +59,26 @@ def check_free(host, port, flag):
                 raise _listen_error(flag, host, port, error) from None
 
 
+async def _every(seconds, take):
+    """Call ``take`` every ``seconds`` for ever; a failure is logged and the next one tried."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await take()
+        except OSError as error:
+            log.error("snapshot failed: %s", error, extra={"event": "snapshot_failed"})
+
+
 async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, max_key_bytes=MAX_KEY_BYTES,
-                security=None, interceptors=()):
+                security=None, interceptors=(), snapshots=None, snapshot_interval=0):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
     fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests may carry str
     keys of up to ``max_key_bytes`` bytes. ``security``: a ServerSecurity (default: plaintext, no
     tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
-    interceptors, which run before the token check (so that refused calls are counted too)."""
+    interceptors, which run before the token check (so that refused calls are counted too).
+    ``snapshots``: a snapshot.Snapshots, taken every ``snapshot_interval`` seconds (0: never)
+    and once more after the calls in flight at stop have finished."""
     security = security or ServerSecurity()
     server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT,
                              interceptors=[*interceptors, *security.interceptors()])
@@ -76,7 +88,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
             data_port = DataPort(host, data_port, security.data_channel_context)
         except OSError as error:
             raise _listen_error("--data-port", host, data_port, error) from None
-    servicer = KVStoreService(coordinator, shared_memory, data_port, max_key_bytes)
+    servicer = KVStoreService(coordinator, shared_memory, data_port, max_key_bytes, snapshots)
     add_to_server(servicer, server)
     add_to_server(MaintenanceService(coordinator, max_key_bytes), server, MAINTENANCE)
     health_servicer = health.aio.HealthServicer()
@@ -104,7 +116,11 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    periodic = asyncio.create_task(_every(snapshot_interval, snapshots.take)) \
+        if snapshots and snapshot_interval > 0 else None
     await stop.wait()
+    if periodic is not None:
+        periodic.cancel()
     log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace,
              extra={"event": "server_stopping"})
     await health_servicer.enter_graceful_shutdown()
@@ -112,4 +128,6 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     if data_port is not None:
         data_port.close()  # no new channels; the streams' own close as they end
     await server.stop(grace)
+    if snapshots is not None:
+        await snapshots.take()
     log.info("stopped", extra={"event": "server_stopped"})

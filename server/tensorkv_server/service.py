@@ -9,6 +9,7 @@ registers the handlers with those (de)serializers. The wire is the proto's eithe
 """
 import asyncio
 import logging
+import secrets
 
 import grpc
 import numpy as np
@@ -108,8 +109,11 @@ def _parser(method):
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
-    def __init__(self, coordinator, shared_memory=True, data_port=None, max_key_bytes=MAX_KEY_BYTES):
+    def __init__(self, coordinator, shared_memory=True, data_port=None, max_key_bytes=MAX_KEY_BYTES, snapshots=None):
         self.coordinator = coordinator
+        # The snapshot.Snapshots of --state-dir, or None; and this process's random id.
+        self.snapshots = snapshots
+        self.server_id = secrets.randbits(64)
         # The longest str key a request may carry, in bytes of UTF-8 (--max-key-bytes).
         self.max_key_bytes = max_key_bytes
         # Whether Session streams may register shared-memory regions (--no-shared-memory).
@@ -182,7 +186,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
             data_port=self.data_port.port if self.data_port else 0,
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
-            lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, **info)
+            lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, server_id=self.server_id,
+            restored_from=self.snapshots.restored_from if self.snapshots else "", **info)
 
     async def Init(self, request_iterator, context):
         await self._apply(request_iterator, kvstore_pb2.InitRequest,
@@ -334,6 +339,12 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def Reset(self, request, context):
         return kvstore_pb2.ResetResponse(num_keys=self.coordinator.reset())
+
+    async def Snapshot(self, request, context):
+        if self.snapshots is None:
+            raise FailedPreconditionError("this server has no --state-dir: it cannot take snapshots")
+        name, num_keys, run = await self.snapshots.take()
+        return kvstore_pb2.SnapshotResponse(file_name=name, num_keys=num_keys, run=run)
 
     async def Barrier(self, request, context):
         await self.coordinator.barrier(request.rank, request.incarnation)

@@ -1,0 +1,194 @@
+"""Snapshots of a server's state in ``--state-dir``, and their restore at start.
+
+A snapshot is taken on the event loop between two calls, so it is consistent: every value,
+each key's round number and update count, the optimizer with its per-key states and update
+counts, the key type, the run (number and if_exists) and the incarnation counter.
+Registrations are not saved (workers register again), nor the pushes of sync rounds still
+open (they are lost, as a crash loses them). The arrays are copied on the loop; the file is
+written in a thread: ``NAME.part``, fsync, renamed over ``NAME``, fsync of the directory.
+The two newest snapshots are kept. The format is in docs/snapshot.md.
+"""
+import asyncio
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+
+import numpy as np
+
+from tensorkv import states_file
+from tensorkv.backend import BFLOAT16, to_host
+from tensorkv.codec import Item, check_key
+from tensorkv.words import plural
+
+from .membership import Run
+from .rounds import _KeyRounds, _Wait
+
+log = logging.getLogger(__name__)
+
+FORMAT = "tensorkv-snapshot"
+VERSION = 1
+KEEP = 2
+_NAME = re.compile(r"snapshot-(\d{12})\.tkv")
+
+
+class BadSnapshot(Exception):
+    """A snapshot file that cannot be loaded whole."""
+
+
+def capture(coordinator):
+    """(header, {name: NumPy array}) of ``coordinator``'s state, with copies of the arrays."""
+    engine, arrays, keys = coordinator.engine, {}, []
+    for key in engine.keys():
+        stored = engine.get(key)
+        value = to_host(stored.array).copy()
+        keys.append({"key": key, "shape": list(stored.shape), "slice": stored.slice and list(stored.slice),
+                     "dtype": str(value.dtype),
+                     "round": coordinator._rounds[key].current.number if key in coordinator._rounds else 1,
+                     "updates": coordinator._updates.get(key, 0),
+                     "initialized_in": coordinator._initialized_in.get(key, 0)})
+        arrays[f"value_{len(keys) - 1}"] = value
+    optimizer, states = coordinator.optimizer_states()
+    state_keys, count = [], 0
+    for key, (num_update, items) in states.items():
+        state_keys.append({"key": key, "num_update": num_update, "num_states": len(items)})
+        for item in items:
+            arrays[f"state_{count}"] = item.array
+            count += 1
+    run = coordinator.members.run
+    header = {"format": FORMAT, "version": VERSION, "mode": coordinator.mode, "num_workers": coordinator.num_workers,
+              "key_type": engine._key_type and engine._key_type.__name__, "keys": keys,
+              "optimizer": optimizer and states_file.optimizer_header(optimizer), "states": state_keys,
+              "run": run and {"number": run.number, "if_exists": run.if_exists},
+              "next_incarnation": coordinator.members._next_incarnation,
+              "barriers_done": coordinator._barriers_done}
+    return header, arrays
+
+
+def encode(header, arrays):
+    """The bytes of a snapshot file: one ASCII line ``tensorkv-snapshot 1 SHA256\\n``, then
+    the payload, a NumPy .npz archive whose "header" is the UTF-8 JSON ``header``."""
+    buffer = io.BytesIO()
+    np.savez(buffer, header=np.frombuffer(json.dumps(header).encode(), np.uint8),
+             **{name: _portable(array) for name, array in arrays.items()})
+    payload = buffer.getvalue()
+    return f"{FORMAT} {VERSION} {hashlib.sha256(payload).hexdigest()}\n".encode() + payload
+
+
+def _portable(array):
+    """bfloat16 travels as its uint16 bits (the header's dtype says so): .npz has no bfloat16."""
+    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
+
+
+def decode(data):
+    """(header, {name: array}) of a snapshot file's bytes; BadSnapshot if it is not whole."""
+    line, _, payload = data.partition(b"\n")
+    fields = line.split(b" ")
+    if len(fields) != 3 or fields[0] != FORMAT.encode() or fields[1] != str(VERSION).encode():
+        raise BadSnapshot(f"not a {FORMAT} file of version {VERSION}")
+    if hashlib.sha256(payload).hexdigest().encode() != fields[2]:
+        raise BadSnapshot("checksum mismatch (truncated or corrupt)")
+    try:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+        return json.loads(bytes(arrays.pop("header")).decode()), arrays
+    except (OSError, ValueError, KeyError) as error:
+        raise BadSnapshot(f"unreadable payload ({error})") from None
+
+
+def restore(coordinator, header, arrays):
+    """Put the state of a decoded snapshot into a new ``coordinator``."""
+    if (header["mode"], header["num_workers"]) != (coordinator.mode, coordinator.num_workers):
+        raise BadSnapshot(f"taken by a server with --mode {header['mode']} --num-workers {header['num_workers']}, "
+                          f"not --mode {coordinator.mode} --num-workers {coordinator.num_workers}")
+    items = []
+    for index, entry in enumerate(header["keys"]):
+        key = check_key(entry["key"])
+        array = arrays[f"value_{index}"]
+        if array.dtype == np.uint16 and entry.get("dtype") == "bfloat16":
+            array = array.view(BFLOAT16)
+        items.append(Item(key, array, entry["shape"], entry["slice"] and tuple(entry["slice"])))
+        rounds = coordinator._rounds[key] = _KeyRounds()
+        rounds.current = _Wait(entry["round"])
+        coordinator._updates[key] = entry["updates"]
+        coordinator._initialized_in[key] = entry["initialized_in"]
+    coordinator.engine.init(items)
+    if header["optimizer"] is not None:
+        states, index = {}, 0
+        shapes = {item.key: item for item in items}
+        for entry in header["states"]:
+            key = check_key(entry["key"])
+            stored = shapes[key]
+            states[key] = (entry["num_update"], [Item(key, arrays[f"state_{index + i}"], stored.shape, stored.slice)
+                                                 for i in range(entry["num_states"])])
+            index += entry["num_states"]
+        coordinator.set_optimizer(states_file.optimizer_from_header(header["optimizer"]), states)
+    members = coordinator.members
+    if header["run"] is not None:
+        members.run = Run(header["run"]["number"], header["run"]["if_exists"])
+    members._next_incarnation = max(members._next_incarnation, header["next_incarnation"])
+    coordinator._barriers_done = header["barriers_done"]
+
+
+class Snapshots:
+    """The snapshots of ``coordinator`` in ``directory``: :meth:`take` writes one,
+    :meth:`load` restores the newest whole one."""
+
+    def __init__(self, coordinator, directory):
+        self.coordinator = coordinator
+        self.directory = directory
+        self.restored_from = ""
+        os.makedirs(directory, exist_ok=True)
+        self._sequence = max((number for number, _ in self._files()), default=0)
+        self._lock = asyncio.Lock()
+
+    def _files(self):
+        """[(sequence number, file name)] of the snapshots in the directory, newest first."""
+        names = (_NAME.fullmatch(name) for name in os.listdir(self.directory))
+        return sorted(((int(match.group(1)), match.group(0)) for match in names if match), reverse=True)
+
+    def load(self):
+        """Restore the newest snapshot that is whole, skipping the others with a warning."""
+        for _, name in self._files():
+            path = os.path.join(self.directory, name)
+            try:
+                with open(path, "rb") as file:
+                    header, arrays = decode(file.read())
+            except (OSError, BadSnapshot) as error:
+                log.warning("snapshot %s skipped: %s", path, error, extra={"event": "snapshot_skipped"})
+                continue
+            restore(self.coordinator, header, arrays)
+            self.restored_from = name
+            run = self.coordinator.members.run
+            log.info("restored %s, run %d, from %s", plural(len(header["keys"]), "key"), run.number if run else 0,
+                     path, extra={"event": "snapshot_restored"})
+            return
+
+    async def take(self):
+        """(file name, number of keys, run number) of a new snapshot of the current state."""
+        header, arrays = capture(self.coordinator)
+        self._sequence += 1
+        name = f"snapshot-{self._sequence:012d}.tkv"
+        async with self._lock:
+            await asyncio.to_thread(self._write, name, header, arrays)
+        run = header["run"]["number"] if header["run"] else 0
+        log.info("snapshot %s written: %s, run %d", name, plural(len(header["keys"]), "key"), run,
+                 extra={"event": "snapshot_written"})
+        return name, len(header["keys"]), run
+
+    def _write(self, name, header, arrays):
+        path = os.path.join(self.directory, name)
+        with open(path + ".part", "wb") as file:
+            file.write(encode(header, arrays))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(path + ".part", path)
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        for _, old in self._files()[KEEP:]:
+            os.remove(os.path.join(self.directory, old))

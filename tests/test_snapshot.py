@@ -1,0 +1,139 @@
+"""Snapshots in --state-dir: taken by the Snapshot RPC, on SIGTERM and every
+--snapshot-interval; restored at start from the newest whole one. One server for one
+dist_sync worker (tests/workers/sgd_run.py: SGD with momentum over three int keys)."""
+import json
+import signal
+
+import grpc
+import numpy as np
+import pytest
+
+import tensorkv
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+from cluster import STOP_TIMEOUT, Cluster, check_workers, wait_until
+
+ROUNDS = 3
+BASE = np.array([1, -1, 2, 0.5])
+
+
+def _sgd(rounds, lr=0.1, momentum=0.9, wd=0.01, rescale_grad=0.5):
+    """sgd_run.py's three keys after rounds t of ``rounds`` of one worker: MXNet's
+    sgd_mom_update on (i + 1) * BASE * t, from fresh states."""
+    weights = []
+    for i in range(3):
+        weight, mom = np.arange(4.0) + 10 * i, 0.0
+        for t in rounds:
+            mom = momentum * mom - lr * (rescale_grad * (i + 1) * BASE * t + wd * weight)
+            weight = weight + mom
+        weights.append(weight)
+    return np.array(weights)
+
+
+def _run(cluster, if_exists=None):
+    env = {"TENSORKV_IF_EXISTS": if_exists} if if_exists else None
+    return json.loads(check_workers(cluster.run_workers("sgd_run", "int", ROUNDS, env=env))[0])
+
+
+def _stub(cluster):
+    return kvstore_pb2_grpc.KVStoreServiceStub(grpc.insecure_channel(cluster.addresses[0]))
+
+
+def _info(cluster):
+    return _stub(cluster).Info(kvstore_pb2.InfoRequest(), timeout=5)
+
+
+def _snapshot(cluster):
+    return _stub(cluster).Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+
+
+def _incarnation(cluster):
+    """The incarnation a registration gets now (it starts a run of its own)."""
+    with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, if_exists="resume"):
+        return _info(cluster).workers[0].incarnation
+
+
+def _cluster(tmp_path, *args):
+    return Cluster(tmp_path=tmp_path, server_args=["--state-dir", str(tmp_path / "state"), *args])
+
+
+def _log(cluster):
+    cluster.logs[0].flush()
+    return open(cluster.logs[0].name).read()
+
+
+def test_a_snapshot_survives_kill_9_and_a_resumed_run_goes_on_exactly(tmp_path):
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
+        np.testing.assert_allclose(_run(cluster)["weights"], _sgd(range(1, 4)), rtol=1e-5)
+        before_info = _info(cluster)
+        reply = _snapshot(cluster)
+        assert (reply.file_name, reply.num_keys, reply.run) == ("snapshot-000000000001.tkv", 3, 1)
+        incarnation = _incarnation(cluster)  # run 2, after the snapshot: not saved
+        cluster.restart()  # SIGKILL
+        info = _info(cluster)
+        assert (info.restored_from, info.num_keys, info.optimizer, info.run) == (reply.file_name, 3, "sgd", 1)
+        assert info.server_id != before_info.server_id
+        assert f"restored 3 keys, run 1, from {tmp_path / 'state' / reply.file_name}" in _log(cluster)
+        # the update counts and the key type came back: a run with if_exists='fail' is told
+        refused = _run(cluster)
+        assert refused["error"] == "KeyExistsError"
+        assert "(3 rounds applied to it)" in refused["message"]
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, if_exists="resume") as kv:
+            assert _info(cluster).workers[0].incarnation > incarnation
+            with pytest.raises(tensorkv.KeyTypeError):
+                kv.init("w", np.zeros(4, np.float32))
+        # the values, the optimizer and its momentum go on as if there had been no restart
+        weights = _run(cluster, if_exists="resume")["weights"]
+        assert _info(cluster).run == 4  # 1 restored, then fail, the store above, resume
+    np.testing.assert_allclose(weights, _sgd([*range(1, 4), *range(1, 4)]), rtol=1e-5)
+
+
+def test_sigterm_writes_a_snapshot_that_a_restart_loads(tmp_path):
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
+        first = _run(cluster)["weights"]
+        cluster.processes[0].send_signal(signal.SIGTERM)
+        assert cluster.processes[0].wait(STOP_TIMEOUT) == 0
+        assert "snapshot snapshot-000000000001.tkv written: 3 keys, run 1" in _log(cluster)
+        cluster.restart()
+        assert _info(cluster).restored_from == "snapshot-000000000001.tkv"
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, if_exists="resume") as kv:
+            np.testing.assert_array_equal(kv.pull([0, 1, 2]), np.array(first, np.float32))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_newest_snapshot_is_skipped_for_the_one_before(tmp_path, damage):
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
+        _run(cluster)
+        older = _snapshot(cluster).file_name
+        _run(cluster, if_exists="resume")
+        newest = tmp_path / "state" / _snapshot(cluster).file_name
+        data = bytearray(newest.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            del data[len(data) // 2:]
+        newest.write_bytes(bytes(data))
+        (tmp_path / "state" / "snapshot-000000000099.tkv.part").write_bytes(b"half a snapshot")
+        cluster.restart()
+        info = _info(cluster)
+        assert (info.restored_from, info.run) == (older, 1)
+        skipped = [line for line in _log(cluster).splitlines() if "skipped" in line]
+        assert len(skipped) == 1 and str(newest) in skipped[0], skipped
+        assert "checksum mismatch" in skipped[0]
+
+
+def test_snapshots_are_written_every_interval_and_the_two_newest_kept(tmp_path):
+    with _cluster(tmp_path, "--snapshot-interval", "0.2"):
+        state = tmp_path / "state"
+        wait_until(lambda: any(path.name == "snapshot-000000000003.tkv" for path in state.iterdir()),
+                   "a third periodic snapshot")
+        assert len(list(state.glob("*.tkv"))) <= 2
+
+
+def test_without_a_state_dir_the_server_warns_and_refuses_snapshots(tmp_path):
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with pytest.raises(grpc.RpcError) as raised:
+            _snapshot(cluster)
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no --state-dir: nothing survives a restart" in _log(cluster)
+        assert _info(cluster).restored_from == ""
