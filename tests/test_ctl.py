@@ -58,8 +58,8 @@ def test_status_shows_every_server(job):
     assert code == 0 and err == ""
     header, *rows = out.splitlines()
     assert header.split() == ["server", "mode", "workers", "ranks", "keys", "run", "optimizer", "version",
-                              "lease_ttl_ms", "expired_leases"]  # Info's lease fields, shown as the protos have them
-    assert [row.split()[:4] + row.split()[5:7] + row.split()[8:] for row in rows] == [
+                              "lease_ttl_ms", "expired_leases", "server_id", "restored_from"]  # as Info has them
+    assert [row.split()[:4] + row.split()[5:7] + row.split()[8:10] for row in rows] == [
         [address, "sync", "2/2", "0,1", "1", "-", str(LEASE_MS), "0"] for address in cluster.addresses]
     assert sorted(int(row.split()[4]) for row in rows) == [1, 2]  # weight on both, bias on one
     infos = ctl_json("status", servers=cluster.addresses)
@@ -145,8 +145,8 @@ def test_a_killed_server_is_named_and_the_other_still_reported(job):
     code, out, err = ctl("-o", "json", "health", servers=cluster.addresses)
     assert code == 1 and json.loads(out) == [{"server": cluster.addresses[0], "status": "SERVING"}]
     code, out, err = ctl("snapshot", "save", servers=cluster.addresses[:1])
-    assert code == 1 and err == (f"tensorkv: server {cluster.addresses[0]} has no Snapshot RPC (UNIMPLEMENTED): "
-                                 "it is older than snapshots\n")
+    assert code == 1 and err == (f"tensorkv: server {cluster.addresses[0]}: this server has no --state-dir: "
+                                 "it cannot take snapshots\n")
     dropped = ctl_json("reset", servers=cluster.addresses[:1])  # the job is over: allowed
     assert dropped[0]["keys_dropped"] in (1, 2)
     assert ctl_json("keys", servers=cluster.addresses[:1]) == []
