@@ -1,8 +1,10 @@
 """Snapshots in --state-dir: taken by the Snapshot RPC, on SIGTERM and every
 --snapshot-interval; restored at start from the newest whole one. One server for one
 dist_sync worker (tests/workers/sgd_run.py: SGD with momentum over three int keys)."""
+import hashlib
 import json
 import signal
+import subprocess
 
 import grpc
 import numpy as np
@@ -100,7 +102,7 @@ def test_sigterm_writes_a_snapshot_that_a_restart_loads(tmp_path):
             np.testing.assert_array_equal(kv.pull([0, 1, 2]), np.array(first, np.float32))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "unparsable"])
 def test_a_damaged_newest_snapshot_is_skipped_for_the_one_before(tmp_path, damage):
     with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
         _run(cluster)
@@ -110,8 +112,10 @@ def test_a_damaged_newest_snapshot_is_skipped_for_the_one_before(tmp_path, damag
         data = bytearray(newest.read_bytes())
         if damage == "flip":
             data[len(data) // 2] ^= 0xFF
-        else:
+        elif damage == "truncate":
             del data[len(data) // 2:]
+        else:  # a right checksum over a payload that is not an archive
+            data = b"tensorkv-snapshot 1 " + hashlib.sha256(b"junk").hexdigest().encode() + b"\njunk"
         newest.write_bytes(bytes(data))
         (tmp_path / "state" / "snapshot-000000000099.tkv.part").write_bytes(b"half a snapshot")
         cluster.restart()
@@ -119,7 +123,7 @@ def test_a_damaged_newest_snapshot_is_skipped_for_the_one_before(tmp_path, damag
         assert (info.restored_from, info.run) == (older, 1)
         skipped = [line for line in _log(cluster).splitlines() if "skipped" in line]
         assert len(skipped) == 1 and str(newest) in skipped[0], skipped
-        assert "checksum mismatch" in skipped[0]
+        assert ("unreadable payload" if damage == "unparsable" else "checksum mismatch") in skipped[0]
 
 
 def test_snapshots_are_written_every_interval_and_the_two_newest_kept(tmp_path):
@@ -137,3 +141,13 @@ def test_without_a_state_dir_the_server_warns_and_refuses_snapshots(tmp_path):
         assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no --state-dir: nothing survives a restart" in _log(cluster)
         assert _info(cluster).restored_from == ""
+
+
+def test_a_server_of_another_worker_count_refuses_the_snapshot(tmp_path):
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:  # its stop writes snapshot 1
+        command = [*cluster.commands[0], "--num-workers", "2"]  # the later flag wins
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=STOP_TIMEOUT)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().endswith(
+        f"--state-dir {tmp_path / 'state'}: snapshot-000000000001.tkv: taken by a server with --mode sync --num-workers 1, "
+        "not --mode sync --num-workers 2")

@@ -12,7 +12,7 @@ from . import logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, check_free, serve
 from .service import MAX_KEY_BYTES
-from .snapshot import BadSnapshot, Snapshots
+from .snapshot import Snapshots, WrongServer
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
 # tensorkv_server logger hierarchy the other modules log in.
@@ -123,7 +123,7 @@ def _serve(args, reexec):
         try:
             snapshots = Snapshots(coordinator, args.state_dir)
             snapshots.load()
-        except (OSError, BadSnapshot) as error:
+        except (OSError, WrongServer) as error:
             raise SystemExit(f"tensorkv-server: --state-dir {args.state_dir}: {error}") from None
     try:
         interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []

@@ -21,6 +21,7 @@ import numpy as np
 from tensorkv import states_file
 from tensorkv.backend import BFLOAT16, to_host
 from tensorkv.codec import Item, check_key
+from tensorkv.errors import KVStoreError
 from tensorkv.words import plural
 
 from .membership import Run
@@ -36,6 +37,10 @@ _NAME = re.compile(r"snapshot-(\d{12})\.tkv")
 
 class BadSnapshot(Exception):
     """A snapshot file that cannot be loaded whole."""
+
+
+class WrongServer(Exception):
+    """A snapshot of a server with another mode or worker count: this server refuses to start."""
 
 
 def capture(coordinator):
@@ -93,43 +98,66 @@ def decode(data):
     try:
         with np.load(io.BytesIO(payload), allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
-        return json.loads(bytes(arrays.pop("header")).decode()), arrays
+        header = json.loads(bytes(arrays.pop("header")).decode())
     except (OSError, ValueError, KeyError) as error:
         raise BadSnapshot(f"unreadable payload ({error})") from None
+    if not isinstance(header, dict):
+        raise BadSnapshot("malformed header (not a JSON object)")
+    return header, arrays
 
 
 def restore(coordinator, header, arrays):
-    """Put the state of a decoded snapshot into a new ``coordinator``."""
-    if (header["mode"], header["num_workers"]) != (coordinator.mode, coordinator.num_workers):
-        raise BadSnapshot(f"taken by a server with --mode {header['mode']} --num-workers {header['num_workers']}, "
+    """Put the state of a decoded snapshot into a new ``coordinator``: all of it, or nothing
+    with BadSnapshot for a header that does not describe the arrays."""
+    if (header.get("mode"), header.get("num_workers")) != (coordinator.mode, coordinator.num_workers):
+        raise WrongServer(f"taken by a server with --mode {header.get('mode')} "
+                          f"--num-workers {header.get('num_workers')}, "
                           f"not --mode {coordinator.mode} --num-workers {coordinator.num_workers}")
-    items = []
-    for index, entry in enumerate(header["keys"]):
-        key = check_key(entry["key"])
-        array = arrays[f"value_{index}"]
-        if array.dtype == np.uint16 and entry.get("dtype") == "bfloat16":
-            array = array.view(BFLOAT16)
-        items.append(Item(key, array, entry["shape"], entry["slice"] and tuple(entry["slice"])))
-        rounds = coordinator._rounds[key] = _KeyRounds()
-        rounds.current = _Wait(entry["round"])
-        coordinator._updates[key] = entry["updates"]
-        coordinator._initialized_in[key] = entry["initialized_in"]
+    try:
+        items, optimizer, states = _parse(header, arrays)
+        coordinator.engine.check_new(items)
+    except (KeyError, TypeError, ValueError, AttributeError, KVStoreError) as error:
+        raise BadSnapshot(f"malformed header ({error!r})") from None
     coordinator.engine.init(items)
-    if header["optimizer"] is not None:
-        states, index = {}, 0
-        shapes = {item.key: item for item in items}
-        for entry in header["states"]:
-            key = check_key(entry["key"])
-            stored = shapes[key]
-            states[key] = (entry["num_update"], [Item(key, arrays[f"state_{index + i}"], stored.shape, stored.slice)
-                                                 for i in range(entry["num_states"])])
-            index += entry["num_states"]
-        coordinator.set_optimizer(states_file.optimizer_from_header(header["optimizer"]), states)
+    for item, entry in zip(items, header["keys"]):
+        coordinator._rounds[item.key] = rounds = _KeyRounds()
+        rounds.current = _Wait(entry["round"])
+        coordinator._updates[item.key] = entry["updates"]
+        coordinator._initialized_in[item.key] = entry["initialized_in"]
+    if optimizer is not None:
+        coordinator.set_optimizer(optimizer, states)
     members = coordinator.members
     if header["run"] is not None:
         members.run = Run(header["run"]["number"], header["run"]["if_exists"])
     members._next_incarnation = max(members._next_incarnation, header["next_incarnation"])
     coordinator._barriers_done = header["barriers_done"]
+
+
+def _parse(header, arrays):
+    """([Item] of the values, optimizer or None, {key: (num_update, [Item])}) of a snapshot;
+    KeyError, TypeError or ValueError if the header does not describe the arrays."""
+    items = []
+    for index, entry in enumerate(header["keys"]):
+        array = arrays[f"value_{index}"]
+        if array.dtype == np.uint16 and entry["dtype"] == "bfloat16":
+            array = array.view(BFLOAT16)
+        items.append(Item(check_key(entry["key"]), array, entry["shape"], entry["slice"] and tuple(entry["slice"])))
+        for field in ("round", "updates", "initialized_in"):
+            int(entry[field])
+    for field in ("next_incarnation", "barriers_done"):
+        int(header[field])
+    if header["run"] is not None:
+        int(header["run"]["number"]), header["run"]["if_exists"]
+    if header["optimizer"] is None:
+        return items, None, {}
+    by_key, states, index = {item.key: item for item in items}, {}, 0
+    for entry in header["states"]:
+        stored = by_key[check_key(entry["key"])]
+        states[stored.key] = (int(entry["num_update"]), [
+            Item(stored.key, arrays[f"state_{index + i}"], stored.shape, stored.slice)
+            for i in range(entry["num_states"])])
+        index += entry["num_states"]
+    return items, states_file.optimizer_from_header(header["optimizer"]), states
 
 
 class Snapshots:
@@ -156,10 +184,12 @@ class Snapshots:
             try:
                 with open(path, "rb") as file:
                     header, arrays = decode(file.read())
+                restore(self.coordinator, header, arrays)
+            except WrongServer as error:
+                raise WrongServer(f"{name}: {error}") from None
             except (OSError, BadSnapshot) as error:
                 log.warning("snapshot %s skipped: %s", path, error, extra={"event": "snapshot_skipped"})
                 continue
-            restore(self.coordinator, header, arrays)
             self.restored_from = name
             run = self.coordinator.members.run
             log.info("restored %s, run %d, from %s", plural(len(header["keys"]), "key"), run.number if run else 0,
