@@ -16,6 +16,7 @@ from .errors import (
     ShapeMismatchError, UnauthenticatedError,
 )
 from .kvstore import KVStore
+from .rowsparse import row_sparse
 from .trainer import Trainer
 
 __version__ = "0.1.0"
@@ -67,7 +68,7 @@ def reset(servers=None, **options):
 
 
 __all__ = [
-    "create", "reset", "KVStore", "Trainer", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
+    "create", "reset", "row_sparse", "KVStore", "Trainer", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
     "InvalidTensorError", "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError",
     "KeyExistsError", "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError",
     "DeadlineExceededError", "ResourceExhaustedError", "InternalError", "UnauthenticatedError",

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, states_file, states_wire
+from . import allocator, rowsparse_wire, states_file, states_wire
 from .backend import on_gpu, shape_dtype, to_host
 from . import shm
 from .codec import (
@@ -28,6 +28,7 @@ from .errors import (
     ServerUnavailableError, ShapeMismatchError, key_repr,
 )
 from .kvstore import KVStore
+from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
 from .lease import Heartbeat
 from .security import Security
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
@@ -635,6 +636,73 @@ class DistStore(KVStore):
         request = kvstore_pb2.PullRequest(**self._caller(index))
         for key in keys:
             set_key(request.keys.add(), key)
+        return request
+
+    # ---- row-sparse values: plain messages, only the rows travel ----------------------
+
+    def _push_rows(self, pairs):
+        """RowSparsePush of each key's merged rows to every server holding it (a slice's server
+        gets the rows that touch its slice, or none, so that its round counts this push)."""
+        grouped = {}
+        for key, values in pairs:
+            grouped.setdefault(key, []).extend(values)
+        _MERGE.check_keys(list(grouped))
+        requests = {}
+        for key, values in grouped.items():
+            value = merge_rows(key, [RowSparse(to_host(v.data), v.indices, v.shape) for v in values])
+            data = value.data.astype(values[0].dtype, copy=False)
+            self._check_known(key, value.shape, data.dtype, "pushed")
+            width = math.prod(value.shape[1:])
+            for index, where in self._placement(key, math.prod(value.shape)):
+                sent = slice(None) if where is None else touching(value.indices, width, where)
+                if index not in requests:
+                    requests[index] = kvstore_pb2.RowSparsePushRequest(**self._caller(index))
+                rowsparse_wire.set_value(requests[index].values.add(), key, value.shape, value.indices[sent],
+                                         data[sent])
+        self._each({index: lambda stub, request=request: stub.RowSparsePush(request, timeout=self._timeout)
+                    for index, request in requests.items()}, "push")
+
+    def _row_sparse_pull(self, requests):
+        """[(full shape, rows)] of ``requests`` [(key, row ids)]: each server is asked for the
+        distinct rows that touch what it holds, all servers at once."""
+        _MERGE.check_keys([key for key, _ in requests])
+        self._learn_shapes({key for key, _ in requests if key not in self._meta})
+        plan, results = {}, []
+        for position, (key, ids) in enumerate(requests):
+            shape, dtype = self._meta[key]
+            if not shape:
+                raise InvalidArgumentError(f"key {key_repr(key)}: a scalar value has no rows to pull")
+            unique, inverse = np.unique(check_row_ids(key, ids, shape[0]), return_inverse=True)
+            results.append((shape, np.empty((len(unique),) + shape[1:], dtype), inverse))
+            for index, where in self._placement(key, math.prod(shape)):
+                mask = np.ones(len(unique), bool) if where is None else touching(unique, math.prod(shape[1:]), where)
+                if mask.any():
+                    plan.setdefault(index, []).append((position, where, np.flatnonzero(mask), unique[mask]))
+        answers = self._each({index: lambda stub, index=index, part=part: stub.RowSparsePull(
+            self._rows_request(index, [(requests[position][0], ids) for position, _, _, ids in part]),
+            timeout=self._timeout) for index, part in plan.items()}, "row_sparse_pull")
+        for index, answer in answers.items():
+            for (position, where, positions, ids), value in zip(plan[index], answer.values):
+                place(results[position][1], positions, ids, rowsparse_wire.get_value(value)[3], where)
+        return [(shape, rows[inverse]) for shape, rows, inverse in results]
+
+    def _learn_shapes(self, keys):
+        """Ask each key's home server for none of its rows, which tells its shape and dtype."""
+        homes = {}
+        for key in keys:
+            homes.setdefault(home(key, len(self._stubs)), []).append((key, ()))
+        answers = self._each({index: lambda stub, index=index, part=part: stub.RowSparsePull(
+            self._rows_request(index, part), timeout=self._timeout) for index, part in homes.items()},
+            "row_sparse_pull")
+        for answer in answers.values():
+            for value in answer.values:
+                key, shape, _, rows = rowsparse_wire.get_value(value)
+                self._meta[key] = (shape, rows.dtype)
+
+    def _rows_request(self, index, part):
+        request = kvstore_pb2.RowSparsePullRequest(**self._caller(index))
+        for key, ids in part:
+            rowsparse_wire.set_row_ids(request.keys.add(), key, ids)
         return request
 
     # ---- optimizer --------------------------------------------------------------------

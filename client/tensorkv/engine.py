@@ -15,11 +15,12 @@ from . import kernels
 from .backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
 from .codec import check_key, wire_dtype
 from .errors import (
-    DtypeMismatchError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError, ShapeMismatchError,
-    key_repr, keys_repr, no_memory,
+    DtypeMismatchError, InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,
+    ShapeMismatchError, key_repr, keys_repr, no_memory,
 )
 from .kernels import accumulator_dtype
 from .optimizer import Updater
+from .rowsparse import RowSparse, Rows, canonical, check_like, check_row_ids, merge as merge_rows
 
 
 def dtype_mismatch(key, verb, dtype, stored):
@@ -111,7 +112,10 @@ class Engine:
                 raise InvalidTensorError(f"key {key_repr(key)}: {error}") from None
 
     def check_value(self, key, value, shape=None, slice=None, verb="pushed"):
-        """Check ``value`` agrees with the stored dtype and shape (and slice) of ``key``."""
+        """Check ``value`` agrees with the stored dtype and shape (and slice) of ``key``; a
+        RowSparse value, that its rows fit (:meth:`check_rows`)."""
+        if isinstance(value, RowSparse):
+            return self.check_rows(key, value)
         stored = self.get(key)
         if type(value) is np.ndarray:
             data_shape, dtype = value.shape, value.dtype
@@ -163,13 +167,16 @@ class Engine:
         self.updater = None
         self._key_type = None
 
-    def accumulate(self, total, value, owned=False):
+    def accumulate(self, total, value, owned=False, key=None):
         """``total + value`` for merging pushes, in place when ``total`` is not None.
 
         The first value is copied into a new total (float32 for float16 and bfloat16), so
         the caller's arrays are never modified; an ``owned`` value (a receive buffer nobody
-        else holds) becomes the total itself when no copy is needed.
+        else holds) becomes the total itself when no copy is needed. Row-sparse values of
+        ``key`` are gathered into a RowSparse total, or added into a dense one.
         """
+        if isinstance(value, RowSparse) or isinstance(total, RowSparse):
+            return self._accumulate_rows(key, total, value)
         with self.on_device():
             value = to_namespace(value, self.xp)
             if total is None:
@@ -182,9 +189,31 @@ class Engine:
                 kernels.sum_into(total, [value], accumulate=True)
             return total
 
+    def _accumulate_rows(self, key, total, value):
+        if total is None:
+            return value
+        if isinstance(total, RowSparse) and isinstance(value, RowSparse):
+            with self.on_device():
+                data = self.xp.concatenate([to_namespace(total.data, self.xp), to_namespace(value.data, self.xp)])
+            return RowSparse(data, np.concatenate([total.indices, value.indices]), total.shape)
+        dense, rows = (total, value) if isinstance(value, RowSparse) else (value, total)
+        return self.accumulate(self.accumulate(None, self._dense(key, rows)), dense)
+
+    def _dense(self, key, value):
+        """The RowSparse ``value`` laid out as ``key``'s stored array: its rows, zeros elsewhere."""
+        stored = self.get(key)
+        value = canonical(value)
+        with self.on_device():
+            dense = self.xp.zeros(stored.array.shape, accumulator_dtype(value.dtype))
+            Rows(dense, stored.shape, stored.slice).scatter(value.indices, to_namespace(value.data, self.xp))
+        return dense
+
     def apply(self, key, merged):
         """Merge ``merged`` (a value or a sum from :meth:`merge`) into ``key`` through the
         updater, or assign it when there is none."""
+        if isinstance(merged, RowSparse):
+            self._apply_rows(key, canonical(merged))
+            return
         stored = self.get(key).array
         with self.on_device():
             if self.updater is None:
@@ -193,6 +222,22 @@ class Engine:
                 self.updater(key, merged, stored)  # a fused kernel reads the float32 sum as it is
             else:
                 self._call_user_updater(key, merged, stored)
+
+    def _apply_rows(self, key, value):
+        """Apply the canonical RowSparse ``value``: the optimizer updates its rows only (and
+        their states: MXNet's lazy_update); with no updater the value is assigned, as MXNet's
+        KVStore stores a pushed row_sparse value (the other rows become zero); a Python
+        updater gets it dense."""
+        stored = self.get(key)
+        with self.on_device():
+            data = to_namespace(value.data, self.xp)
+            if self.updater is None:
+                stored.array[...] = 0
+                Rows(stored.array, stored.shape, stored.slice).scatter(value.indices, data)
+            elif isinstance(self.updater, Updater):
+                self.updater.update_rows(key, stored.array, stored.shape, stored.slice, value.indices, data)
+            else:
+                self._call_user_updater(key, self._dense(key, value), stored.array)
 
     def _call_user_updater(self, key, merged, stored):
         """``updater(key, merged, stored)`` with both in the stored dtype; a bfloat16 value on
@@ -209,6 +254,7 @@ class Engine:
 
     def push(self, pairs):
         """Merge each (key, [values]) pair into its key: sum the list, then apply. All or none.
+        The values of a key are all arrays, or all RowSparse.
 
         A key given several times in one call is merged once, over all of its values, as
         MXNet groups the pairs of a push by key.
@@ -228,7 +274,9 @@ class Engine:
 
     def merge(self, values):
         """The sum of ``values`` in one pass (float32 for float16 and bfloat16); a single
-        value is passed through without a copy."""
+        value is passed through without a copy. Row-sparse values merge into one RowSparse."""
+        if isinstance(values[0], RowSparse):
+            return merge_rows(None, values)
         with self.on_device():
             if len(values) == 1:
                 value = values[0]
@@ -249,6 +297,23 @@ class Engine:
             return merged
         with self.on_device():
             return self._copy(merged, dtype)
+
+    def check_rows(self, key, value):
+        """Check the RowSparse ``value`` (full-width rows) may be pushed into ``key``."""
+        stored = self.get(key)
+        check_like(key, value, stored.shape, stored.array.dtype, "pushed")
+        check_row_ids(key, value.indices, stored.shape[0])
+        return stored
+
+    def pull_rows(self, key, ids):
+        """(the full shape of ``key``, a new array of its rows ``ids``): InvalidArgumentError
+        naming the key and the first id out of range before anything is read."""
+        stored = self.get(key)
+        if not stored.shape:
+            raise InvalidArgumentError(f"key {key_repr(key)}: a scalar value has no rows to pull")
+        ids = check_row_ids(key, ids, stored.shape[0])
+        with self.on_device():
+            return stored.shape, Rows(stored.array, stored.shape, stored.slice).gather(ids)
 
     def pull(self, keys):
         """The stored arrays of ``keys`` (not copies); KeyNotFoundError before any is returned."""

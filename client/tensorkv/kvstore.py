@@ -6,9 +6,10 @@ types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
 """
 import numpy as np
 
-from .backend import is_array, shape_dtype, to_host, write_into
+from .backend import is_array, shape_dtype, to_host, to_namespace, write_into
 from .codec import Item, check_key
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
+from .rowsparse import RowSparse, check_row_ids
 from .words import plural
 
 
@@ -115,7 +116,58 @@ class KVStore:
         >>> kv.push('w', [np.ones(4, dtype=np.float32)] * 4)   # stored value becomes 4
         """
         self._check_open()
-        self._push(self._push_pairs(key, value))
+        pairs = self._push_pairs(key, value)
+        sparse = [isinstance(array, RowSparse) for _, arrays in pairs for array in arrays]
+        if not any(sparse):
+            self._push(pairs)
+        elif all(sparse):
+            self._push_rows(pairs)
+        else:
+            raise InvalidArgumentError("push: row-sparse and dense values cannot be mixed in one call; "
+                                       "push them in separate calls")
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """Pull only the rows ``row_ids`` (along the first axis) of one key or a list of keys.
+
+        ``row_ids`` may repeat and be in any order. Each ``out`` array has shape
+        ``(len(row_ids),) + shape[1:]`` and receives the rows in the order asked, or has the
+        key's whole shape and receives those rows in place (its other rows are left as they
+        are). ``out`` may be a list (one array per device): ``row_ids`` is then one array for
+        all of them or a list with one per array. For a list of keys, ``out`` and ``row_ids``
+        are lists with one entry per key. With ``out=None`` the rows are returned. Only the
+        rows asked for travel; a row id out of range raises InvalidArgumentError naming the
+        key and the id, before any ``out`` is written.
+
+        >>> kv.init('emb', np.arange(12, dtype=np.float32).reshape(6, 2))
+        >>> kv.row_sparse_pull('emb', row_ids=[4, 0, 4])
+        array([[8., 9.],
+               [0., 1.],
+               [8., 9.]], dtype=float32)
+        """
+        self._check_open()
+        requests, deliveries = self._row_sparse_targets(key, out, row_ids)
+        results = self._row_sparse_pull(requests)
+        if deliveries is None:
+            rows = [to_host(rows) for _, rows in results]
+            return rows if isinstance(key, (list, tuple)) else rows[0]
+        writes = []
+        for position, target in deliveries:
+            (k, ids), (shape, rows) = requests[position], results[position]
+            target_shape, dtype = shape_dtype(target)
+            if dtype != rows.dtype:
+                raise DtypeMismatchError(f"key {key_repr(k)}: out array of dtype {dtype} does not match the stored "
+                                         f"dtype {rows.dtype}")
+            if target_shape not in (tuple(rows.shape), tuple(shape)):
+                raise ShapeMismatchError(
+                    f"key {key_repr(k)}: out array of shape {target_shape} holds neither the {len(ids)} rows asked "
+                    f"{tuple(rows.shape)} nor the whole value {tuple(shape)}")
+            writes.append((target, None if target_shape == tuple(rows.shape) else ids, rows))
+        for target, ids, rows in writes:
+            if ids is None:
+                write_into(target, rows)
+            else:
+                _write_rows(target, ids, rows)
+        return None
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Pull values of one key or a list of keys.
@@ -147,6 +199,8 @@ class KVStore:
         """
         self._check_open()
         pairs = self._push_pairs(key, value)
+        if any(isinstance(array, RowSparse) for _, arrays in pairs for array in arrays):
+            raise InvalidArgumentError("pushpull takes dense values: push a row-sparse value, then row_sparse_pull")
         keys, outs = self._pull_targets(key, value if out is None else out)
         for (k, arrays), targets in zip(pairs, outs):
             shape, dtype = shape_dtype(arrays[0])
@@ -244,6 +298,30 @@ class KVStore:
 
     # ---- argument plumbing --------------------------------------------------------------
 
+    def _row_sparse_targets(self, key, out, row_ids):
+        """([(key, row ids)] to pull, and [(index into those, out array)] or None for out=None),
+        for the call forms of MXNet's row_sparse_pull."""
+        if row_ids is None:
+            raise InvalidArgumentError("row_sparse_pull needs row_ids: the rows to pull")
+        several = isinstance(key, (list, tuple))
+        keys, outs = self._pull_targets(key, out)
+        ids_per_key = _as_list(key, row_ids, "row_sparse_pull row_ids")[1] if several else [row_ids]
+        requests, deliveries = [], None if outs is None else []
+        for index, (k, ids) in enumerate(zip(keys, ids_per_key)):
+            targets = [None] if outs is None else outs[index]
+            per_target = isinstance(ids, (list, tuple)) and ids and all(is_array(i) or isinstance(i, (list, tuple))
+                                                                         for i in ids)
+            if per_target and len(ids) not in (1, len(targets)):
+                raise InvalidArgumentError(f"key {key_repr(k)}: {len(ids)} row id arrays for "
+                                           f"{plural(len(targets), 'out array')}: give one, or one per out array")
+            id_arrays = [check_row_ids(k, i) for i in ids] if per_target else [check_row_ids(k, ids)]
+            first = len(requests)
+            requests.extend((k, i) for i in id_arrays)
+            if deliveries is not None:
+                deliveries.extend((first + (j if len(id_arrays) > 1 else 0), target)
+                                  for j, target in enumerate(targets))
+        return requests, deliveries
+
     def _init_items(self, key, value):
         keys, values = _as_list(key, value, "init")
         items = []
@@ -252,7 +330,7 @@ class KVStore:
             arrays = _arrays(k, v)
             if len(arrays) != 1:
                 raise InvalidArgumentError(f"key {key_repr(k)}: init takes one array per key, got {len(arrays)}")
-            items.append(Item(k, arrays[0]))
+            items.append(Item(k, arrays[0].todense() if isinstance(arrays[0], RowSparse) else arrays[0]))
         return items
 
     def _push_pairs(self, key, value):
@@ -307,3 +385,19 @@ class KVStore:
                 else:
                     write_into(target, value)
         return None
+
+
+def _write_rows(target, ids, rows):
+    """``target[ids] = rows`` for an out array of the value's whole shape, of any array type."""
+    module = type(target).__module__
+    if isinstance(target, np.ndarray):
+        target[ids] = to_host(rows)
+    elif module.startswith("torch"):
+        import torch
+        with torch.no_grad():
+            whole = torch.as_tensor(to_host(rows)).to(target.device)
+            target[torch.as_tensor(ids, device=target.device)] = whole
+    else:
+        import cupy
+        with target.device:
+            target[cupy.asarray(ids)] = to_namespace(rows, cupy)

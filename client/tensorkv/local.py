@@ -54,6 +54,13 @@ class LocalStore(KVStore):
             values = self._engine.pull(keys)
             return [host_copy(value) for value in values] if fresh else values
 
+    def _push_rows(self, pairs):
+        self._push(pairs)  # the engine merges RowSparse values as it merges arrays
+
+    def _row_sparse_pull(self, requests):
+        with self._lock:
+            return [self._engine.pull_rows(key, ids) for key, ids in requests]
+
     def _pushpull(self, pairs, fresh, outs=None):
         with self._lock:
             self._engine.push(pairs)

@@ -33,6 +33,7 @@ from .backend import array_module
 from .kernels import Kernel
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .lr_scheduler import LRScheduler
+from .rowsparse import Rows
 from .words import plural
 
 
@@ -451,13 +452,29 @@ class Updater:
             )
 
     def __call__(self, key, grad, weight):
+        self._step(key, weight, lambda xp, state, t, lr: self.optimizer.update(xp, weight, grad, state, t, lr))
+
+    def update_rows(self, key, weight, shape, slice, ids, grad):
+        """The lazy update (MXNet's ``lazy_update``): ``grad``, full-width rows of the distinct
+        row ``ids`` of a value of ``shape``, updates only those rows of ``weight`` (the value,
+        or its elements ``slice``) and of its states. It counts as one update of the key."""
+        def update(xp, state, t, lr):
+            views = [Rows(array, shape, slice) for array in (weight, *state)]
+            gathered = [view.gather(ids) for view in views]
+            self.optimizer.update(xp, gathered[0], grad, gathered[1:], t, lr)
+            for view, array in zip(views, gathered):
+                view.scatter(ids, array)
+        self._step(key, weight, update)
+
+    def _step(self, key, weight, update):
+        """``update(xp, state, t, lr)`` for the next update of ``key``, then count it."""
         xp = array_module(weight)
         state = self._states.get(key)
         if state is None:
             state = self._states[key] = self.optimizer.create_state(xp, weight)
         t = self._num_updates.get(key, 0) + 1
         num_update = max(self.num_update, t)
-        self.optimizer.update(xp, weight, grad, state, t, self.optimizer.learning_rate_at(num_update))
+        update(xp, state, t, self.optimizer.learning_rate_at(num_update))
         self._num_updates[key] = t
         self.num_update = num_update
 

@@ -27,6 +27,7 @@ import numpy as np
 from tensorkv import optimizer as optimizers
 from tensorkv.backend import to_host
 from tensorkv.codec import Item
+from tensorkv.rowsparse import check_row_ids
 from tensorkv.errors import (
     FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError, key_repr, keys_repr,
@@ -282,6 +283,20 @@ class Coordinator:
         metrics.COUNTS.pulls += len(keys)
         return [self._snapshot(key) for key in keys]
 
+    async def pull_rows(self, rank, incarnation, requests):
+        """[(full shape, new array of the rows)] of ``requests`` [(key, row ids)], after the
+        current round of each key this rank has pushed to (sync mode); every id is checked
+        before anything is waited for."""
+        self.members.check(rank, incarnation)
+        keys = self.engine.check_keys([key for key, _ in requests])
+        for key, (_, ids) in zip(keys, requests):
+            shape = self.engine.get(key).shape
+            check_row_ids(key, ids, shape[0] if shape else 0)
+        if self.mode == SYNC and await self._settle(rank, keys):
+            self.members.check(rank, incarnation)
+        metrics.COUNTS.pulls += len(keys)
+        return [self.engine.pull_rows(key, ids) for key, (_, ids) in zip(keys, requests)]
+
     async def pushpull(self, rank, incarnation, items):
         await self.push(rank, incarnation, items)
         return await self.pull(rank, incarnation, [item.key for item in items])
@@ -297,7 +312,7 @@ class Coordinator:
             # (e.g. a view of the client's shared memory), without a copy into a total.
             total = self.engine.merge([item.array])
         else:
-            current.total = total = self.engine.accumulate(current.total, item.array, item.owned)
+            current.total = total = self.engine.accumulate(current.total, item.array, item.owned, key=item.key)
         if complete:
             self._apply(item.key, total)
             metrics.round_completed(current.opened, current.latest, now)

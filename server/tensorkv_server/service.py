@@ -15,9 +15,10 @@ import grpc
 import numpy as np
 from google.protobuf.message_factory import GetMessageClass
 
-from tensorkv import __version__, codec, states_wire
+from tensorkv import __version__, codec, rowsparse_wire, states_wire
 from tensorkv.backend import on_gpu
 from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError
+from tensorkv.rowsparse import RowSparse
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -205,6 +206,26 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
         for message in _responses(self._host(items)):
             yield message
+
+    async def RowSparsePull(self, request, context):
+        requests = []
+        for entry in request.keys:
+            key = codec.get_key(entry.key)
+            codec.check_key_bytes(key, self.max_key_bytes)
+            requests.append((key, np.array(entry.row_ids, np.int64)))
+        results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests)
+        response = kvstore_pb2.RowSparsePullResponse()
+        for (key, row_ids), (shape, rows) in zip(requests, results):
+            rowsparse_wire.set_value(response.values.add(), key, shape, row_ids, rows)
+        return response
+
+    async def RowSparsePush(self, request, context):
+        items = []
+        for value in request.values:
+            key, shape, row_ids, rows = rowsparse_wire.get_value(value, self.max_key_bytes)
+            items.append(codec.Item(key, RowSparse(rows, row_ids, shape)))
+        await self.coordinator.push(request.rank, request.incarnation, items)
+        return kvstore_pb2.RowSparsePushResponse()
 
     async def PushPull(self, request_iterator, context):
         items = await self._apply(request_iterator, kvstore_pb2.PushPullRequest,

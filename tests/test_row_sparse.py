@@ -1,0 +1,117 @@
+"""Row-sparse values (issue 18 item 3): row_sparse_pull and row-sparse pushes with MXNet's
+lazy updates, on the embedded stores and on real server processes (1 and 2 servers, a
+value sliced over both, 2 workers in dist_sync); bad row ids refused with nothing changed."""
+import signal
+
+import grpc
+import numpy as np
+import pytest
+
+import tensorkv
+from tensorkv.rowsparse_wire import set_row_ids, set_value
+from tensorkv.rpc import Stub
+from tensorkv.v1 import kvstore_pb2
+from cluster import Cluster, check_workers
+from workers import row_sparse_rounds
+
+OPTIMIZERS = ["none", "sgd", "adam"]
+# Slices [0, 31) and [31, 63) of row_sparse_rounds.SHAPE on 2 servers: row 4 is cut.
+SLICED = {"TENSORKV_BIGARRAY_BOUND": "20"}
+
+
+@pytest.mark.parametrize("store", ["local", "device"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_embedded_store(store, name):
+    with tensorkv.create(store) as kv:
+        row_sparse_rounds.run(kv, name)
+
+
+@pytest.mark.parametrize("servers, workers", [(1, 1), (2, 2)])
+def test_servers_with_rounds_of_row_sparse_pushes(tmp_path, servers, workers):
+    """Lazy SGD with momentum and Adam, and no optimizer, exact against the formulas; on 2
+    servers 'w' is sliced over both and the 2 workers' rows are summed per row."""
+    with Cluster(servers=servers, num_workers=workers, tmp_path=tmp_path) as cluster:
+        for name in OPTIMIZERS:
+            results = cluster.run_workers("row_sparse_rounds", "dist_sync", name, env=SLICED)
+            assert sorted(check_workers(results)) == [f"ok {rank}\n" for rank in range(workers)]
+            tensorkv.reset(cluster.addresses)
+
+
+def test_each_server_is_asked_only_for_the_rows_in_its_slice(tmp_path, monkeypatch):
+    """With the server of the other slice stopped (SIGSTOP), rows of one slice still come
+    back: nothing was asked of the stopped one. A row cut by the boundary needs both."""
+    monkeypatch.setenv("TENSORKV_BIGARRAY_BOUND", "20")
+    value = np.arange(63, dtype=np.float32).reshape(9, 7)  # slices [0, 31) and [31, 63): row 4 is cut
+    with Cluster(servers=2, tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, timeout=2) as kv:
+        kv.init("w", value)
+        for stopped, rows in ((1, [0, 3, 0]), (0, [8, 5])):
+            cluster.processes[stopped].send_signal(signal.SIGSTOP)
+            try:
+                np.testing.assert_array_equal(kv.row_sparse_pull("w", row_ids=rows), value[rows])
+                with pytest.raises(tensorkv.DeadlineExceededError):
+                    kv.row_sparse_pull("w", row_ids=[4])
+            finally:
+                cluster.processes[stopped].send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(kv.row_sparse_pull("w", row_ids=[4, 3, 5]), value[[4, 3, 5]])
+
+
+def test_bad_row_ids_sent_by_a_raw_stub_are_refused_and_change_nothing(tmp_path):
+    value = np.arange(70, dtype=np.float32).reshape(10, 7)
+    with Cluster(tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses) as kv, \
+            grpc.insecure_channel(cluster.addresses[0]) as channel:
+        kv.init("w", value)
+        caller = dict(rank=kv.rank, incarnation=kv._registered[0])
+        stub = Stub(channel)
+        for ids in ([3, 10], [-2]):
+            push = kvstore_pb2.RowSparsePushRequest(**caller)
+            set_value(push.values.add(), "w", (10, 7), ids, np.ones((len(ids), 7), np.float32))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.RowSparsePush(push, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"key 'w': row id {ids[-1]} is out of range for a value of 10 rows" in refused.value.details()
+            pull = kvstore_pb2.RowSparsePullRequest(**caller)
+            set_row_ids(pull.keys.add(), "w", ids)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.RowSparsePull(pull, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"row id {ids[-1]}" in refused.value.details()
+        short = kvstore_pb2.RowSparsePushRequest(**caller)
+        set_value(short.values.add(), "w", (10, 7), [1, 2], np.ones((1, 7), np.float32))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RowSparsePush(short, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        np.testing.assert_array_equal(kv.pull("w"), value)
+
+
+@pytest.mark.parametrize("store", ["local", "dist_sync"])
+def test_call_forms_and_misuse(tmp_path, store):
+    with Cluster(tmp_path=tmp_path) if store != "local" else _nothing() as cluster, \
+            tensorkv.create(store, **({"servers": cluster.addresses} if cluster else {})) as kv:
+        kv.init("w", tensorkv.row_sparse(np.ones((1, 2), np.float32), [2], (4, 2)))
+        np.testing.assert_array_equal(kv.pull("w"), [[0, 0], [0, 0], [1, 1], [0, 0]])
+        with pytest.raises(tensorkv.InvalidArgumentError, match="row_sparse_pull needs row_ids"):
+            kv.row_sparse_pull("w", out=np.zeros((4, 2), np.float32))
+        with pytest.raises(tensorkv.ShapeMismatchError, match="holds neither the 1 rows asked"):
+            kv.row_sparse_pull("w", out=np.zeros((2, 2), np.float32), row_ids=[1])
+        with pytest.raises(tensorkv.DtypeMismatchError):
+            kv.row_sparse_pull("w", out=np.zeros((1, 2)), row_ids=[1])
+        with pytest.raises(tensorkv.InvalidArgumentError, match="cannot be mixed"):
+            kv.push(["w", "w"], [tensorkv.row_sparse(np.ones((1, 2), np.float32), [0], (4, 2)),
+                                 np.ones((4, 2), np.float32)])
+        with pytest.raises(tensorkv.InvalidArgumentError, match="pushpull takes dense values"):
+            kv.pushpull("w", tensorkv.row_sparse(np.ones((1, 2), np.float32), [0], (4, 2)))
+        with pytest.raises(tensorkv.InvalidArgumentError, match=r"row_sparse: row id 4 is out of range"):
+            tensorkv.row_sparse(np.ones((1, 2), np.float32), [4], (4, 2))
+        with pytest.raises(tensorkv.KeyNotFoundError):
+            kv.row_sparse_pull("nope", row_ids=[0])
+        np.testing.assert_array_equal(kv.pull("w"), [[0, 0], [0, 0], [1, 1], [0, 0]])
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
