@@ -148,7 +148,8 @@ class KVStore:
         requests, deliveries = self._row_sparse_targets(key, out, row_ids)
         results = self._row_sparse_pull(requests)
         if deliveries is None:
-            rows = [to_host(rows) for _, rows in results]
+            rows = [to_host(rows) if getattr(rows, "flags", None) is None or rows.flags.writeable else rows.copy()
+                    for _, rows in results]
             return rows if isinstance(key, (list, tuple)) else rows[0]
         writes = []
         for position, target in deliveries:

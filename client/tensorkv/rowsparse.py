@@ -168,7 +168,8 @@ class Rows:
         self.first = -(-self.begin // width)
         self.last = max(self.end // width, self.first)
         start = self.first * self.width - self.begin
-        self.whole = self.flat[start:start + (self.last - self.first) * self.width].reshape(-1, self.width)
+        self.whole = self.flat[start:start + (self.last - self.first) * self.width].reshape(
+            self.last - self.first, self.width)
 
     def _split(self, ids):
         """(mask of the ids of whole rows, [(i, lo, hi)] of the others: row ``ids[i]``'s

@@ -1,0 +1,84 @@
+"""row_sparse_pull's row of `make bench`: 1% of the rows of a 64 MiB table next to a full pull.
+
+One float32 table of 65,536 rows x 256 columns (64 MiB, 1 KiB a row) on 'dist_sync' with
+one worker (this process) and a real server process, over the TCP-only path
+(transport='tcp', as a client on another host). Rows, medians in ms, measured alternately
+in the same run on the same store:
+
+  * full pull: ``kv.pull(key, out=table)``;
+  * row_sparse_pull of 1% of the rows (655 distinct ids, drawn at random once):
+    ``kv.row_sparse_pull(key, out=rows, row_ids=ids)`` into a (655, 256) array;
+  * for scale, a pull of a 16-float key: the least any call costs right after a full pull.
+
+The goal (issue 18): the row-sparse pull takes at most 5% of the full pull's time. After
+the clock stops, the rows pulled are checked against the table: a mismatch fails the bench
+with exit status 2. Writes <out-dir>/row_sparse.{json,md} (row_sparse-quick.* with --quick:
+3 repeats in place of 10).
+"""
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import tensorkv
+
+import common
+from run import server
+
+GOAL = 0.05  # row_sparse_pull of 1% of the rows / full pull
+SHAPE = (65_536, 256)
+
+
+def measure(repeats, logdir):
+    """{row: median seconds} and whether the pulled rows checked out."""
+    rng = np.random.default_rng(0)
+    value = rng.standard_normal(SHAPE, dtype=np.float32)
+    ids = np.sort(rng.choice(SHAPE[0], SHAPE[0] // 100, replace=False))
+    table, rows = np.empty_like(value), np.empty((len(ids), SHAPE[1]), np.float32)
+    with server(1, dict(os.environ), logdir) as address, \
+            tensorkv.create("dist_sync", servers=address, rank=0, num_workers=1, transport="tcp") as kv:
+        kv.init("table", value)
+        kv.init("small", np.zeros(16, np.float32))
+        ops = {"full pull": lambda: kv.pull("table", out=table),
+               "row_sparse_pull 1%": lambda: kv.row_sparse_pull("table", out=rows, row_ids=ids),
+               "full pull again": lambda: kv.pull("table", out=table),
+               "pull of 16 floats": lambda: kv.pull("small")}
+        times = {name: [] for name in ops}
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, op in ops.items():
+                start = time.perf_counter()
+                op()
+                times[name].append(time.perf_counter() - start)
+    ok = np.array_equal(table, value) and np.array_equal(rows, value[ids])
+    return {name: statistics.median(values[1:]) for name, values in times.items()}, ok
+
+
+def markdown(medians, command):
+    full = medians["full pull"]
+    lines = [f"`{command}`: float32 table {SHAPE[0]} x {SHAPE[1]} (64 MiB), 1% = {SHAPE[0] // 100} rows, "
+             f"dist_sync over TCP, 1 worker, medians; goal: row_sparse_pull <= {GOAL:.0%} of a full pull.", "",
+             "| row | ms | x full pull |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {seconds * 1e3:.2f} | {seconds / full:.4f} |" for name, seconds in medians.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = common.parse_args(__doc__, argv)
+    command = "python bench/row_sparse.py" + (" --quick" if args.quick else "")
+    with tempfile.TemporaryDirectory() as logdir:
+        medians, ok = measure(3 if args.quick else 10, logdir)
+    if not ok:
+        print("row_sparse bench FAILED: the rows pulled differ from the table", file=sys.stderr)
+        return 2
+    ratio = medians["row_sparse_pull 1%"] / medians["full pull"]
+    common.write_results(args, "row_sparse", markdown(medians, command), {
+        "command": command, "ms": {n: s * 1e3 for n, s in medians.items()}, "ratio": ratio, "goal": GOAL,
+        "goal_met": ratio <= GOAL})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
