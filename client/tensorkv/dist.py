@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, states_file, states_wire
+from . import allocator, compression, states_file, states_wire
 from .backend import on_gpu, shape_dtype, to_host
 from . import shm
 from .codec import (
@@ -175,6 +175,8 @@ class DistStore(KVStore):
     ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
     (:class:`tensorkv.security.Security`).
     """
+
+    _compressor = None  # compression.Compressor once set_gradient_compression was called
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
@@ -526,13 +528,36 @@ class DistStore(KVStore):
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)
 
+    def _push_plan(self, entries):
+        """(:meth:`_plan` of the pushed ``entries``, {key: residual} to keep once the push
+        succeeded). With gradient compression (set_gradient_compression), the items carry the
+        values' packed 2-bit codes, quantized with each key's residual."""
+        if self._compressor is None:
+            return self._plan(entries), {}
+        coded, residuals = [], {}
+        for position, key, value in entries:
+            codes, residuals[key] = self._compressor.codes(key, value)
+            coded.append((position, key, codes))
+        plan = self._plan(coded)
+        return {index: [(position, self._compressor.item(item)) for position, item in part]
+                for index, part in plan.items()}, residuals
+
+    def _set_gradient_compression(self, compression_params):
+        threshold = compression.parse(compression_params)
+        if self._compressor is None:
+            self._compressor = compression.Compressor(threshold)
+        else:  # the residuals stay, as in MXNet
+            self._compressor.threshold = threshold
+
     def _push(self, pairs):
         merged = self._merged(pairs)
-        plan = self._plan((key, key, value) for key, value in merged.items())
+        plan, residuals = self._push_plan((key, key, value) for key, value in merged.items())
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, "push", part) is not None or stub.push_raw(
             self._frames(index, kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
             for index, part in plan.items()}, "push")
+        if residuals:
+            self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
     def _pushpull(self, pairs, fresh, outs=None):
@@ -545,13 +570,15 @@ class DistStore(KVStore):
             for (key, _), targets in zip(pairs, outs):
                 by_key.setdefault(key, targets)
             first_outs = [by_key[key] for key in order]
-        plan = self._plan((position, key, merged[key]) for position, key in enumerate(order))
+        plan, residuals = self._push_plan((position, key, merged[key]) for position, key in enumerate(order))
         results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
             index, "pushpull", part, outs=first_outs), lambda: self._decode(
             kvstore_pb2.PushPullResponse,
             stub.pushpull_raw(self._frames(index, kvstore_pb2.PushPullRequest, [item for _, item in part]),
                               timeout=self._timeout), part, first_outs))
             for index, part in plan.items()}, "pushpull")
+        if residuals:
+            self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
         values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results, first_outs), fresh)))
         return [values[key] for key, _ in pairs]

@@ -103,6 +103,11 @@ class LocalStore(KVStore):
             updater.set_states(states)
             self._engine.updater = updater
 
+    def _set_gradient_compression(self, compression_params):
+        raise FailedPreconditionError(
+            f"gradient compression is not supported for a {self.type!r} KVStore (as in MXNet): it compresses what "
+            "workers push to servers; use a 'dist_sync' or 'dist_async' store")
+
     def _barrier(self):
         """One worker: nothing to wait for."""
 
