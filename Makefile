@@ -85,7 +85,8 @@ run-dist: $(STAMP)
 # has written bench-results/mxnet.json) MXNet 1.9.1, measured on 127.0.0.1;
 # writes bench-results/bench.json and bench-results/throughput.png; then the update
 # engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md;
-# then the Trainer's (bench/trainer.py) -> bench-results/trainer.md.
+# then the Trainer's (bench/trainer.py) -> bench-results/trainer.md; then 2-bit gradient
+# compression's (bench/compression.py) -> bench-results/compression.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -102,6 +103,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
 	$(PY) bench/engine.py $(BENCH_ARGS)
 	$(PY) bench/trainer.py $(BENCH_ARGS)
+	$(PY) bench/compression.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too. The smoke run overrides the image's --host 0.0.0.0
 # with loopback, where the server needs neither TLS nor a token.

@@ -139,11 +139,34 @@ def test_a_refused_push_changes_neither_the_value_nor_the_residual(dist):
     assert dist.pull("w").tolist() == [1.0] * 10
 
 
-@pytest.mark.parametrize("name", ["local", "device"])
-def test_an_embedded_store_refuses_compression_as_mxnet_does(name):
-    with tensorkv.create(name) as kv:
-        with pytest.raises(tensorkv.FailedPreconditionError, match=f"not supported for a '{name}' KVStore"):
+def test_a_local_store_refuses_compression_as_mxnet_does():
+    with tensorkv.create("local") as kv:
+        with pytest.raises(tensorkv.FailedPreconditionError, match="not supported for a 'local' KVStore"):
             kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+
+
+def test_a_device_store_compresses_each_device_array_as_mxnet_does():
+    """MXNet 1.9.1's 'device' store quantizes each device's array with a residual of its own,
+    then sums what they stand for (for [0.3, 0.6, -0.7, 0.2, 1.5] on two devices, threshold
+    0.5, it pulls [0, 1, -1, 0, 1], then [1, 1, -1, 0, 1], then [0, 1, -1, 1, 1])."""
+    threshold = np.float32(0.5)
+    with tensorkv.create("device") as kv:
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        kv.init(["w", "d"], [np.zeros(5, np.float32), np.zeros(5)])
+        residuals = [np.zeros(5, np.float32), np.zeros(5, np.float32)]
+        for t in range(1, 5):
+            arrays = [np.array([0.3, 0.6, -0.7, 0.2, 1.5], np.float32) * t, np.full(5, 0.25 * t, np.float32)]
+            expected = sum(quantize_by_hand(a, r, threshold) for a, r in zip(arrays, residuals))
+            out = np.zeros(5, np.float32)
+            if t % 2:
+                kv.push("w", arrays)
+                kv.pull("w", out=out)
+            else:
+                kv.pushpull("w", arrays, out=out)
+            assert out.tolist() == expected.tolist()
+            with pytest.raises(tensorkv.InvalidArgumentError, match="key 'd': gradient compression is only for float32"):
+                kv.push(["w", "d"], [arrays, np.ones(5)])
+            assert kv.pull("w").tolist() == expected.tolist()  # neither the value nor the residuals changed
 
 
 def test_is_capable_names_the_optimizer_only(dist):

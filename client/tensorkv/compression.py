@@ -71,18 +71,20 @@ def quantize(value, residual, threshold):
     """The 2-bit codes (uint8, one per element, ``value``'s shape) of float32 ``value`` with
     ``residual`` (float32, same shape), which takes ``value`` in and gives the codes out, in
     place."""
-    xp = array_module(value)
-    positive_threshold = xp.float32(threshold)
     residual += value
-    positive = residual >= positive_threshold
-    negative = residual <= -positive_threshold
-    sent = positive.astype(xp.float32)
-    sent -= negative
-    sent *= positive_threshold  # exactly +threshold, -threshold or 0
-    residual -= sent
-    codes = positive.astype(xp.uint8)
-    codes += codes << 1  # POSITIVE
-    codes += negative.astype(xp.uint8) << 1  # NEGATIVE
+    return _take_codes(residual, threshold)
+
+
+def _take_codes(residual, threshold):
+    """The codes of ``residual`` (which holds the pushed value already), taken off it."""
+    xp = array_module(residual)
+    positive = (residual >= xp.float32(threshold)).view(xp.uint8)
+    negative = (residual <= -xp.float32(threshold)).view(xp.uint8)
+    codes = positive + positive  # 3 (POSITIVE) or 2 (NEGATIVE) by additions, NumPy's fastest uint8 arithmetic
+    codes += positive
+    codes += negative
+    codes += negative
+    residual -= dequantize(pack(codes), codes.size, threshold).reshape(codes.shape)  # +-threshold or 0: exact
     return codes
 
 
@@ -114,25 +116,31 @@ _UNPACKED = np.array([[(byte >> shift) & 0b11 for shift in (6, 4, 2, 0)] for byt
 
 
 class Compressor:
-    """A worker's '2bit' compression: the threshold and a residual per key (float32, the
-    key's full shape, in the namespace of its pushed values)."""
+    """A store's '2bit' compression: the threshold and the residuals (float32, each of its
+    value's shape, in the namespace of the pushed values): one per key on a dist worker, one
+    per key and device on a 'device' store."""
 
     def __init__(self, threshold):
         self.threshold = threshold
         self.residuals = {}
 
-    def codes(self, key, value):
-        """(codes of ``value`` pushed to ``key``, the residual after them); the key's residual
-        stays as it was until :meth:`keep` (a refused push leaves it unchanged)."""
+    def codes(self, key, value, slot=None):
+        """(codes of ``value`` pushed to ``key``, the residual after them), with the residual
+        of ``slot`` (default: the key), which stays as it was until :meth:`keep` (a refused
+        push leaves it unchanged)."""
         check_float32(key, value.dtype)
         xp = array_module(value)
-        residual = self.residuals.get(key)
-        residual = xp.zeros(value.shape, xp.float32) if residual is None else residual.copy()
-        return quantize(value, residual, self.threshold), residual
+        before = self.residuals.get(key if slot is None else slot)
+        residual = value.astype(xp.float32) if before is None or before.shape != value.shape else before + value
+        return _take_codes(residual, self.threshold), residual
 
     def keep(self, residuals):
-        """Make {key: residual} the residuals, once the push that produced them succeeded."""
+        """Make {slot: residual} the residuals, once the push that produced them succeeded."""
         self.residuals.update(residuals)
+
+    def values(self, codes):
+        """The float32 values ``codes`` stand for (what a receiver of their packed bytes reads)."""
+        return dequantize(pack(codes), codes.size, self.threshold).reshape(codes.shape)
 
     def item(self, item):
         """The Item that carries the packed codes of ``item`` (an Item of codes)."""

@@ -161,6 +161,14 @@ def _receivable(target, dtype, shape):
         and target.flags.c_contiguous and target.flags.writeable
 
 
+def _pulled_nbytes(item):
+    """The bytes of the value that a pushpull of ``item`` pulls back: its array's, or for 2-bit
+    codes those of the float32 elements they stand for."""
+    if item.two_bit is None:
+        return item.array.nbytes
+    return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
+
+
 class DistStore(KVStore):
     """A client of tensorkv servers; see :func:`tensorkv.create`.
 
@@ -342,8 +350,8 @@ class DistStore(KVStore):
                     inline += nbytes
             if inline > SESSION_MAX_BYTES:
                 return None
-            if pulls and any(item.array.nbytes >= min_bytes for item in items):
-                out_bytes = sum(aligned(item.array.nbytes) for item in items)
+            if pulls and any(_pulled_nbytes(item) >= min_bytes for item in items):
+                out_bytes = sum(aligned(_pulled_nbytes(item)) for item in items)
         else:
             sizes = self._known_sizes(keys)
             if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:

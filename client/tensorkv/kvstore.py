@@ -233,9 +233,11 @@ class KVStore:
         residual this worker keeps per key; elements where it reached ``t`` travel as
         ``+t``, where it reached ``-t`` as ``-t``, the others as 0, in 2 bits each (16 times
         fewer bytes than float32), and what was sent is taken off the residual. The servers
-        merge those values as any push; pulls stay exact. float32 values only. An unknown
-        type, a threshold <= 0 or another parameter raise InvalidArgumentError; a 'local'
-        store raises FailedPreconditionError, as MXNet does. See docs/reference.md.
+        merge those values as any push; pulls stay exact. float32 values only. A 'device'
+        store compresses each array of a pushed list with a residual of its own before the
+        sum, and a 'local' store raises FailedPreconditionError, as MXNet's do. An unknown
+        type, a threshold <= 0 or another parameter raise InvalidArgumentError. See
+        docs/reference.md.
 
         >>> kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
         """
