@@ -46,7 +46,7 @@ def pack_by_hand(sent, threshold):
     return packed
 
 
-@pytest.mark.parametrize("size", [1, 3, 4, 5, 16, 33])
+@pytest.mark.parametrize("size", [0, 1, 3, 4, 5, 16, 33])
 def test_codes_and_packing_are_mxnets(size):
     rng = np.random.default_rng(size)
     residual = (rng.integers(-6, 7, size) * 0.25).astype(np.float32)

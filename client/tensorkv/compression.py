@@ -27,7 +27,6 @@ from .errors import InvalidArgumentError, key_repr
 
 TYPE = "2bit"
 DEFAULT_THRESHOLD = 0.5  # MXNet's, when compression_params gives only the type
-ZERO, NEGATIVE, POSITIVE = 0b00, 0b10, 0b11
 # Multiplying a little-endian uint32 of four codes (one per byte, b0 first) by this puts
 # b0 << 6 | b1 << 4 | b2 << 2 | b3 in its top byte: the other products land in bits the
 # shift drops, without carries (each code is 2 bits wide).
@@ -80,7 +79,7 @@ def _take_codes(residual, threshold):
     xp = array_module(residual)
     positive = (residual >= xp.float32(threshold)).view(xp.uint8)
     negative = (residual <= -xp.float32(threshold)).view(xp.uint8)
-    codes = positive + positive  # 3 (POSITIVE) or 2 (NEGATIVE) by additions, NumPy's fastest uint8 arithmetic
+    codes = positive + positive  # 0b11 or 0b10 by additions, NumPy's fastest uint8 arithmetic
     codes += positive
     codes += negative
     codes += negative
@@ -93,8 +92,7 @@ def pack(codes):
     7-6, 5-4, 3-2 or 1-0 for i % 4 = 0, 1, 2, 3; unused bits of the last byte are 0."""
     xp = array_module(codes)
     flat = codes.reshape(-1)
-    whole = flat.size - flat.size % 4
-    if whole != flat.size or not flat.flags.c_contiguous:
+    if flat.size % 4 or not flat.flags.c_contiguous:
         padded = xp.zeros(-(-flat.size // 4) * 4, xp.uint8)
         padded[:flat.size] = flat
         flat = padded
@@ -106,8 +104,8 @@ def dequantize(packed, count, threshold):
     """The float32 values of the first ``count`` codes in ``packed`` (see :func:`pack`)."""
     xp = array_module(packed)
     value = np.float32(threshold)
-    # code -> value: 0b00 and 0b01 -> 0 (as MXNet's dequantize_2bit reads them), NEGATIVE ->
-    # -threshold, POSITIVE -> +threshold; then byte -> the values of its 4 codes
+    # code -> value: 0b00 and 0b01 -> 0 (as MXNet's dequantize_2bit reads them), 0b10 ->
+    # -threshold, 0b11 -> +threshold; then byte -> the values of its 4 codes
     table = xp.asarray(np.array([0, 0, -value, value], np.float32)[_UNPACKED])
     return xp.take(table, packed, axis=0).reshape(-1)[:count]
 
