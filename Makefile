@@ -86,7 +86,8 @@ run-dist: $(STAMP)
 # writes bench-results/bench.json and bench-results/throughput.png; then the update
 # engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md;
 # then the Trainer's (bench/trainer.py) -> bench-results/trainer.md; then row_sparse_pull's
-# (bench/row_sparse.py) -> bench-results/row_sparse.md.
+# (bench/row_sparse.py) -> bench-results/row_sparse.md; then 2-bit gradient compression's
+# (bench/compression.py) -> bench-results/compression.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -104,6 +105,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/engine.py $(BENCH_ARGS)
 	$(PY) bench/trainer.py $(BENCH_ARGS)
 	$(PY) bench/row_sparse.py $(BENCH_ARGS)
+	$(PY) bench/compression.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too. The smoke run overrides the image's --host 0.0.0.0
 # with loopback, where the server needs neither TLS nor a token.

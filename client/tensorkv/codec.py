@@ -24,6 +24,7 @@ the socket.
 """
 import math
 import os
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -142,12 +143,13 @@ class Item:
     """One keyed array of a stream; ``slice`` is (begin, end) over the flattened value or None.
 
     ``shape`` is the key's full shape; ``array`` holds the whole value, or the slice's
-    elements as a 1-D array when ``slice`` is set.
+    elements as a 1-D array when ``slice`` is set; or, when ``two_bit`` is a threshold, the
+    packed 2-bit codes of those float32 elements (tensorkv.compression).
     """
 
-    __slots__ = ("key", "array", "shape", "slice", "owned", "ref", "follows")
+    __slots__ = ("key", "array", "shape", "slice", "owned", "ref", "follows", "two_bit")
 
-    def __init__(self, key, array, shape=None, slice=None, owned=False, ref=None, follows=False):
+    def __init__(self, key, array, shape=None, slice=None, owned=False, ref=None, follows=False, two_bit=None):
         self.key = key
         self.array = array
         self.shape = tuple(array.shape) if shape is None else tuple(shape)
@@ -159,6 +161,7 @@ class Item:
         self.ref = ref
         # True when the bytes travel on the data channel: the encoder sends the entry without them.
         self.follows = follows
+        self.two_bit = two_bit
 
     def __repr__(self):
         return f"Item(key={self.key!r}, shape={self.shape}, dtype={self.array.dtype}, slice={self.slice})"
@@ -208,7 +211,7 @@ class FrameDecoder:
     """
 
     def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None, resolve=None,
-                 copy_refs=False, channel=False, staging=None, max_key_bytes=None):
+                 copy_refs=False, channel=False, staging=None, max_key_bytes=None, two_bit=False):
         self.max_bytes = max_bytes
         self.max_key_bytes = math.inf if max_key_bytes is None else max_key_bytes
         self.with_data = with_data
@@ -226,6 +229,8 @@ class FrameDecoder:
         # buffers that receive those bytes, in entry order.
         self.channel = channel
         self.incoming = []
+        # Whether entries may carry 2-bit codes (pushes to a server): elsewhere they are refused.
+        self.two_bit = two_bit
         # staging(key, dtype, data_shape, nbytes) for an entry whose bytes continue in later
         # frames: a receiver that takes them chunk by chunk (``receiver[start:end] = uint8
         # array``) and gives the finished value with ``receiver.view(dtype)`` (a GPU server
@@ -257,6 +262,7 @@ class FrameDecoder:
                     "of the previous one"
                 )
             header = _Header(entry, self.max_bytes, self.max_key_bytes)
+            self._check_two_bit(header)
             index, self._count = self._count, self._count + 1
             data = entry.tensor.data
             if header.follows is not None:
@@ -326,10 +332,11 @@ class FrameDecoder:
                 source, data_start = entry.tensor.data, 0
                 data_len = len(source)
                 prefix = _build_prefix(header.key, entry.tensor.dtype, header.shape, header.slice, data_len,
-                                       header.ref, header.follows)
+                                       header.ref, header.follows, header.two_bit)
                 if entry_start + len(prefix) + data_len == entry_end and data.startswith(prefix, entry_start):
                     self._learned.append((data[entry_start:key_start + key_length], (prefix, header, data_len)))
             pos = entry_end
+            self._check_two_bit(header)
             if header.follows is not None:
                 done.append(self._following(count, header, data_len))
             elif header.ref is not None:
@@ -359,6 +366,10 @@ class FrameDecoder:
             count += 1
         self._count = count
         return done
+
+    def _check_two_bit(self, header):
+        if header.two_bit is not None and not self.two_bit:
+            raise InvalidTensorError(f"key {key_repr(header.key)}: 2-bit compressed codes are only valid in a push")
 
     def _referenced(self, index, header, data_len):
         """The item of an entry whose bytes are in shared memory (``header.ref``)."""
@@ -449,7 +460,7 @@ class FrameDecoder:
 # the data depend only on (key, dtype, shape, slice, byte count) and are cached. Field order
 # is free in protobuf: the generated parsers read these messages as they read their own.
 
-_LEN, _VARINT = 2, 0
+_LEN, _VARINT, _FIXED32 = 2, 0, 5
 _SMALL_VARINTS = []
 
 
@@ -506,20 +517,21 @@ _CACHE_BYTES = 32 << 20  # for each of the three caches
 _ENTRY_PREFIXES = _Cache(_CACHE_BYTES)
 
 
-def _entry_prefix(key, wire, shape, slice, data_len, ref=None, follows=None):
+def _entry_prefix(key, wire, shape, slice, data_len, ref=None, follows=None, two_bit=None):
     """:func:`_build_prefix`, cached."""
-    cache_key = (type(key), key, wire, shape, slice, data_len, ref, follows)
+    cache_key = (type(key), key, wire, shape, slice, data_len, ref, follows, two_bit)
     prefix = _ENTRY_PREFIXES.get(cache_key)
     if prefix is None:
-        prefix = _build_prefix(key, wire, shape, slice, data_len, ref, follows)
+        prefix = _build_prefix(key, wire, shape, slice, data_len, ref, follows, two_bit)
         _ENTRY_PREFIXES.put(cache_key, prefix, len(prefix) + (len(key) if type(key) is str else 0))
     return prefix
 
 
-def _build_prefix(key, wire, shape, slice, data_len, ref=None, follows=None):
+def _build_prefix(key, wire, shape, slice, data_len, ref=None, follows=None, two_bit=None):
     """The bytes of a frame's ``entries`` field up to the tensor's data (``data_len`` bytes
     follow), with the shared-memory reference ``ref`` (region id, offset, length) if any, or
-    the byte count ``follows`` of a value sent on the data channel."""
+    the byte count ``follows`` of a value sent on the data channel, and the threshold
+    ``two_bit`` of 2-bit codes."""
     if isinstance(key, str):
         key_body = _field(2, key.encode())
     else:
@@ -533,6 +545,8 @@ def _build_prefix(key, wire, shape, slice, data_len, ref=None, follows=None):
         slice_part += _field(4, b"".join(_tag(n, _VARINT) + _varint(v) for n, v in zip((1, 2, 3), ref) if v))
     if follows is not None:
         slice_part += _field(5, _tag(1, _VARINT) + _varint(follows) if follows else b"")
+    if two_bit is not None:
+        slice_part += _field(60, _tag(1, _FIXED32) + struct.pack("<f", two_bit))
     tensor = _tag(1, _VARINT) + _varint(wire)
     if shape:
         tensor += _field(2, b"".join(_varint(d) for d in shape))
@@ -582,12 +596,16 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
     """
     messages, pieces, size, budget = [], [], 0, chunk_bytes
     for item in items:
-        wire = _TO_WIRE.get(item.array.dtype) if type(item.array) is np.ndarray else None
-        if wire is None:
-            wire = wire_dtype(shape_dtype(item.array)[1])
+        two_bit = item.two_bit
+        if two_bit is not None:  # codes of float32 values
+            wire = tensor_pb2.DTYPE_FLOAT32
+        else:
+            wire = _TO_WIRE.get(item.array.dtype) if type(item.array) is np.ndarray else None
+            if wire is None:
+                wire = wire_dtype(shape_dtype(item.array)[1])
         if not with_data or item.ref is not None or item.follows:
             ref, follows = (item.ref, item.array.nbytes if item.follows else None) if with_data else (None, None)
-            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, ref, follows)
+            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, ref, follows, two_bit)
             pieces.append(prefix)
             size += len(prefix)
             continue
@@ -599,13 +617,13 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
             if nbytes > budget and pieces:
                 messages.append(_message(head, frame_field, pieces, size))
                 head, pieces, size, budget = b"", [], 0, chunk_bytes
-            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, nbytes)
+            prefix = _entry_prefix(item.key, wire, item.shape, item.slice, nbytes, two_bit=two_bit)
             pieces += (prefix, array)  # b"".join reads a C-contiguous array's bytes as they are
             size += len(prefix) + nbytes
             budget -= nbytes
             continue
         data = array.reshape(-1).view(np.uint8)
-        prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0)
+        prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, two_bit=two_bit)
         pieces.append(prefix)
         messages.append(_message(head, frame_field, pieces, size + len(prefix)))
         head, pieces, size, budget = b"", [], 0, chunk_bytes
@@ -694,7 +712,8 @@ class StreamDecoder:
     """
 
     def __init__(self, message_class, frame_field, max_bytes=MAX_TENSOR_BYTES, destination=None,
-                 with_data=None, resolve=None, copy_refs=False, channel=False, staging=None, max_key_bytes=None):
+                 with_data=None, resolve=None, copy_refs=False, channel=False, staging=None, max_key_bytes=None,
+                 two_bit=False):
         self.message_class = message_class
         self.frame_name = frame_field
         self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
@@ -702,7 +721,7 @@ class StreamDecoder:
         self.items = []
         self._with_data = with_data
         self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
-                                   channel=channel, staging=staging, max_key_bytes=max_key_bytes)
+                                   channel=channel, staging=staging, max_key_bytes=max_key_bytes, two_bit=two_bit)
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""
@@ -783,9 +802,25 @@ class _Header:
         if self.ref is not None and self.follows is not None:
             raise InvalidTensorError(f"key {key_repr(self.key)}: an entry is in shared memory or on the data channel, "
                                      "not both")
-        self.data_shape = self.shape if self.slice is None else (size,)
-        self.nbytes = size * self.dtype.itemsize
+        self.two_bit = None
+        if entry.HasField("two_bit"):
+            self._two_bit_codes(entry.two_bit.threshold, size)
+        else:
+            self.data_shape = self.shape if self.slice is None else (size,)
+            self.nbytes = size * self.dtype.itemsize
         self._check_nbytes(max_bytes)
+
+    def _two_bit_codes(self, threshold, size):
+        """The entry's bytes are the packed 2-bit codes of its ``size`` float32 elements: read
+        as that many uint8 bytes."""
+        if self.dtype != np.float32:
+            raise InvalidTensorError(f"key {key_repr(self.key)}: 2-bit codes stand for float32 values, the entry's "
+                                     f"dtype is {self.dtype}")
+        if not (threshold > 0 and math.isfinite(threshold)):
+            raise InvalidTensorError(f"key {key_repr(self.key)}: 2-bit threshold {threshold} is not > 0 and finite")
+        self.two_bit, self.dtype = threshold, np.dtype(np.uint8)
+        self.nbytes = -(-size // 4)
+        self.data_shape = (self.nbytes,)
 
     def check_limits(self, max_bytes, max_key_bytes):
         """InvalidArgumentError when the key or the value is over a decoder's limits."""
@@ -801,7 +836,7 @@ class _Header:
 
     def item(self, flat, owned=False):
         array = flat if flat.shape == self.data_shape else flat.reshape(self.data_shape)
-        return Item(self.key, array, self.shape, self.slice, owned)
+        return Item(self.key, array, self.shape, self.slice, owned, two_bit=self.two_bit)
 
     def no_data(self):
         """A read-only array of the entry's dtype and shape that takes no memory, for an entry
@@ -848,7 +883,7 @@ class Placement:
         dtype = numpy_dtype(wire_dtype(array.dtype))  # little-endian, as on the wire
         np.copyto(self.buffer[offset:offset + nbytes].view(dtype).reshape(array.shape), array, casting="equiv")
         self.next = offset + aligned(nbytes)
-        return Item(item.key, array, item.shape, item.slice, ref=(self.region_id, offset, nbytes))
+        return Item(item.key, array, item.shape, item.slice, ref=(self.region_id, offset, nbytes), two_bit=item.two_bit)
 
     def place(self, items):
         """``items`` with those that fit moved into the region (the others unchanged)."""
@@ -867,6 +902,6 @@ def following(items, min_bytes):
             sent.append(item)
             continue
         array = to_host(item.array)
-        sent.append(Item(item.key, array, item.shape, item.slice, follows=True))
+        sent.append(Item(item.key, array, item.shape, item.slice, follows=True, two_bit=item.two_bit))
         arrays.append(array)
     return sent, arrays

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, rowsparse_wire, states_file, states_wire
+from . import allocator, compression, rowsparse_wire, states_file, states_wire
 from .backend import on_gpu, shape_dtype, to_host
 from . import shm
 from .codec import (
@@ -162,6 +162,14 @@ def _receivable(target, dtype, shape):
         and target.flags.c_contiguous and target.flags.writeable
 
 
+def _pulled_nbytes(item):
+    """The bytes of the value that a pushpull of ``item`` pulls back: its array's, or for 2-bit
+    codes those of the float32 elements they stand for."""
+    if item.two_bit is None:
+        return item.array.nbytes
+    return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
+
+
 class DistStore(KVStore):
     """A client of tensorkv servers; see :func:`tensorkv.create`.
 
@@ -176,6 +184,8 @@ class DistStore(KVStore):
     ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
     (:class:`tensorkv.security.Security`).
     """
+
+    _compressor = None  # compression.Compressor once set_gradient_compression was called
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
@@ -341,8 +351,8 @@ class DistStore(KVStore):
                     inline += nbytes
             if inline > SESSION_MAX_BYTES:
                 return None
-            if pulls and any(item.array.nbytes >= min_bytes for item in items):
-                out_bytes = sum(aligned(item.array.nbytes) for item in items)
+            if pulls and any(_pulled_nbytes(item) >= min_bytes for item in items):
+                out_bytes = sum(aligned(_pulled_nbytes(item)) for item in items)
         else:
             sizes = self._known_sizes(keys)
             if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
@@ -527,13 +537,36 @@ class DistStore(KVStore):
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)
 
+    def _push_plan(self, entries):
+        """(:meth:`_plan` of the pushed ``entries``, {key: residual} to keep once the push
+        succeeded). With gradient compression (set_gradient_compression), the items carry the
+        values' packed 2-bit codes, quantized with each key's residual."""
+        if self._compressor is None:
+            return self._plan(entries), {}
+        coded, residuals = [], {}
+        for position, key, value in entries:
+            codes, residuals[key] = self._compressor.codes(key, value)
+            coded.append((position, key, codes))
+        plan = self._plan(coded)
+        return {index: [(position, self._compressor.item(item)) for position, item in part]
+                for index, part in plan.items()}, residuals
+
+    def _set_gradient_compression(self, compression_params):
+        threshold = compression.parse(compression_params)
+        if self._compressor is None:
+            self._compressor = compression.Compressor(threshold)
+        else:  # the residuals stay, as in MXNet
+            self._compressor.threshold = threshold
+
     def _push(self, pairs):
         merged = self._merged(pairs)
-        plan = self._plan((key, key, value) for key, value in merged.items())
+        plan, residuals = self._push_plan((key, key, value) for key, value in merged.items())
         self._each({index: lambda stub, index=index, part=part: self._session(
             index, "push", part) is not None or stub.push_raw(
             self._frames(index, kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
             for index, part in plan.items()}, "push")
+        if residuals:
+            self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
     def _pushpull(self, pairs, fresh, outs=None):
@@ -546,13 +579,15 @@ class DistStore(KVStore):
             for (key, _), targets in zip(pairs, outs):
                 by_key.setdefault(key, targets)
             first_outs = [by_key[key] for key in order]
-        plan = self._plan((position, key, merged[key]) for position, key in enumerate(order))
+        plan, residuals = self._push_plan((position, key, merged[key]) for position, key in enumerate(order))
         results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
             index, "pushpull", part, outs=first_outs), lambda: self._decode(
             kvstore_pb2.PushPullResponse,
             stub.pushpull_raw(self._frames(index, kvstore_pb2.PushPullRequest, [item for _, item in part]),
                               timeout=self._timeout), part, first_outs))
             for index, part in plan.items()}, "pushpull")
+        if residuals:
+            self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
         values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results, first_outs), fresh)))
         return [values[key] for key, _ in pairs]

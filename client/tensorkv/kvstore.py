@@ -74,6 +74,9 @@ class KVStore:
      [2. 2. 2.]]
     """
 
+    # The capability of :meth:`is_capable` that MXNet names (its KVStoreBase.OPTIMIZER).
+    OPTIMIZER = "optimizer"
+
     def __init__(self, name):
         self._type = name
         self._closed = False
@@ -275,6 +278,39 @@ class KVStore:
         initialized here with the shape it had; nothing changes when one is not."""
         self._check_open()
         self._load_optimizer_states(fname)
+
+    def set_gradient_compression(self, compression_params):
+        """Compress every later push as MXNet's '2bit' gradient compression does:
+        ``compression_params`` is ``{'type': '2bit', 'threshold': t}`` (``t`` > 0; 0.5 when
+        left out).
+
+        On a dist store each push (the sum of the worker's arrays for a key) is added to a
+        residual this worker keeps per key; elements where it reached ``t`` travel as
+        ``+t``, where it reached ``-t`` as ``-t``, the others as 0, in 2 bits each (16 times
+        fewer bytes than float32), and what was sent is taken off the residual. The servers
+        merge those values as any push; pulls stay exact. float32 values only. A 'device'
+        store compresses each array of a pushed list with a residual of its own before the
+        sum, and a 'local' store raises FailedPreconditionError, as MXNet's do. An unknown
+        type, a threshold <= 0 or another parameter raise InvalidArgumentError. See
+        docs/reference.md.
+
+        >>> kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+        """
+        self._check_open()
+        self._set_gradient_compression(compression_params)
+
+    def is_capable(self, capability):
+        """Whether this store has ``capability``, as MXNet's ``is_capable``: the one capability
+        MXNet names is ``KVStore.OPTIMIZER`` ('optimizer', any case), which every tensorkv
+        store has. Any other name raises InvalidArgumentError (a ValueError, as MXNet's).
+
+        >>> kv.is_capable(tensorkv.KVStore.OPTIMIZER)
+        True
+        """
+        if str(capability).lower() == self.OPTIMIZER:
+            return True
+        raise InvalidArgumentError(f"Unknown capability: {capability!r}; the capability MXNet names is "
+                                   f"{self.OPTIMIZER!r} (KVStore.OPTIMIZER)")
 
     def barrier(self):
         """Return once every worker has called barrier()."""

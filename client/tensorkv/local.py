@@ -16,8 +16,8 @@ import threading
 
 import numpy as np
 
-from . import states_file
-from .backend import host_copy, select
+from . import compression, states_file
+from .backend import host_copy, select, to_namespace
 from .engine import Engine
 from .errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError, key_repr
 from .kvstore import KVStore
@@ -37,6 +37,7 @@ class LocalStore(KVStore):
         xp, self.device = select("auto") if name == "device" else (np, "cpu")
         self._engine = Engine(xp)
         self._lock = threading.RLock()
+        self._compressor = None  # compression.Compressor once set_gradient_compression was called ('device')
 
     def __repr__(self):
         return f"<LocalStore type={self.type!r} device={self.device!r} keys={len(self._engine)}>"
@@ -47,7 +48,10 @@ class LocalStore(KVStore):
 
     def _push(self, pairs):
         with self._lock:
+            pairs, residuals = self._compressed(pairs)
             self._engine.push(pairs)
+            if residuals:
+                self._compressor.keep(residuals)
 
     def _pull(self, keys, fresh, outs=None):
         with self._lock:
@@ -63,7 +67,7 @@ class LocalStore(KVStore):
 
     def _pushpull(self, pairs, fresh, outs=None):
         with self._lock:
-            self._engine.push(pairs)
+            self._push(pairs)
             return self._pull([key for key, _ in pairs], fresh)
 
     def _set_updater(self, updater):
@@ -109,6 +113,35 @@ class LocalStore(KVStore):
                 states[key] = (num_update, updater.check_states(key, weight, arrays))
             updater.set_states(states)
             self._engine.updater = updater
+
+    def _set_gradient_compression(self, compression_params):
+        if self.type == "local":
+            raise FailedPreconditionError(
+                "gradient compression is not supported for a 'local' KVStore (as in MXNet): use 'device' (each "
+                "device's array compressed on its way to the sum) or a 'dist_sync' or 'dist_async' store")
+        threshold = compression.parse(compression_params)
+        with self._lock:
+            if self._compressor is None:
+                self._compressor = compression.Compressor(threshold)
+            else:  # the residuals stay, as in MXNet
+                self._compressor.threshold = threshold
+
+    def _compressed(self, pairs):
+        """(``pairs`` with each array replaced by the values of its 2-bit codes, {(key, device):
+        residual} to keep once the push succeeded), as MXNet's 'device' store compresses each
+        device's array (a residual per key and position in the key's list) before the sum."""
+        if self._compressor is None:
+            return pairs, {}
+        compressed, residuals, devices = [], {}, {}
+        for key, arrays in pairs:
+            values = []
+            for array in arrays:
+                device = devices[key] = devices.get(key, -1) + 1
+                codes, residuals[key, device] = self._compressor.codes(key, to_namespace(array, self._engine.xp),
+                                                                       (key, device))
+                values.append(self._compressor.values(codes))
+            compressed.append((key, values))
+        return compressed, residuals
 
     def _barrier(self):
         """One worker: nothing to wait for."""

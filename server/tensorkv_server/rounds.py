@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from tensorkv import compression
 from tensorkv import optimizer as optimizers
 from tensorkv.backend import to_host
 from tensorkv.codec import Item
@@ -169,6 +170,10 @@ class Coordinator:
         """Rank 0 stores ``items``; every other rank (or a wait_only call) waits until the keys
         exist, then checks its dtypes and shapes against them."""
         self.members.check(rank, incarnation)
+        for item in items:
+            if item.two_bit is not None:
+                raise InvalidArgumentError(f"key {key_repr(item.key)}: an init carries 2-bit compressed codes; "
+                                           "only pushes may")
         try:
             keys = self._check_distinct(items, "init")
         except KeyTypeError as error:
@@ -244,6 +249,8 @@ class Coordinator:
         into each key's current round, applied when all workers have pushed."""
         self.members.check(rank, incarnation)
         self._check_distinct(items, "push")
+        with self.engine.on_device():  # 2-bit codes become the values they stand for, on the engine's device
+            items = [compression.decompressed(item, self.engine.xp) for item in items]
         check_updater = getattr(self.engine.updater, "check", None)
         for item in items:
             self.engine.check_value(item.key, item.array, item.shape, item.slice)

@@ -127,8 +127,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     def _decoder(self, message_class, **options):
         """A decoder of a stream of serialized ``message_class`` (see codec.StreamDecoder) within
-        this server's limits; values that span several messages go to the GPU's staging."""
-        return codec.StreamDecoder(message_class, "frame", max_key_bytes=self.max_key_bytes,
+        this server's limits; values that span several messages go to the GPU's staging. Entries may
+        carry 2-bit codes (the coordinator takes them in pushes only)."""
+        return codec.StreamDecoder(message_class, "frame", max_key_bytes=self.max_key_bytes, two_bit=True,
                                    staging=self.staging.receiver if self.staging else None, **options)
 
     async def _apply(self, requests, message_class, call, with_data=None):

@@ -1,0 +1,156 @@
+"""MXNet's '2bit' gradient compression (``kv.set_gradient_compression``) of a worker's pushes.
+
+A worker adds each value it pushes (the sum of its arrays for a key) to a residual kept for
+that key, and sends a 2-bit code per element in place of the value: +threshold where the
+residual reached threshold, -threshold where it reached -threshold, 0 elsewhere; what was
+sent is taken off the residual, so nothing is lost, only delayed (MXNet's quantize_2bit,
+element by element in float32). The codes travel packed four to a byte, 16 times fewer
+bytes than float32; a server turns them back into float32 values (:func:`decompressed`) and
+merges them as any push. The layout is TwoBitCodes in protos/tensorkv/v1/tensor.proto (and
+docs/protocol.md).
+
+Each function works on NumPy or CuPy arrays alike, in the namespace of its input.
+
+>>> import numpy as np
+>>> residual = np.zeros(5, np.float32)
+>>> codes = quantize(np.array([0.25, 0.75, -1.0, 0.5, 1.5], np.float32), residual, 0.5)
+>>> print(dequantize(pack(codes), 5, 0.5), residual)
+[ 0.   0.5 -0.5  0.5  0.5] [ 0.25  0.25 -0.5   0.    1.  ]
+"""
+import math
+
+import numpy as np
+
+from .backend import array_module, to_namespace
+from .codec import Item
+from .errors import InvalidArgumentError, key_repr
+
+TYPE = "2bit"
+DEFAULT_THRESHOLD = 0.5  # MXNet's, when compression_params gives only the type
+# Multiplying a little-endian uint32 of four codes (one per byte, b0 first) by this puts
+# b0 << 6 | b1 << 4 | b2 << 2 | b3 in its top byte: the other products land in bits the
+# shift drops, without carries (each code is 2 bits wide).
+_SPREAD = np.uint32((1 << 30) | (1 << 20) | (1 << 10) | 1)
+
+
+def parse(params):
+    """The threshold (a float32 value) of MXNet's ``compression_params``; InvalidArgumentError
+    for what MXNet refuses (no type, a type other than '2bit', a threshold <= 0) and for a
+    parameter '2bit' does not take."""
+    if not isinstance(params, dict):
+        raise InvalidArgumentError(
+            f"compression_params is a dict such as {{'type': '2bit', 'threshold': 0.5}}, not {type(params).__name__}")
+    if "type" not in params:
+        raise InvalidArgumentError("compression_params has no 'type': the one type is '2bit'")
+    if params["type"] != TYPE:
+        raise InvalidArgumentError(f"unknown type for gradient compression {params['type']!r}: the one type is '2bit'")
+    others = sorted(map(repr, set(params) - {"type", "threshold"}))
+    if others:
+        raise InvalidArgumentError(f"'2bit' gradient compression takes 'threshold' only, not {', '.join(others)}")
+    threshold = params.get("threshold", DEFAULT_THRESHOLD)
+    try:
+        value = np.float32(threshold)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"the threshold of '2bit' gradient compression is a number, not {threshold!r}") \
+            from None
+    if not (value > 0 and math.isfinite(value)):
+        raise InvalidArgumentError(
+            f"the threshold of '2bit' gradient compression must be greater than 0 (and finite), got {threshold!r}")
+    return float(value)
+
+
+def check_float32(key, dtype):
+    """InvalidArgumentError unless a value of ``dtype`` may be compressed (float32 only, as in MXNet)."""
+    if dtype != np.float32:
+        raise InvalidArgumentError(
+            f"key {key_repr(key)}: gradient compression is only for float32 values (as in MXNet); pushed dtype {dtype}")
+
+
+def quantize(value, residual, threshold):
+    """The 2-bit codes (uint8, one per element, ``value``'s shape) of float32 ``value`` with
+    ``residual`` (float32, same shape), which takes ``value`` in and gives the codes out, in
+    place."""
+    residual += value
+    return _take_codes(residual, threshold)
+
+
+def _take_codes(residual, threshold):
+    """The codes of ``residual`` (which holds the pushed value already), taken off it."""
+    xp = array_module(residual)
+    positive = (residual >= xp.float32(threshold)).view(xp.uint8)
+    negative = (residual <= -xp.float32(threshold)).view(xp.uint8)
+    codes = positive + positive  # 0b11 or 0b10 by additions, NumPy's fastest uint8 arithmetic
+    codes += positive
+    codes += negative
+    codes += negative
+    residual -= dequantize(pack(codes), codes.size, threshold).reshape(codes.shape)  # +-threshold or 0: exact
+    return codes
+
+
+def pack(codes):
+    """The bytes of ``codes`` (uint8, one per element): element i in byte i // 4, at bits
+    7-6, 5-4, 3-2 or 1-0 for i % 4 = 0, 1, 2, 3; unused bits of the last byte are 0."""
+    xp = array_module(codes)
+    flat = codes.reshape(-1)
+    if flat.size % 4 or not flat.flags.c_contiguous:
+        padded = xp.zeros(-(-flat.size // 4) * 4, xp.uint8)
+        padded[:flat.size] = flat
+        flat = padded
+    words = flat.view("<u4")  # little-endian: element 4j in the low byte
+    return ((words * _SPREAD) >> 24).astype(xp.uint8)
+
+
+def dequantize(packed, count, threshold):
+    """The float32 values of the first ``count`` codes in ``packed`` (see :func:`pack`)."""
+    xp = array_module(packed)
+    value = np.float32(threshold)
+    # code -> value: 0b00 and 0b01 -> 0 (as MXNet's dequantize_2bit reads them), 0b10 ->
+    # -threshold, 0b11 -> +threshold; then byte -> the values of its 4 codes
+    table = xp.asarray(np.array([0, 0, -value, value], np.float32)[_UNPACKED])
+    return xp.take(table, packed, axis=0).reshape(-1)[:count]
+
+
+_UNPACKED = np.array([[(byte >> shift) & 0b11 for shift in (6, 4, 2, 0)] for byte in range(256)], np.uint8)
+
+
+class Compressor:
+    """A store's '2bit' compression: the threshold and the residuals (float32, each of its
+    value's shape, in the namespace of the pushed values): one per key on a dist worker, one
+    per key and device on a 'device' store."""
+
+    def __init__(self, threshold):
+        self.threshold = threshold
+        self.residuals = {}
+
+    def codes(self, key, value, slot=None):
+        """(codes of ``value`` pushed to ``key``, the residual after them), with the residual
+        of ``slot`` (default: the key), which stays as it was until :meth:`keep` (a refused
+        push leaves it unchanged)."""
+        check_float32(key, value.dtype)
+        xp = array_module(value)
+        before = self.residuals.get(key if slot is None else slot)
+        residual = value.astype(xp.float32) if before is None or before.shape != value.shape else before + value
+        return _take_codes(residual, self.threshold), residual
+
+    def keep(self, residuals):
+        """Make {slot: residual} the residuals, once the push that produced them succeeded."""
+        self.residuals.update(residuals)
+
+    def values(self, codes):
+        """The float32 values ``codes`` stand for (what a receiver of their packed bytes reads)."""
+        return dequantize(pack(codes), codes.size, self.threshold).reshape(codes.shape)
+
+    def item(self, item):
+        """The Item that carries the packed codes of ``item`` (an Item of codes)."""
+        return Item(item.key, pack(item.array), item.shape, item.slice, two_bit=self.threshold)
+
+
+def decompressed(item, xp=np):
+    """``item`` with the float32 values its 2-bit codes stand for, in namespace ``xp``; an item
+    without codes as it is."""
+    if item.two_bit is None:
+        return item
+    count = math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0]
+    values = dequantize(to_namespace(item.array, xp), count, item.two_bit)
+    return Item(item.key, values.reshape(item.shape if item.slice is None else (count,)), item.shape, item.slice,
+                owned=True)
