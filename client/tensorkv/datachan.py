@@ -112,6 +112,7 @@ class TlsSocket:
         self._sock = sock
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
+        self._received = memoryview(bytearray(TLS_IO_BYTES))  # the socket's bytes, on their way in
         while True:
             try:
                 self._tls.do_handshake()
@@ -132,14 +133,22 @@ class TlsSocket:
             self._flush()
 
     def recv_into(self, view):
-        while True:
+        """Decrypt into ``view`` every record already received that fits (one record a call of
+        the TLS object), reading the socket only when none is; 0 at the connection's end."""
+        filled = 0
+        while filled < len(view):
             try:
-                return self._tls.read(len(view), view)
+                count = self._tls.read(len(view) - filled, view[filled:])
             except ssl.SSLWantReadError:
-                if not self._fill():
-                    return 0
+                if filled or not self._fill():
+                    break
+                continue
             except ssl.SSLZeroReturnError:
-                return 0
+                break
+            if count == 0:
+                break
+            filled += count
+        return filled
 
     def recv(self, size):
         buffer = bytearray(size)
@@ -152,9 +161,9 @@ class TlsSocket:
 
     def _fill(self):
         """Read what the socket has (up to TLS_IO_BYTES) into the TLS object; False at its end."""
-        data = self._sock.recv(TLS_IO_BYTES)
-        self._incoming.write(data)
-        return bool(data)
+        count = self._sock.recv_into(self._received)
+        self._incoming.write(self._received[:count])
+        return count > 0
 
     def close(self):
         self._sock.close()
