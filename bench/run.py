@@ -16,8 +16,10 @@ pull, pushpull).  Rows, all medians, for one float32 key unless said:
   * the embedded 'local' store at 4 MiB, GB/s.
 
 Every dist row is run once per transport path in PATHS (the same-host default,
-a TCP-only path, and the TCP-only path over TLS: the gRPC port and the data
-channel both TLS, with a certificate made for the run), each on a fresh server.  The references are measured in
+a TCP-only path, a gRPC-only path, and the TCP-only and gRPC-only paths over
+TLS: the gRPC port and the data channel both TLS, with a certificate made for
+the run), each on a fresh server; each TLS row is printed next to its
+plaintext row with the ratio TLS / plaintext.  The references are measured in
 this run: a raw loopback TCP echo and a plain gRPC-Python echo (unary, and
 1 MiB-chunked streaming) from bench/references.py, and a NumPy copy.  MXNet
 1.9.1's numbers come from bench-results/mxnet.json when `make bench-mxnet` has
@@ -73,7 +75,11 @@ PATHS = {
     "same-host": {"options": {}, "env": {}},
     "tcp-only": {"options": {"transport": "tcp"}, "env": {}},
     "tls-tcp": {"options": {"transport": "tcp"}, "env": {}, "tls": True},
+    "grpc-only": {"options": {"transport": "grpc"}, "env": {}},
+    "tls-grpc": {"options": {"transport": "grpc"}, "env": {}, "tls": True},
 }
+# Each TLS path -> the plaintext path it is compared with.
+TLS_PAIRS = {"tls-tcp": "tcp-only", "tls-grpc": "grpc-only"}
 # Whether every tensorkv server serves metrics, on a port of its own (--metrics).
 SERVER_METRICS = False
 
@@ -107,10 +113,12 @@ GOALS = [
     ("'local' 4 MiB >= 1.0x MXNet 'local'", "local", None, 1.0),
 ]
 SMALL_GOAL_US = 300.0
-# Issue 12: TLS rows against the same rows in plaintext (TCP-only), same run.
+# Issue 12: TLS rows against the same rows in plaintext on the same path, same run.
 TLS_GOALS = [
-    ("4 MiB push+pull over TLS >= 0.7x plaintext (TCP-only)", "4MiB", 0.7),
-    ("64 MiB push+pull over TLS >= 0.7x plaintext (TCP-only)", "big", 0.7),
+    ("4 MiB push+pull over TLS >= 0.7x plaintext (TCP-only)", "4MiB", "tls-tcp", 0.7),
+    ("64 MiB push+pull over TLS >= 0.7x plaintext (TCP-only)", "big", "tls-tcp", 0.7),
+    ("4 MiB push+pull over TLS >= 0.7x plaintext (gRPC-only)", "4MiB", "tls-grpc", 0.7),
+    ("64 MiB push+pull over TLS >= 0.7x plaintext (gRPC-only)", "big", "tls-grpc", 0.7),
 ]
 
 
@@ -625,14 +633,31 @@ def goals(table, mxnet):
                 status = "missed"
         out.append({"goal": text, "ratio": ratio, "needed": need,
                     "status": status})
-    for text, rid, need in TLS_GOALS:
-        tls, plain = by.get((rid, "tls-tcp")), by.get((rid, "tcp-only"))
-        ratio = None
-        if tls and plain and tls["tensorkv"] and plain["tensorkv"]:
-            ratio = tls["tensorkv"] / plain["tensorkv"]
+    for text, rid, path, need in TLS_GOALS:
+        ratio = tls_ratio(by.get((rid, path)), by.get((rid, TLS_PAIRS[path])))
         status = "not measured" if ratio is None else "met" if ratio >= need else "missed"
         out.append({"goal": text, "ratio": ratio, "needed": need,
                     "status": status})
+    return out
+
+
+def tls_ratio(tls, plain):
+    """How many times better the TLS row is than its plaintext row (< 1: slower), or None."""
+    if not (tls and plain and tls["tensorkv"] and plain["tensorkv"]):
+        return None
+    return (tls["tensorkv"] / plain["tensorkv"] if tls["unit"] == "GB/s"
+            else plain["tensorkv"] / tls["tensorkv"])
+
+
+def tls_table(table):
+    """(row, TLS path, plaintext value, TLS value, ratio) for every TLS row of the table."""
+    by = {(r["id"], r["path"]): r for r in table}
+    out = []
+    for r in table:
+        plain = by.get((r["id"], TLS_PAIRS.get(r["path"])))
+        ratio = tls_ratio(r, plain)
+        if ratio is not None:
+            out.append((f"{r['row']} ({r['unit']})", r["path"], plain["tensorkv"], r["tensorkv"], ratio))
     return out
 
 
@@ -682,6 +707,11 @@ def format_report(table, goal_list, mxnet, results, notes):
                      + (f"; env {p['env']}" if p["env"] else "")
                      + "".join(f"; {n}" for n in p["notes"]))
     lines += notes
+    lines += ["", "TLS against plaintext on the same path, same run (x = TLS / plaintext; "
+              "for times plaintext / TLS):",
+              f"{'row':<32}{'path':<10}{'plaintext':>11}{'TLS':>10}{'x':>7}"]
+    lines += [f"{row:<32}{path:<10}{_fmt(plain):>11}{_fmt(tls):>10}{ratio:>6.2f}x"
+              for row, path, plain, tls, ratio in tls_table(table)]
     lines += ["", "Goals (issues 4 and 12):"]
     for g in goal_list:
         ratio = "" if g["ratio"] is None else f" ({g['ratio']:.2f}x)"
@@ -719,7 +749,10 @@ def format_markdown(table, goal_list, mxnet, report):
     lines += ["", "x: how many times better tensorkv is (tensorkv/reference "
               "for GB/s, reference/tensorkv for times). The 'local' row's "
               "TCP echo column is a NumPy copy of 4 MiB.", "",
-              "| goal (issues 4 and 12) | ratio | status |", "| --- | ---: | --- |"]
+              "| row | TLS path | plaintext | TLS | x TLS / plaintext |", "| --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {row} | {path} | {_fmt(plain)} | {_fmt(tls)} | {ratio:.2f}x |"
+              for row, path, plain, tls, ratio in tls_table(table)]
+    lines += ["", "| goal (issues 4 and 12) | ratio | status |", "| --- | ---: | --- |"]
     for g in goal_list:
         ratio = "—" if g["ratio"] is None else f"{g['ratio']:.2f}x"
         lines.append(f"| {g['goal']} | {ratio} | {g['status']} |")

@@ -18,12 +18,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import tensorkv
 from tensorkv.security import Security
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING
-from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
 
 SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
-READ_ONLY = {"Info", "Pull", "GetOptimizerStates"}
+MAINTENANCE = maintenance_pb2.DESCRIPTOR.services_by_name["MaintenanceService"]
+READ_ONLY = {"Info", "Pull", "GetOptimizerStates", "ListKeys", "ReadKey"}
 TOKEN, READ_ONLY_TOKEN = "rw-token-0123456789abcdef", "ro-token-0123456789abcdef"
 FAST = 5.0  # seconds within which a refused connection must fail (the connect timeout is 10 s)
 
@@ -71,15 +72,27 @@ def _fails_at_once(match, **kwargs):
     assert time.monotonic() - start < FAST
 
 
-def test_tutorial_against_a_tls_server(pki, tmp_path):
+@pytest.mark.parametrize("mutual_with_token, transport, described", [
+    (False, "auto", "TLS, no tokens"),
+    (True, "tcp", "mutual TLS, tokens"),  # every credential, and the values on the TLS data channel
+])
+def test_tutorial_against_a_tls_server(mutual_with_token, transport, described, pki, tmp_path):
     expected = (ROOT / "tests" / "data" / "tutorial_expected.txt").read_text().splitlines(keepends=True)
-    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(), security=Security(pki.ca_file)) as cluster:
-        result = subprocess.run([sys.executable, str(ROOT / "examples" / "tutorial_dist.py")],
-                                env={**cluster.env, **pki.env(client_cert=False)},
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    server_args = [*pki.server_args(mutual=mutual_with_token), *(["--token-file", str(tokens)] if mutual_with_token else [])]
+    env = {**pki.env(client_cert=mutual_with_token), "TENSORKV_TRANSPORT": transport}
+    if mutual_with_token:
+        env.update(TENSORKV_TOKEN=TOKEN, TENSORKV_DATACHAN_MIN_BYTES="1")
+    security = Security(pki.ca_file, *((pki.client_cert, pki.client_key, TOKEN) if mutual_with_token else ()))
+    with Cluster(tmp_path=tmp_path, server_args=server_args, security=security) as cluster:
+        result = subprocess.run([sys.executable, str(ROOT / "examples" / "tutorial_dist.py")], env={**cluster.env, **env},
                                 capture_output=True, text=True, timeout=WORKER_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join(line for line in expected if not line.startswith("update on key"))
-    assert "TLS, no tokens" in (tmp_path / "server0.log").read_text()
+    log = (tmp_path / "server0.log").read_text()
+    assert described in log
+    assert "data channel from" in log or not mutual_with_token
 
 
 def test_sync_rounds_over_mutual_tls_with_a_token_and_the_data_channel(pki, tmp_path):
@@ -234,7 +247,7 @@ def _listening(port):
 
 def _raw_call(channel, method, metadata, request=b""):
     """Call ``method`` of the service with the serialized ``request``; its status code and details."""
-    path = f"/{SERVICE.full_name}/{method.name}"
+    path = f"/{method.containing_service.full_name}/{method.name}"
     kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
             (True, False): channel.stream_unary, (True, True): channel.stream_stream}
     call = kind[method.client_streaming, method.server_streaming](path)
@@ -259,7 +272,7 @@ def token_server(tmp_path):
 def test_every_method_needs_a_token_and_read_only_tokens_only_read(token_server):
     refused = []
     with grpc.insecure_channel(token_server) as channel:
-        for method in SERVICE.methods:
+        for method in [*SERVICE.methods, *MAINTENANCE.methods]:
             for metadata, expected in (
                     ((), grpc.StatusCode.UNAUTHENTICATED),
                     ((("authorization", "Bearer not-a-token-0123456789"),), grpc.StatusCode.UNAUTHENTICATED),

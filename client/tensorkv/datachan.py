@@ -20,7 +20,8 @@ ACK = b"\x01"
 # Seconds to connect and be bound at most: a port that a firewall drops must not hold the
 # call that negotiates for its whole timeout.
 CONNECT_TIMEOUT = 10.0
-TLS_IO_BYTES = 1 << 18  # bytes encrypted, or read from the socket, at a time over TLS
+TLS_WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
+TLS_RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
 
 
 def split_address(address):
@@ -106,12 +107,14 @@ class TlsSocket:
     """A connected blocking socket with TLS as a client, for what :class:`Channel` calls.
 
     TLS runs through an ``ssl.SSLObject`` on memory buffers, so that each system call moves
-    up to TLS_IO_BYTES (an ``ssl.SSLSocket`` makes one or two per 16 KiB record)."""
+    up to TLS_WRITE_BYTES or TLS_RECV_BYTES (an ``ssl.SSLSocket`` makes one or two per 16 KiB
+    record)."""
 
     def __init__(self, sock, context, host):
         self._sock = sock
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
+        self._received = memoryview(bytearray(TLS_RECV_BYTES))  # the socket's bytes, on their way in
         while True:
             try:
                 self._tls.do_handshake()
@@ -127,19 +130,27 @@ class TlsSocket:
 
     def sendall(self, data):
         view = memoryview(data)
-        for start in range(0, len(view), TLS_IO_BYTES):
-            self._tls.write(view[start:start + TLS_IO_BYTES])
+        for start in range(0, len(view), TLS_WRITE_BYTES):
+            self._tls.write(view[start:start + TLS_WRITE_BYTES])
             self._flush()
 
     def recv_into(self, view):
-        while True:
+        """Decrypt into ``view`` every record already received that fits (one record a call of
+        the TLS object), reading the socket only when none is; 0 at the connection's end."""
+        filled = 0
+        while filled < len(view):
             try:
-                return self._tls.read(len(view), view)
+                count = self._tls.read(len(view) - filled, view[filled:])
             except ssl.SSLWantReadError:
-                if not self._fill():
-                    return 0
+                if filled or not self._fill():
+                    break
+                continue
             except ssl.SSLZeroReturnError:
-                return 0
+                break
+            if count == 0:
+                break
+            filled += count
+        return filled
 
     def recv(self, size):
         buffer = bytearray(size)
@@ -151,10 +162,10 @@ class TlsSocket:
             self._sock.sendall(data)
 
     def _fill(self):
-        """Read what the socket has (up to TLS_IO_BYTES) into the TLS object; False at its end."""
-        data = self._sock.recv(TLS_IO_BYTES)
-        self._incoming.write(data)
-        return bool(data)
+        """Read what the socket has (up to TLS_RECV_BYTES) into the TLS object; False at its end."""
+        count = self._sock.recv_into(self._received)
+        self._incoming.write(self._received[:count])
+        return count > 0
 
     def close(self):
         self._sock.close()

@@ -69,13 +69,16 @@ SERVER_OPTIONS = _COMMON_OPTIONS + [
 
 def _as_kvstore_error(error, where):
     """``error`` as the KVStoreError a client gets: a MemoryError is RESOURCE_EXHAUSTED, anything
-    else but a KVStoreError is INTERNAL (and logged with its traceback)."""
+    else but a KVStoreError is INTERNAL (and logged with its traceback; the file an OSError
+    names is left out of the message)."""
     if isinstance(error, KVStoreError):
         return error
     if isinstance(error, MemoryError):
         log.warning("out of memory in %s: %s", where, error)
         return ResourceExhaustedError(f"the server ran out of memory: {type(error).__name__}: {error}")
     log.exception("unexpected error in %s", where)
+    if isinstance(error, OSError) and error.filename is not None:  # a place on the server: for its log only
+        return InternalError(f"{type(error).__name__}: {error.strerror} (the server's log names the file)")
     return InternalError(f"{type(error).__name__}: {error}")
 
 

@@ -8,8 +8,8 @@ import asyncio
 import socket
 import ssl
 
-RECV_BYTES = 1 << 18  # encrypted bytes read from the socket at a time
-WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time
+RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
+WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
 
 
 class PlainLink:
@@ -39,6 +39,7 @@ class TlsLink(PlainLink):
         super().__init__(sock)
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
+        self._received = memoryview(bytearray(RECV_BYTES))  # the socket's bytes, on their way in
 
     async def handshake(self):
         await self._complete(self._tls.do_handshake)
@@ -74,10 +75,10 @@ class TlsLink(PlainLink):
             return result
 
     async def _receive(self):
-        data = await self._loop.sock_recv(self.sock, RECV_BYTES)
-        if not data:
+        count = await self._loop.sock_recv_into(self.sock, self._received)
+        if count == 0:
             raise EOFError("the client closed the data channel")
-        self._incoming.write(data)
+        self._incoming.write(self._received[:count])
 
     async def _flush(self):
         data = self._outgoing.read()
