@@ -19,7 +19,7 @@ from .errors import (
     key_repr, keys_repr, no_memory,
 )
 from .kernels import accumulator_dtype
-from .optimizer import Updater
+from .optimizer import Updater, state_array_bytes
 
 
 def dtype_mismatch(key, verb, dtype, stored):
@@ -65,6 +65,9 @@ class Engine:
         self.updater = None
         self._values = {}
         self._key_type = None  # int or str, fixed by the first key stored
+        # Bytes of the stored values, and of one optimizer state array for each of them (see
+        # optimizer.state_array_bytes): what a server counts against its --max-memory.
+        self.value_bytes = self.state_array_bytes = 0
 
     def __contains__(self, key):
         return key in self._values
@@ -148,6 +151,8 @@ class Engine:
             key = check_key(item.key)
             self._values[key] = Stored(array, item.shape, item.slice)
             self._key_type = type(key)
+            self.value_bytes += array.nbytes
+            self.state_array_bytes += state_array_bytes(array)
 
     def _stored_copy(self, item):
         """A copy of ``item``'s value in this namespace; ResourceExhaustedError if it does not fit."""
@@ -162,6 +167,7 @@ class Engine:
         self._values.clear()
         self.updater = None
         self._key_type = None
+        self.value_bytes = self.state_array_bytes = 0
 
     def accumulate(self, total, value, owned=False):
         """``total + value`` for merging pushes, in place when ``total`` is not None.
