@@ -44,6 +44,13 @@ def test_the_data_port_cannot_be_the_grpc_port():
     assert result.returncode == 2 and result.stderr.endswith("error: --data-port must differ from --port\n")
 
 
+@pytest.mark.parametrize("flag", ["--max-key-bytes", "--max-value-bytes", "--max-keys-per-call",
+                                  "--max-inflight-bytes", "--max-memory"])
+def test_a_limit_must_be_positive(flag):
+    result = run_server(flag, "0")
+    assert result.returncode == 2 and result.stderr.endswith(f"error: {flag} must be at least 1\n"), result.stderr
+
+
 def test_help_gives_every_flag_its_text_and_default():
     result = run_server("--help")
     assert result.returncode == 0, result.stderr
@@ -51,7 +58,8 @@ def test_help_gives_every_flag_its_text_and_default():
     entries = {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in re.split(r"\n  (?=-)", options)}
     assert set(entries) >= {"-h", "--host", "--port", "--num-workers", "--mode", "--round-timeout", "--grace",
                             "--device", "--no-shared-memory", "--data-port", "--no-data-channel", "--log-level",
-                            "--version", "--max-key-bytes", "--tls-cert", "--tls-key", "--tls-client-ca",
+                            "--version", "--max-key-bytes", "--max-value-bytes", "--max-keys-per-call",
+                            "--max-inflight-bytes", "--max-memory", "--tls-cert", "--tls-key", "--tls-client-ca",
                             "--token-file", "--insecure"}
     for flag, entry in entries.items():
         if flag not in ("-h", "--version"):

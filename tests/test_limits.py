@@ -1,17 +1,26 @@
 """Requests over what a server should hold, with real server processes on 127.0.0.1 and raw
 generated stubs: refused calls leave no memory behind, keys are bounded by --max-key-bytes,
-values that cannot be allocated are RESOURCE_EXHAUSTED, and messages shorten long keys."""
+values that cannot be allocated are RESOURCE_EXHAUSTED, messages shorten long keys, and
+--max-value-bytes, --max-keys-per-call, --max-inflight-bytes and --max-memory refuse what is
+over them whole (RESOURCE_EXHAUSTED naming the limit and its flag), before anything is
+allocated; data connections without a token are closed."""
+import re
 import resource
+import socket
+import subprocess
+import time
 
 import grpc
 import numpy as np
 import pytest
 
 import tensorkv
+from tensorkv import shm
 from tensorkv.rpc import CHANNEL_OPTIONS, Session
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
+from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES
 
-from cluster import Cluster, rss
+from cluster import STOP_TIMEOUT, Cluster, rss
 
 TIMEOUT = 20.0  # seconds for one call
 
@@ -156,6 +165,8 @@ def test_keys_over_the_limit_are_refused_wherever_they_come(tmp_path, flag, limi
 # ---- values that cannot be allocated ------------------------------------------------------
 
 TIB_OF_FLOAT32 = [1 << 38]
+# Limits high enough for a value of 1 TiB, for the tests of what happens when it cannot be allocated.
+NO_VALUE_LIMITS = ["--max-value-bytes", str(1 << 41), "--max-inflight-bytes", str(1 << 41)]
 
 
 def _cap_address_space(pid, headroom):
@@ -169,7 +180,7 @@ def _cap_address_space(pid, headroom):
 def test_a_wait_only_init_allocates_nothing(tmp_path):
     """A wait-only init carries shapes, not data: one of 1 TiB is checked against the stored
     shape (INVALID_ARGUMENT), never allocated (before the fix: INTERNAL MemoryError)."""
-    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=NO_VALUE_LIMITS) as cluster:
         _cap_address_space(cluster.processes[0].pid, 1 << 30)
         with _Raw(cluster.addresses[0], ranks=(0, 1)) as raw:
             assert raw.init([_entry("w", [2], np.ones(2, np.float32).tobytes())])[0] == grpc.StatusCode.OK
@@ -186,7 +197,7 @@ def test_a_value_too_large_to_allocate_is_resource_exhausted(tmp_path):
     """A push that declares 1 TiB (its bytes to follow) and an init the server cannot copy are
     refused with RESOURCE_EXHAUSTED naming key, shape, dtype and bytes; nothing is stored and
     the server goes on serving (before the fix: INTERNAL MemoryError)."""
-    with Cluster(tmp_path=tmp_path) as cluster:
+    with Cluster(tmp_path=tmp_path, server_args=NO_VALUE_LIMITS) as cluster:
         _cap_address_space(cluster.processes[0].pid, 256 << 20)
         with _Raw(cluster.addresses[0]) as raw:
             assert raw.init([_entry("w", [2], np.ones(2, np.float32).tobytes())])[0] == grpc.StatusCode.OK
@@ -230,3 +241,218 @@ def test_errors_about_a_long_key_show_it_shortened(tmp_path):
                         f"key {shown}: pushed shape (3,) does not match the stored shape (2,)")
             assert raw.push(mismatch) == expected
             assert raw.session_call(kvstore_pb2.SESSION_OP_PUSH, mismatch) == expected
+
+
+# ---- --max-value-bytes, --max-keys-per-call, --max-inflight-bytes, --max-memory --------------
+
+def _floats(count, start=0):
+    """``count`` float32 integers from ``start``: exact whatever was added, for comparisons."""
+    return np.arange(start, start + count, dtype=np.float32)
+
+
+def _refused_everywhere(raw, entries, words, keys=None):
+    """Init, Push, Session push (and with ``keys``, Pull and Session pull) of ``entries`` are
+    each refused with RESOURCE_EXHAUSTED and the message ``words``."""
+    answers = {"Init": raw.init(entries), "Push": raw.push(entries),
+               "Session push": raw.session_call(kvstore_pb2.SESSION_OP_PUSH, entries)}
+    if keys is not None:
+        answers.update({"Pull": raw.pull(keys), "Session pull": raw.session_call(kvstore_pb2.SESSION_OP_PULL,
+                                                                                 keys=keys)})
+    for call, answer in answers.items():
+        assert answer == (grpc.StatusCode.RESOURCE_EXHAUSTED, words), call
+
+
+def test_a_value_over_max_value_bytes_is_refused_and_changes_nothing(tmp_path):
+    """Before: any value up to 1 TiB was received (an init of 1028 bytes was stored)."""
+    with Cluster(tmp_path=tmp_path, server_args=["--max-value-bytes", "1024"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                    "key 'big': a value of shape (257,) and dtype float32 takes 1028 bytes; this server's limit is "
+                    "1024 bytes per value (--max-value-bytes)")):
+                kv.init(["w", "big"], [_floats(256), _floats(257)])
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("w")  # all or none
+            kv.init("w", _floats(256))  # at the limit
+        with _Raw(cluster.addresses[0]) as raw:
+            declared = [_entry("w", [257], b"\0" * 8)]  # the rest would follow in more messages
+            _refused_everywhere(raw, declared, "key 'w': a value of shape (257,) and dtype float32 takes 1028 bytes; "
+                                               "this server's limit is 1024 bytes per value (--max-value-bytes)")
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="resume") as kv:
+            np.testing.assert_array_equal(kv.pull("w"), _floats(256))
+
+
+def test_a_declared_shape_of_2_to_the_40_elements_allocates_nothing(tmp_path):
+    """Entries that declare 2**40 uint8 elements (1 TiB) with 8 bytes of them, on Init, Push and
+    the Session stream, under the default limits: each refused at once with RESOURCE_EXHAUSTED,
+    and the server's memory stays flat. Before: each was answered "not enough memory" after an
+    attempt to allocate 1 TiB (or, where the kernel allows it, with a mapping of 1 TiB)."""
+    words = (f"key 'w': a value of shape ({1 << 40},) and dtype uint8 takes {1 << 40} bytes; this server's limit "
+             f"is {16 << 30} bytes per value (--max-value-bytes)")
+    with Cluster(tmp_path=tmp_path) as cluster:
+        pid = cluster.processes[0].pid
+        with _Raw(cluster.addresses[0]) as raw:
+            assert raw.init([_entry("w", [2], b"\1\2", tensor_pb2.DTYPE_UINT8)])[0] == grpc.StatusCode.OK
+            huge = [_entry("w", [1 << 40], b"\0" * 8, tensor_pb2.DTYPE_UINT8)]
+            for _ in range(20):  # gRPC's buffers settle
+                _refused_everywhere(raw, huge, words)
+            before = rss(pid)
+            for _ in range(100):
+                _refused_everywhere(raw, huge, words)
+            grown = rss(pid) - before
+            assert grown < 50 << 20, f"the server grew by {grown >> 20} MiB for 300 refused declarations of 1 TiB"
+            assert raw.pull(["w"])[0] == grpc.StatusCode.OK
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="resume") as kv:
+            np.testing.assert_array_equal(kv.pull("w"), np.array([1, 2], np.uint8))
+
+
+def test_more_keys_than_max_keys_per_call_are_refused_and_change_nothing(tmp_path):
+    """Before: any number of keys was accepted (the 4-key init was stored)."""
+    keys = ["k0", "k1", "k2", "k3"]
+    words = "key 'k3' is key 4 of this call; this server's limit is 3 keys per call (--max-keys-per-call)"
+    with Cluster(tmp_path=tmp_path, server_args=["--max-keys-per-call", "3"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
+                kv.init(keys, [_floats(2, 10 * i) for i in range(4)])
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("k0")  # all or none
+            kv.init(keys[:3], [_floats(2, 10 * i) for i in range(3)])
+            kv.init(keys[3], _floats(2, 30))
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
+                kv.push(keys, [np.ones(2, np.float32)] * 4)
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
+                kv.pull(keys)
+        with _Raw(cluster.addresses[0]) as raw:
+            _refused_everywhere(raw, [_entry(key, [2], np.ones(2, np.float32).tobytes()) for key in keys], words,
+                                keys=keys)
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="resume") as kv:
+            for i, key in enumerate(keys):
+                np.testing.assert_array_equal(kv.pull(key), _floats(2, 10 * i))
+
+
+def test_a_call_over_max_inflight_bytes_is_refused_and_changes_nothing(tmp_path):
+    """A call whose values add up to more than --max-inflight-bytes, each within the value limit,
+    and a value that declares more and would follow in later messages: refused before the
+    rest is received. Before: both were received (the 2-key push was applied)."""
+    words = ("key 'b': its value brings the values received in this call to 6000 bytes; this server's limit is "
+             "4096 bytes per call (--max-inflight-bytes)")
+    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", "4096"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc") as kv:
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
+                kv.init(["a", "b"], [_floats(750), _floats(750, 1000)])
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("a")  # all or none
+            kv.init("a", _floats(750))
+            kv.init("b", _floats(750, 1000))
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
+                kv.push(["a", "b"], [np.ones(750, np.float32)] * 2)
+        with _Raw(cluster.addresses[0]) as raw:
+            _refused_everywhere(raw, [_entry("a", [750], np.ones(750, np.float32).tobytes()),
+                                      _entry("b", [750], b"\0" * 8)], words)
+            _refused_everywhere(raw, [_entry("b", [1 << 20], b"\0" * 8)],
+                                "key 'b': its value brings the values received in this call to 4194304 bytes; "
+                                "this server's limit is 4096 bytes per call (--max-inflight-bytes)")
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="resume") as kv:
+            np.testing.assert_array_equal(kv.pull("a"), _floats(750))
+            np.testing.assert_array_equal(kv.pull("b"), _floats(750, 1000))
+
+
+def test_a_large_value_over_max_inflight_bytes_is_refused_on_every_transport_but_shared_memory(tmp_path):
+    """A 4 MiB value against a limit of 1 MiB: refused on its first message on the Push stream,
+    the Session stream and the data channel, and the next call on the same store works; in
+    shared memory it is not received by the server, so not counted. Before: accepted."""
+    words = ("key 'big': its value brings the values received in this call to 4194304 bytes; this server's limit is "
+             "1048576 bytes per call (--max-inflight-bytes)")
+    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", str(1 << 20)]) as cluster:
+        for transport, session in (("grpc", False), ("grpc", True), ("tcp", True)):
+            with tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport, session=session,
+                                 if_exists="replace") as kv:
+                with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
+                    kv.init("big", np.ones(1 << 20, np.float32))
+                kv.init("small", _floats(4))
+                np.testing.assert_array_equal(kv.pull("small"), _floats(4))
+        if shm.available():
+            with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="replace") as kv:
+                kv.init("big", _floats(1 << 20))
+                np.testing.assert_array_equal(kv.pull("big"), _floats(1 << 20))
+
+
+MEMORY_LIMIT = "this server's limit is 4096 bytes (--max-memory: stored values and optimizer states)"
+
+
+def test_max_memory_counts_values_and_optimizer_states_and_changes_nothing(tmp_path):
+    """Inits and optimizers that would hold more than --max-memory are refused; nothing changes.
+    Before: nothing was counted (every init and optimizer below was accepted)."""
+    with Cluster(tmp_path=tmp_path, server_args=["--max-memory", "4096"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("a", _floats(510))  # 2040 bytes
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                    f"key 'c': its value would bring what this server holds to 4100 bytes; {MEMORY_LIMIT}")):
+                kv.init(["b", "c"], [_floats(511), _floats(4)])
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("b")  # all or none
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                    "optimizer 'adam' keeps 2 state arrays per value: with those of the 1 key stored this server "
+                    f"would hold 6120 bytes; {MEMORY_LIMIT}")):
+                kv.set_optimizer(tensorkv.optimizer.Adam())
+            kv.push("a", np.ones(510, np.float32))  # no optimizer: assigned
+            np.testing.assert_array_equal(kv.pull("a"), np.ones(510, np.float32))
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0, momentum=0.5))  # 2040 + 2040 bytes
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                    "key 'd': its value and the optimizer states it needs would bring what this server holds to "
+                    f"4104 bytes; {MEMORY_LIMIT}")):
+                kv.init("d", np.ones(3, np.float32))
+            kv.init("n", np.ones(16, np.uint8))  # no optimizer states for int values: 4096 bytes
+            kv.push("a", np.ones(510, np.float32))
+            np.testing.assert_array_equal(kv.pull("a"), np.zeros(510, np.float32))
+
+
+def test_max_memory_counts_what_a_reset_or_a_replacing_run_frees(tmp_path):
+    """Before: nothing was counted (the 4100 bytes below were stored)."""
+    with Cluster(tmp_path=tmp_path, server_args=["--max-memory", "4096"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("a", _floats(1024))  # 4096 bytes: all there is
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                    f"key 'b': its value would bring what this server holds to 4100 bytes; {MEMORY_LIMIT}")):
+                kv.init("b", _floats(1))
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="replace") as kv:
+            kv.init("b", _floats(1024, 7))  # "a" dropped by the new run
+            with pytest.raises(tensorkv.ResourceExhaustedError, match="--max-memory"):
+                kv.init("c", _floats(1))
+        assert tensorkv.reset(cluster.addresses) == 1
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("c", _floats(1024, 3))
+            np.testing.assert_array_equal(kv.pull("c"), _floats(1024, 3))
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("b")
+
+
+# ---- connections on the data port ---------------------------------------------------------
+
+def test_a_data_connection_without_a_token_is_closed_within_the_handshake_timeout(tmp_path):
+    """A plaintext connection that sends nothing, and one that sends half a token, are closed
+    by the server within HANDSHAKE_TIMEOUT (+ 5 s)."""
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            port = kv._sessions[0].data_port
+        with socket.create_connection(("127.0.0.1", port), 5) as idle, \
+                socket.create_connection(("127.0.0.1", port), 5) as half:
+            half.sendall(bytes(TOKEN_BYTES // 2))
+            deadline = time.monotonic() + HANDSHAKE_TIMEOUT + 5
+            for sock in (idle, half):
+                sock.settimeout(max(deadline - time.monotonic(), 0.1))
+                assert sock.recv(1) == b"", "the server kept a connection that presented no token"
+    assert (tmp_path / "server0.log").read_text().count("data channel connection from") == 2
+
+
+def test_a_snapshot_over_max_memory_stops_the_server_naming_the_file(tmp_path):
+    """Before: the snapshot was restored whatever --max-memory said (the flag did not exist)."""
+    state = tmp_path / "state"
+    with Cluster(tmp_path=tmp_path, server_args=["--state-dir", str(state), "--snapshot-interval", "0"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("a", _floats(1024))  # 4096 bytes; the server's stop writes snapshot 1
+        command = [*cluster.commands[0], "--max-memory", "4095"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=STOP_TIMEOUT)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().endswith(
+        f"--state-dir {state}: snapshot-000000000001.tkv: key 'a': its value would bring what this server holds "
+        "to 4096 bytes; this server's limit is 4095 bytes (--max-memory: stored values and optimizer states)")

@@ -30,7 +30,9 @@ import ml_dtypes
 import numpy as np
 
 from .backend import shape_dtype, to_host
-from .errors import InvalidArgumentError, InvalidTensorError, KeyTypeError, key_repr, no_memory
+from .errors import (
+    InvalidArgumentError, InvalidTensorError, KeyTypeError, ResourceExhaustedError, key_repr, no_memory,
+)
 from google.protobuf.message import DecodeError
 
 from .v1 import tensor_pb2
@@ -52,8 +54,6 @@ _TO_WIRE = {dt: wire for wire, dt in _WIRE_DTYPES}
 
 SUPPORTED_DTYPES = tuple(dt for _, dt in _WIRE_DTYPES)
 MAX_RANK = 32
-# Bound on one decoded tensor; a server may lower it to what its memory holds.
-MAX_TENSOR_BYTES = 1 << 40
 # Payload bytes per stream message; chosen by measurement (see docs/transport.md).
 CHUNK_BYTES = int(os.environ.get("TENSORKV_CHUNK_BYTES", 1 << 20))
 
@@ -107,6 +107,19 @@ def check_key_bytes(key, max_key_bytes):
         raise InvalidArgumentError(f"key {key_repr(key)} takes {size} bytes of UTF-8; this server's limit is "
                                    f"{max_key_bytes} bytes (--max-key-bytes)")
     return size
+
+
+def check_key_count(keys, max_keys):
+    """ResourceExhaustedError when the list ``keys`` of one call is longer than a server's
+    ``max_keys`` (--max-keys-per-call)."""
+    if len(keys) > max_keys:
+        raise too_many_keys(keys[max_keys], max_keys)
+
+
+def too_many_keys(key, max_keys):
+    """The ResourceExhaustedError of a call whose key ``key`` is one more than ``max_keys``."""
+    return ResourceExhaustedError(f"key {key_repr(key)} is key {max_keys + 1} of this call; this server's limit is "
+                                  f"{max_keys} keys per call (--max-keys-per-call)")
 
 
 def set_key(message, key):
@@ -206,14 +219,21 @@ class FrameDecoder:
     Feed it every frame in order; :meth:`feed` returns the items completed by that frame
     and :meth:`finish` checks that nothing was left incomplete. Every malformed input
     raises InvalidTensorError before anything is stored, and a str key of more than
-    ``max_key_bytes`` bytes (None: any length) InvalidArgumentError. Call :meth:`remember`
-    once the call succeeded.
+    ``max_key_bytes`` bytes InvalidArgumentError. A server's limits (None: none) raise
+    ResourceExhaustedError before anything is allocated: a value of more than ``max_bytes``
+    bytes, more than ``max_keys`` entries, or more than ``max_call_bytes`` bytes of values
+    received with the call (not those in shared memory). Call :meth:`remember` once the
+    call succeeded.
     """
 
-    def __init__(self, max_bytes=MAX_TENSOR_BYTES, with_data=True, destination=None, resolve=None,
-                 copy_refs=False, channel=False, staging=None, max_key_bytes=None, two_bit=False):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes=None, with_data=True, destination=None, resolve=None,
+                 copy_refs=False, channel=False, staging=None, max_key_bytes=None, max_keys=None,
+                 max_call_bytes=None, two_bit=False):
+        self.max_bytes = math.inf if max_bytes is None else max_bytes
         self.max_key_bytes = math.inf if max_key_bytes is None else max_key_bytes
+        self.max_keys = math.inf if max_keys is None else max_keys
+        self.max_call_bytes = math.inf if max_call_bytes is None else max_call_bytes
+        self._call_bytes = 0  # bytes of the values received so far
         self.with_data = with_data
         # resolve(region_id, offset, length): the uint8 array of a shared-memory reference,
         # bounds-checked (InvalidTensorError otherwise); None: references are rejected.
@@ -263,6 +283,7 @@ class FrameDecoder:
                 )
             header = _Header(entry, self.max_bytes, self.max_key_bytes)
             self._check_two_bit(header)
+            self._call_bytes = self._admit(header, self._count, self._call_bytes)
             index, self._count = self._count, self._count + 1
             data = entry.tensor.data
             if header.follows is not None:
@@ -298,7 +319,7 @@ class FrameDecoder:
             return self._continue(memoryview(data)[pos:end])
         if self._pending is not None:
             return None
-        done, pos, count, with_data = [], start, self._count, self.with_data
+        done, pos, count, with_data, call_bytes = [], start, self._count, self.with_data, self._call_bytes
         known, max_bytes, max_key_bytes = _KNOWN_ENTRIES, self.max_bytes, self.max_key_bytes
         while pos < end:
             entry_start = pos
@@ -337,6 +358,7 @@ class FrameDecoder:
                     self._learned.append((data[entry_start:key_start + key_length], (prefix, header, data_len)))
             pos = entry_end
             self._check_two_bit(header)
+            call_bytes = self._admit(header, count, call_bytes)
             if header.follows is not None:
                 done.append(self._following(count, header, data_len))
             elif header.ref is not None:
@@ -364,12 +386,26 @@ class FrameDecoder:
                     f"key {key_repr(header.key)}: tensor of shape {header.shape} and dtype {header.dtype} "
                     f"needs {header.nbytes} bytes, got {data_len}")
             count += 1
-        self._count = count
+        self._count, self._call_bytes = count, call_bytes
         return done
 
     def _check_two_bit(self, header):
         if header.two_bit is not None and not self.two_bit:
             raise InvalidTensorError(f"key {key_repr(header.key)}: 2-bit compressed codes are only valid in a push")
+
+    def _admit(self, header, index, call_bytes):
+        """The bytes of the call's values received with the index-th entry, ``header``, after
+        ``call_bytes`` before it; ResourceExhaustedError over max_keys or max_call_bytes."""
+        if index >= self.max_keys:
+            raise too_many_keys(header.key, self.max_keys)
+        if header.ref is not None or not self.with_data:
+            return call_bytes
+        call_bytes += header.nbytes
+        if call_bytes > self.max_call_bytes:
+            raise ResourceExhaustedError(
+                f"key {key_repr(header.key)}: its value brings the values received in this call to {call_bytes} "
+                f"bytes; this server's limit is {self.max_call_bytes} bytes per call (--max-inflight-bytes)")
+        return call_bytes
 
     def _referenced(self, index, header, data_len):
         """The item of an entry whose bytes are in shared memory (``header.ref``)."""
@@ -711,8 +747,8 @@ class StreamDecoder:
     Call :meth:`remember` once the call succeeded.
     """
 
-    def __init__(self, message_class, frame_field, max_bytes=MAX_TENSOR_BYTES, destination=None,
-                 with_data=None, resolve=None, copy_refs=False, channel=False, staging=None, max_key_bytes=None,
+    def __init__(self, message_class, frame_field, max_bytes=None, destination=None, with_data=None, resolve=None,
+                 copy_refs=False, channel=False, staging=None, max_key_bytes=None, max_keys=None, max_call_bytes=None,
                  two_bit=False):
         self.message_class = message_class
         self.frame_name = frame_field
@@ -721,7 +757,8 @@ class StreamDecoder:
         self.items = []
         self._with_data = with_data
         self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
-                                   channel=channel, staging=staging, max_key_bytes=max_key_bytes, two_bit=two_bit)
+                                   channel=channel, staging=staging, max_key_bytes=max_key_bytes, max_keys=max_keys,
+                                   max_call_bytes=max_call_bytes, two_bit=two_bit)
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""
@@ -823,16 +860,15 @@ class _Header:
         self.data_shape = (self.nbytes,)
 
     def check_limits(self, max_bytes, max_key_bytes):
-        """InvalidArgumentError when the key or the value is over a decoder's limits."""
+        """InvalidArgumentError when the key, ResourceExhaustedError when the value, is over a decoder's limits."""
         check_key_bytes(self.key, max_key_bytes)
         self._check_nbytes(max_bytes)
 
     def _check_nbytes(self, max_bytes):
         if self.nbytes > max_bytes:
-            raise InvalidTensorError(
-                f"key {key_repr(self.key)}: shape {self.shape} of {self.dtype} needs {self.nbytes} bytes; "
-                f"the limit is {max_bytes}"
-            )
+            raise ResourceExhaustedError(
+                f"key {key_repr(self.key)}: a value of shape {self.shape} and dtype {self.dtype} takes {self.nbytes} "
+                f"bytes; this server's limit is {max_bytes} bytes per value (--max-value-bytes)")
 
     def item(self, flat, owned=False):
         array = flat if flat.shape == self.data_shape else flat.reshape(self.data_shape)

@@ -19,7 +19,7 @@ from .errors import (
     ShapeMismatchError, key_repr, keys_repr, no_memory,
 )
 from .kernels import accumulator_dtype
-from .optimizer import Updater
+from .optimizer import Updater, state_array_bytes
 from .rowsparse import RowSparse, Rows, canonical, check_like, check_row_ids, merge as merge_rows
 
 
@@ -66,6 +66,9 @@ class Engine:
         self.updater = None
         self._values = {}
         self._key_type = None  # int or str, fixed by the first key stored
+        # Bytes of the stored values, and of one optimizer state array for each of them (see
+        # optimizer.state_array_bytes): what a server counts against its --max-memory.
+        self.value_bytes = self.state_array_bytes = 0
 
     def __contains__(self, key):
         return key in self._values
@@ -152,6 +155,8 @@ class Engine:
             key = check_key(item.key)
             self._values[key] = Stored(array, item.shape, item.slice)
             self._key_type = type(key)
+            self.value_bytes += array.nbytes
+            self.state_array_bytes += state_array_bytes(array)
 
     def _stored_copy(self, item):
         """A copy of ``item``'s value in this namespace; ResourceExhaustedError if it does not fit."""
@@ -166,6 +171,7 @@ class Engine:
         self._values.clear()
         self.updater = None
         self._key_type = None
+        self.value_bytes = self.state_array_bytes = 0
 
     def accumulate(self, total, value, owned=False, key=None):
         """``total + value`` for merging pushes, in place when ``total`` is not None.

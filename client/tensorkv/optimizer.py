@@ -91,6 +91,19 @@ def _compute_dtype(dtype):
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
+def _updatable(dtype):
+    """Whether optimizers update values of ``dtype``: floating point ones."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def state_array_bytes(weight):
+    """The bytes of one optimizer state array for ``weight``: 0 for a dtype no optimizer updates."""
+    if not _updatable(weight.dtype):
+        return 0
+    return _compute_dtype(weight.dtype).itemsize * math.prod(weight.shape)
+
+
 class Optimizer:
     """Base class: the hyper-parameters every optimizer shares.
 
@@ -446,7 +459,7 @@ class Updater:
 
     def check(self, key, weight):
         """Raise DtypeMismatchError unless ``weight`` has a floating-point dtype the optimizer can update."""
-        if np.dtype(weight.dtype).kind != "f" and np.dtype(weight.dtype).name != "bfloat16":
+        if not _updatable(weight.dtype):
             raise DtypeMismatchError(
                 f"key {key_repr(key)}: optimizer {self.optimizer.name!r} cannot update a value of dtype {weight.dtype}"
             )

@@ -8,10 +8,9 @@ from tensorkv import __version__, allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
-from . import logs, metrics, security
+from . import limits, logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, check_free, serve
-from .service import MAX_KEY_BYTES
 from .snapshot import Snapshots, WrongServer
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
@@ -51,9 +50,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages "
                              "(default: data channel on)")
-    parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
-                        help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
-                             "with INVALID_ARGUMENT (default %(default)s)")
+    limits.add_arguments(parser)
     parser.add_argument("--state-dir", metavar="DIR",
                         help="directory of snapshots of the server's state (values, rounds, optimizer and states, "
                              "run): the newest whole one is restored at start, and new ones are written there "
@@ -78,8 +75,7 @@ def parse_args(argv=None):
         parser.error(f"--lease-timeout must be positive and at most {MAX_LEASE_TIMEOUT:g} s")
     if args.data_channel and args.data_port == args.port != 0:
         parser.error("--data-port must differ from --port")
-    if args.max_key_bytes < 1:
-        parser.error("--max-key-bytes must be at least 1")
+    limits.check(args, parser)
     try:
         args.security = security.ServerSecurity.from_args(args)
     except ValueError as error:
@@ -114,8 +110,10 @@ def _serve(args, reexec):
         xp, device = select(args.device)
     except (RuntimeError, ValueError) as error:  # a device this machine does not have
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
+    request_limits, max_memory = limits.from_args(args, xp)
+    log.info("%s", limits.describe(request_limits, max_memory))
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
-                              args.lease_timeout)
+                              args.lease_timeout, max_memory)
     snapshots = None
     if args.state_dir is None:
         log.warning("no --state-dir: nothing survives a restart")
@@ -130,7 +128,7 @@ def _serve(args, reexec):
     except OSError as error:
         raise SystemExit(f"tensorkv-server: --metrics-port {args.metrics_port}: {error}") from None
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None, args.max_key_bytes, args.security,
+                      args.data_port if args.data_channel else None, request_limits, args.security,
                       interceptors, snapshots, args.snapshot_interval))
 
 

@@ -30,8 +30,8 @@ from tensorkv.backend import to_host
 from tensorkv.codec import Item
 from tensorkv.rowsparse import check_row_ids
 from tensorkv.errors import (
-    FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, RoundAbortedError,
-    ServerUnavailableError, ShapeMismatchError, key_repr, keys_repr,
+    FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, ResourceExhaustedError,
+    RoundAbortedError, ServerUnavailableError, ShapeMismatchError, key_repr, keys_repr,
 )
 from tensorkv.words import plural
 
@@ -87,10 +87,12 @@ class _KeyRounds:
 
 
 class Coordinator:
-    """The state of one server for ``num_workers`` workers in ``mode`` 'sync' or 'async'."""
+    """The state of one server for ``num_workers`` workers in ``mode`` 'sync' or 'async', which
+    holds at most ``max_memory`` bytes of values and optimizer states (None: no limit)."""
 
-    def __init__(self, engine, num_workers, mode, round_timeout, device="cpu", lease_timeout=10.0):
+    def __init__(self, engine, num_workers, mode, round_timeout, device="cpu", lease_timeout=10.0, max_memory=None):
         self.engine = engine
+        self.max_memory = max_memory
         self.num_workers = num_workers
         self.mode = mode
         self.round_timeout = round_timeout
@@ -194,6 +196,7 @@ class Coordinator:
             for item in stored:
                 self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
             new = [item for item in items if item.key not in self.engine]
+            self.check_memory(new, self.optimizer)
             self.engine.init(new)
             self._initialized_in.update((item.key, self.members.run.number) for item in new)
             metrics.stored(new)
@@ -429,6 +432,7 @@ class Coordinator:
         """
         if not states and optimizer == self.optimizer:
             return
+        self.check_memory((), optimizer)
         updater = optimizers.Updater(optimizer)
         checked = {}
         for key, (num_update, items) in states.items():
@@ -444,6 +448,30 @@ class Coordinator:
         self.optimizer = optimizer
         log.info("optimizer %s %s installed with states for %s", optimizer.name, optimizer.params,
                  plural(len(states), "key"), extra={"event": "optimizer_installed"})
+
+    def check_memory(self, items, optimizer):
+        """ResourceExhaustedError unless the values stored, those of ``items`` (codec.Item of new
+        keys) and the states that ``optimizer`` (None: none) keeps for all of them fit in
+        max_memory."""
+        if self.max_memory is None:
+            return
+        states = len(optimizer.state_names()) if optimizer is not None else 0
+        held = self.engine.value_bytes + states * self.engine.state_array_bytes
+        for item in items:
+            state_bytes = states * optimizers.state_array_bytes(item.array)
+            held += item.array.nbytes + state_bytes
+            if held > self.max_memory:
+                needs = " and the optimizer states it needs" if state_bytes else ""
+                raise ResourceExhaustedError(f"key {key_repr(item.key)}: its value{needs} would bring what this "
+                                             f"server holds to {held} bytes; {self._memory_limit()}")
+        if held > self.max_memory:  # what is stored fits (it was checked): the optimizer's states do not
+            raise ResourceExhaustedError(
+                f"optimizer {optimizer.name!r} keeps {plural(states, 'state array')} per value: with those of "
+                f"the {plural(len(self.engine), 'key')} stored this server would hold {held} bytes; "
+                f"{self._memory_limit()}")
+
+    def _memory_limit(self):
+        return f"this server's limit is {self.max_memory} bytes (--max-memory: stored values and optimizer states)"
 
     def set_learning_rate(self, learning_rate):
         """Change the installed optimizer's learning rate; its states and counts stay."""

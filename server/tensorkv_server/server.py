@@ -16,7 +16,8 @@ from tensorkv.words import plural
 
 from .datachan import DataPort, bare_host
 from .maintenance import MaintenanceService
-from .service import MAX_KEY_BYTES, KVStoreService, add_to_server
+from .limits import Limits
+from .service import KVStoreService, add_to_server
 from .security import ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,12 @@ async def _every(seconds, take):
             log.error("snapshot failed: %s", error, extra={"event": "snapshot_failed"})
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, max_key_bytes=MAX_KEY_BYTES,
-                security=None, interceptors=(), snapshots=None, snapshot_interval=0):
+async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, limits=Limits(), security=None,
+                interceptors=(), snapshots=None, snapshot_interval=0):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests may carry str
-    keys of up to ``max_key_bytes`` bytes. ``security``: a ServerSecurity (default: plaintext, no
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests are held to
+    ``limits`` (a limits.Limits). ``security``: a ServerSecurity (default: plaintext, no
     tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
     interceptors, which run before the token check (so that refused calls are counted too).
     ``snapshots``: a snapshot.Snapshots, taken every ``snapshot_interval`` seconds (0: never)
@@ -88,9 +89,9 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
             data_port = DataPort(host, data_port, security.data_channel_context)
         except OSError as error:
             raise _listen_error("--data-port", host, data_port, error) from None
-    servicer = KVStoreService(coordinator, shared_memory, data_port, max_key_bytes, snapshots)
+    servicer = KVStoreService(coordinator, shared_memory, data_port, limits, snapshots)
     add_to_server(servicer, server)
-    add_to_server(MaintenanceService(coordinator, max_key_bytes), server, MAINTENANCE)
+    add_to_server(MaintenanceService(coordinator, limits.max_key_bytes), server, MAINTENANCE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

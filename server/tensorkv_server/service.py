@@ -23,6 +23,7 @@ from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from . import datachan, logs, metrics, shm
+from .limits import Limits
 from .membership import FAIL, REPLACE, RESUME
 from .staging import Staging
 
@@ -37,8 +38,6 @@ RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
-# Default of --max-key-bytes: the UTF-8 bytes of a str key.
-MAX_KEY_BYTES = 4096
 
 
 if hasattr(asyncio, "timeout"):  # Python 3.11+
@@ -110,13 +109,13 @@ def _parser(method):
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
-    def __init__(self, coordinator, shared_memory=True, data_port=None, max_key_bytes=MAX_KEY_BYTES, snapshots=None):
+    def __init__(self, coordinator, shared_memory=True, data_port=None, limits=Limits(), snapshots=None):
         self.coordinator = coordinator
         # The snapshot.Snapshots of --state-dir, or None; and this process's random id.
         self.snapshots = snapshots
         self.server_id = secrets.randbits(64)
-        # The longest str key a request may carry, in bytes of UTF-8 (--max-key-bytes).
-        self.max_key_bytes = max_key_bytes
+        # What one request may carry (--max-key-bytes, --max-value-bytes, ...).
+        self.limits = limits
         # Whether Session streams may register shared-memory regions (--no-shared-memory).
         self.shared_memory = shared_memory and shm.available()
         # The datachan.DataPort that binds data channels to Session streams, or None.
@@ -129,7 +128,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         """A decoder of a stream of serialized ``message_class`` (see codec.StreamDecoder) within
         this server's limits; values that span several messages go to the GPU's staging. Entries may
         carry 2-bit codes (the coordinator takes them in pushes only)."""
-        return codec.StreamDecoder(message_class, "frame", max_key_bytes=self.max_key_bytes, two_bit=True,
+        limits = self.limits
+        return codec.StreamDecoder(message_class, "frame", max_bytes=limits.max_value_bytes,
+                                   max_key_bytes=limits.max_key_bytes, max_keys=limits.max_keys_per_call,
+                                   max_call_bytes=limits.max_inflight_bytes, two_bit=True,
                                    staging=self.staging.receiver if self.staging else None, **options)
 
     async def _apply(self, requests, message_class, call, with_data=None):
@@ -148,10 +150,12 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return result
 
     def _keys(self, request):
-        """The keys of a Pull or Session request; InvalidArgumentError for one over --max-key-bytes."""
+        """The keys of a Pull or Session request; InvalidArgumentError for one over --max-key-bytes,
+        ResourceExhaustedError for more than --max-keys-per-call."""
         keys = [codec.get_key(key) for key in request.keys]
+        codec.check_key_count(keys, self.limits.max_keys_per_call)
         for key in keys:
-            codec.check_key_bytes(key, self.max_key_bytes)
+            codec.check_key_bytes(key, self.limits.max_key_bytes)
         return keys
 
     def _host(self, items):
@@ -212,8 +216,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         requests = []
         for entry in request.keys:
             key = codec.get_key(entry.key)
-            codec.check_key_bytes(key, self.max_key_bytes)
+            codec.check_key_bytes(key, self.limits.max_key_bytes)
             requests.append((key, np.array(entry.row_ids, np.int64)))
+        codec.check_key_count([key for key, _ in requests], self.limits.max_keys_per_call)
         results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests)
         response = kvstore_pb2.RowSparsePullResponse()
         for (key, row_ids), (shape, rows) in zip(requests, results):
@@ -223,8 +228,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def RowSparsePush(self, request, context):
         items = []
         for value in request.values:
-            key, shape, row_ids, rows = rowsparse_wire.get_value(value, self.max_key_bytes)
+            key, shape, row_ids, rows = rowsparse_wire.get_value(value, self.limits.max_key_bytes)
             items.append(codec.Item(key, RowSparse(rows, row_ids, shape)))
+        codec.check_key_count([item.key for item in items], self.limits.max_keys_per_call)
         await self.coordinator.push(request.rank, request.incarnation, items)
         return kvstore_pb2.RowSparsePushResponse()
 

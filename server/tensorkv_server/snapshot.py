@@ -21,7 +21,7 @@ import numpy as np
 from tensorkv import states_file
 from tensorkv.backend import BFLOAT16, to_host
 from tensorkv.codec import Item, check_key
-from tensorkv.errors import KVStoreError
+from tensorkv.errors import KVStoreError, ResourceExhaustedError
 from tensorkv.words import plural
 
 from .membership import Run
@@ -40,7 +40,8 @@ class BadSnapshot(Exception):
 
 
 class WrongServer(Exception):
-    """A snapshot of a server with another mode or worker count: this server refuses to start."""
+    """A snapshot of a server with another mode or worker count, or of more than this server's
+    --max-memory: this server refuses to start."""
 
 
 def capture(coordinator):
@@ -118,6 +119,10 @@ def restore(coordinator, header, arrays):
         coordinator.engine.check_new(items)
     except (KeyError, TypeError, ValueError, AttributeError, KVStoreError) as error:
         raise BadSnapshot(f"malformed header ({error!r})") from None
+    try:
+        coordinator.check_memory(items, optimizer)
+    except ResourceExhaustedError as error:
+        raise WrongServer(str(error)) from None
     coordinator.engine.init(items)
     for item, entry in zip(items, header["keys"]):
         coordinator._rounds[item.key] = rounds = _KeyRounds()

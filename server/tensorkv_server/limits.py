@@ -1,0 +1,92 @@
+"""The server's resource limits, their flags and their defaults.
+
+The codec checks each request against them as it decodes it, before it allocates anything
+for a value (:class:`tensorkv.codec.FrameDecoder`); the coordinator checks ``--max-memory``
+before it stores a value or installs an optimizer. A request over a limit is refused
+whole, with a message naming the limit, its value and its flag.
+"""
+import dataclasses
+import os
+
+from tensorkv.words import plural
+
+MAX_KEY_BYTES = 4096
+MAX_VALUE_BYTES = 16 << 30
+MAX_KEYS_PER_CALL = 65536
+# Shares of the memory of the machine (or of the GPU the values live on): of --max-memory
+# and --max-inflight-bytes when they are not given.
+MEMORY_SHARE = 0.8
+INFLIGHT_SHARE = 0.25
+# cgroup (v2, then v1) files that hold a container's memory limit; an unlimited v1 cgroup says ~2**63.
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may carry (None: no limit)."""
+
+    max_key_bytes: int = MAX_KEY_BYTES
+    max_value_bytes: int = MAX_VALUE_BYTES
+    max_keys_per_call: int = MAX_KEYS_PER_CALL
+    max_inflight_bytes: int = None
+
+
+def add_arguments(parser):
+    parser.add_argument("--max-key-bytes", type=int, default=MAX_KEY_BYTES, metavar="N",
+                        help="longest str key a request may carry, in bytes of UTF-8; a longer one is refused "
+                             "with INVALID_ARGUMENT (default %(default)s)")
+    parser.add_argument("--max-value-bytes", type=int, default=MAX_VALUE_BYTES, metavar="N",
+                        help="bytes of one value (of the slice this server holds); a request that declares a "
+                             "larger one is refused with RESOURCE_EXHAUSTED before anything is allocated "
+                             "(default %(default)s: 16 GiB)")
+    parser.add_argument("--max-keys-per-call", type=int, default=MAX_KEYS_PER_CALL, metavar="N",
+                        help="keys one call may carry or name; a call with more is refused with RESOURCE_EXHAUSTED "
+                             "(default %(default)s)")
+    parser.add_argument("--max-inflight-bytes", type=int, metavar="N",
+                        help="bytes of values one Init, Push, PushPull or Session call may have the server receive "
+                             "and hold (values in shared memory are not counted); a call that declares more is "
+                             "refused with RESOURCE_EXHAUSTED (default: a quarter of the host's memory, or of the "
+                             "container's limit)")
+    parser.add_argument("--max-memory", type=int, metavar="N",
+                        help="bytes this server may hold in stored values and the optimizer states they need "
+                             "(counted for every key as soon as an optimizer is installed; values of calls in "
+                             "flight are not counted); an init or SetUpdater that would pass it is refused with "
+                             "RESOURCE_EXHAUSTED (default: 80%% of the memory of the device the values live on: "
+                             "the host's, or the container's limit, or the GPU's)")
+
+
+def check(args, parser):
+    """parser.error for a limit in the parsed ``args`` below 1."""
+    for flag in ("max_key_bytes", "max_value_bytes", "max_keys_per_call", "max_inflight_bytes", "max_memory"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+
+
+def from_args(args, xp):
+    """(the :class:`Limits` of the parsed ``args``, --max-memory in bytes) for values that live
+    in the array namespace ``xp`` (NumPy, or CuPy on the current GPU)."""
+    inflight = args.max_inflight_bytes or int(host_memory() * INFLIGHT_SHARE)
+    device_memory = host_memory() if xp.__name__ == "numpy" else xp.cuda.Device().mem_info[1]
+    memory = args.max_memory or int(device_memory * MEMORY_SHARE)
+    return Limits(args.max_key_bytes, args.max_value_bytes, args.max_keys_per_call, inflight), memory
+
+
+def host_memory():
+    """The bytes of memory of this host, or of the container's cgroup when that is less."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as file:
+                limit = file.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def describe(limits, max_memory):
+    """The limits in words, for the log line at start."""
+    return (f"limits: {limits.max_value_bytes} bytes per value, {plural(limits.max_keys_per_call, 'key')} and "
+            f"{limits.max_inflight_bytes} bytes per call, {max_memory} bytes stored")
