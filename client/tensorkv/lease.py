@@ -20,17 +20,14 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Renews ``rank``'s registrations {server index: (incarnation, lease seconds)} with
-    ``stubs`` (by server index) at ``addresses``, from a thread started here."""
+    """Renews the registration of each of ``conns`` (ServerConns with a lease) with its
+    current incarnation, from a thread started here."""
 
-    def __init__(self, stubs, addresses, rank, leases):
-        self._stubs = stubs
-        self._addresses = addresses
-        self._rank = rank
-        self._leases = leases
-        self._interval = min(ttl for _, ttl in leases.values()) / 3
+    def __init__(self, conns):
+        self._conns = conns
+        self._interval = min(conn.lease_ttl for conn in conns) / 3
         self._lost = None  # the message of the first lease lost
-        self._failing = set()  # server indexes whose last renewal failed
+        self._failing = set()  # the ServerConns whose last renewal failed
         self._calls = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tensorkv-heartbeat", daemon=True)
@@ -46,33 +43,33 @@ class Heartbeat:
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             # A steady pace, however long the renewals take; no burst after this process was paused.
             due = max(due + self._interval, time.monotonic())
-            self._calls = {index: self._stubs[index].KeepAlive.future(
-                kvstore_pb2.KeepAliveRequest(rank=self._rank, incarnation=incarnation), timeout=self._interval)
-                for index, (incarnation, _) in self._leases.items()}
-            for index, call in self._calls.items():
-                if not self._renewed(index, call):
+            self._calls = {conn: conn.stub.KeepAlive.future(
+                kvstore_pb2.KeepAliveRequest(rank=conn.rank, incarnation=conn.incarnation), timeout=self._interval)
+                for conn in self._conns}
+            for conn, call in self._calls.items():
+                if not self._renewed(conn, call):
                     return
 
-    def _renewed(self, index, call):
-        """Whether ``call`` renewed the lease on server ``index`` or may be tried again."""
-        address = self._addresses[index]
+    def _renewed(self, conn, call):
+        """Whether ``call`` renewed the lease on ``conn``'s server or may be tried again."""
+        address, rank = conn.address, conn.rank
         try:
             call.result()
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                self._lost = f"rank {self._rank} lost its lease on server {address}: {error.details()}"
+                self._lost = f"rank {rank} lost its lease on server {address}: {error.details()}"
                 log.error("%s", self._lost)
                 return False
             if error.code() == grpc.StatusCode.CANCELLED and self._stop.is_set():
                 return False
-            if index not in self._failing:
+            if conn not in self._failing:
                 log.warning("server %s: lease of rank %d not renewed (%s: %s); trying again every %g s",
-                            address, self._rank, error.code().name, error.details(), self._interval)
-                self._failing.add(index)
+                            address, rank, error.code().name, error.details(), self._interval)
+                self._failing.add(conn)
             return True
-        if index in self._failing:
-            log.info("server %s: lease of rank %d renewed again", address, self._rank)
-            self._failing.discard(index)
+        if conn in self._failing:
+            log.info("server %s: lease of rank %d renewed again", address, rank)
+            self._failing.discard(conn)
         return True
 
     def close(self):
