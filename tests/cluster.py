@@ -68,7 +68,8 @@ def health(address, service="tensorkv.v1.KVStoreService", timeout=5.0, security=
 class Cluster:
     """S servers for ``num_workers`` workers; ``addresses`` and ``env`` (TENSORKV_SERVERS) for
     workers. Use as a context manager, or call :meth:`stop`. ``security``: how the health
-    probe reaches servers started with TLS."""
+    probe reaches servers started with TLS. '{index}' in ``server_args`` is each server's index
+    (e.g. its own --state-dir)."""
 
     def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=(),
                  security=Security()):
@@ -83,7 +84,7 @@ class Cluster:
                 self.commands.append(
                     [sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers",
                      str(num_workers), "--mode", mode, "--round-timeout", str(round_timeout),
-                     "--device", "cpu", "--grace", "2", *server_args])
+                     "--device", "cpu", "--grace", "2", *(str(arg).replace("{index}", str(i)) for arg in server_args)])
                 self.processes.append(subprocess.Popen(self.commands[-1], stdout=log, stderr=subprocess.STDOUT))
                 self.addresses.append(f"127.0.0.1:{port}")
             for address, process in zip(self.addresses, self.processes):

@@ -221,6 +221,7 @@ class DistStore(KVStore):
     def _register(self, rank, num_workers, connect_timeout, if_exists):
         """Check every server's mode and size, then join them: the first assigns the rank
         when none is given."""
+        server_ids = []
         for conn in self._conns:
             try:
                 info = conn.info(connect_timeout)
@@ -241,13 +242,12 @@ class DistStore(KVStore):
                     f"this worker was told {num_workers}")
             num_workers = info.num_workers
             conn.offer(info, self.transport)
-        for conn in self._conns:
-            rank = self._rank = conn.register(rank, if_exists).rank
+            server_ids.append(info.server_id)
+        for conn, server_id in zip(self._conns, server_ids):
+            rank = self._rank = conn.register(rank, if_exists, server_id).rank
         leased = [conn for conn in self._conns if conn.lease_ttl]
         if leased:
             self._heartbeat = Heartbeat(leased)
-            for conn in self._conns:
-                conn.lease_check = self._heartbeat.check
         self._num_workers = num_workers
 
     def _fanout(self, method, calls):

@@ -8,15 +8,19 @@ A ``part`` is the list [(position, Item)] of the values of one call that go to t
 by position: a pulled value goes straight into ``outs[position][0]`` where that is a NumPy
 array of its dtype and shape.
 """
+import itertools
 import logging
 import os
+import threading
+import time
 
 import grpc
 import numpy as np
+from google.protobuf import message
 
 from . import shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
-from .errors import InternalError
+from .errors import FailedPreconditionError, InternalError, ServerUnavailableError
 from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 
@@ -27,6 +31,9 @@ SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
 # With a data channel, values of at least this many bytes travel on it.
 DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10))
 _ONE_MESSAGE = 1 << 62
+# Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
+RETRY_FIRST = 0.05
+RETRY_MAX = 1.0
 # The Session op of each kind of call that may travel on a Session stream.
 _SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
                 "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL}
@@ -35,19 +42,45 @@ log = logging.getLogger(__name__)
 
 class ServerConn:
     """The server at ``address``, reached with ``security``; every call is bounded by
-    ``timeout`` seconds. ``session``: whether small calls use a Session stream.
-    ``lease_check()`` runs before every call (FailedPreconditionError once a lease is lost)."""
+    ``timeout`` seconds, reconnecting included. ``session``: whether small calls use a
+    Session stream.
+
+    A call whose connection breaks, or that the server answers UNAVAILABLE, is made again
+    on a new connection after this worker registered again (:meth:`_reconnect`), with a
+    backoff from RETRY_FIRST to RETRY_MAX seconds, until its timeout has passed; then it
+    raises the last error. Every call that changes values carries a sequence number that
+    stays the same when it is sent again, so the server applies it once (PushRequest.sequence).
+
+    A server that restarted (its Info.server_id changed) lost this worker's registration and
+    the rounds since its snapshot: this worker registers afresh, logs one warning, and sends
+    again its last push of each key whose round it has not seen complete (a pull of the key
+    since), so that the workers' pushes line up in the rounds of the restored server."""
 
     def __init__(self, address, security, timeout, session=True):
         self.address = address
         self.timeout = timeout
-        self.channel = security.channel(address, CHANNEL_OPTIONS)
-        self.stub = Stub(self.channel)
-        self.session = Session(self.channel, address, data_tls=security.data_channel_context()) if session else None
+        self._security = security
+        self._uses_session = session
+        self._connect()
         self.rank = None
         self.incarnation = None  # of this worker's registration here; None while not registered
         self.lease_ttl = 0.0  # seconds; 0: a server without leases
-        self.lease_check = lambda: None
+        self.lease_lost = None  # why the server no longer renews the lease (set by lease.Heartbeat)
+        self.server_id = None  # Info.server_id when this worker registered
+        self._if_exists = kvstore_pb2.IF_EXISTS_FAIL
+        self._transport = "auto"
+        self._sequences = itertools.count(1)
+        self._lock = threading.Lock()  # one reconnect at a time
+        self._realign = False  # whether a restart needs the last pushes again (sync, several workers)
+        self._unconfirmed = {}  # key -> a copy of the Item last pushed, until a pull of the key
+
+    def _connect(self):
+        """A new channel, stub and Session stream (its shared-memory region and data channel
+        are negotiated again by the first call that needs them)."""
+        self.channel = self._security.channel(self.address, CHANNEL_OPTIONS)
+        self.stub = Stub(self.channel)
+        self.session = Session(self.channel, self.address, data_tls=self._security.data_channel_context()) \
+            if self._uses_session else None
 
     # ---- registration -----------------------------------------------------------------
 
@@ -58,16 +91,22 @@ class ServerConn:
         """Let calls use what the server offers (``info``) and ``transport`` allows: shared
         memory, then the data channel, tried lazily by the first call that moves enough bytes
         (the proof of the same host happens then: tensorkv.shm)."""
+        self._transport = transport
+        self._realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1
         if self.session is not None:
             self.session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
             self.session.data_port = info.data_port if transport != "grpc" else 0
 
-    def register(self, rank, if_exists):
-        """Join the job as ``rank`` (None: the server assigns one); the RegisterResponse."""
-        request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists)
-        response = self._rpc("register", self.stub.Register, request)
+    def register(self, rank, if_exists, server_id, previous=None, timeout=None):
+        """Join the job as ``rank`` (None: the server assigns one) on the server whose Info
+        said ``server_id``, in the place of the registration ``previous`` (see
+        RegisterRequest.previous_incarnation); the RegisterResponse."""
+        request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous)
+        response = self._rpc("register", self.stub.Register, request, timeout)
         self.rank, self.incarnation = response.rank, response.incarnation
         self.lease_ttl = response.lease_ttl_ms / 1000
+        self.lease_lost = None
+        self.server_id, self._if_exists = server_id, if_exists
         return response
 
     def unregister(self, timeout):
@@ -85,57 +124,154 @@ class ServerConn:
         """The fields that say who calls: this worker's rank and incarnation."""
         return dict(rank=self.rank, incarnation=self.incarnation)
 
+    # ---- reconnecting -----------------------------------------------------------------
+
+    def _call(self, kind, attempt, *args):
+        """``attempt(seconds left, *args)`` of a ``kind`` call, made again on a new connection
+        while it fails with ServerUnavailableError, or with FailedPreconditionError from a
+        server that restarted, until this call's timeout has passed."""
+        deadline = time.monotonic() + self.timeout
+        delay, reconnect = RETRY_FIRST, False
+        while True:
+            try:
+                if reconnect:
+                    self._reconnect(deadline)
+                if self.lease_lost is not None:
+                    raise FailedPreconditionError(self.lease_lost)
+                return attempt(max(deadline - time.monotonic(), 0.001), *args)
+            except ServerUnavailableError as error:
+                if time.monotonic() + delay >= deadline:
+                    raise ServerUnavailableError(f"{error} (the {kind} was tried again for {self.timeout:g} s, "
+                                                 "the call's timeout)") from None
+                log.info("server %s: %s; connecting again in %g s", self.address, error, delay)
+                time.sleep(delay)
+                delay, reconnect = min(2 * delay, RETRY_MAX), True
+            except FailedPreconditionError:
+                if reconnect or self.info(max(deadline - time.monotonic(), 0.001)).server_id == self.server_id:
+                    raise
+                reconnect = True
+
+    def _reconnect(self, deadline):
+        """Open a new connection and register again under this worker's rank: in the place of
+        its registration when the server still holds it, else afresh (the server restarted)."""
+        with self._lock:
+            old_channel, old_session = self.channel, self.session
+            self._connect()
+            if old_session is not None:
+                old_session.close()
+            old_channel.close()
+            info = self.info(max(deadline - time.monotonic(), 0.001))
+            restarted = info.server_id != self.server_id
+            if_exists = self._if_exists
+            if restarted and if_exists == kvstore_pb2.IF_EXISTS_REPLACE:
+                if_exists = kvstore_pb2.IF_EXISTS_RESUME  # what it restored is this run's
+            previous = None if restarted else self.incarnation
+            try:
+                self.register(self.rank, if_exists, info.server_id, previous, max(deadline - time.monotonic(), 0.001))
+            except FailedPreconditionError as error:
+                why = "it restarted" if restarted else "the connection broke"
+                raise FailedPreconditionError(
+                    f"server {self.address}: registering rank {self.rank} again ({why}) was refused: {error}") from None
+            self.offer(info, self._transport)
+            if restarted:
+                restored = f"restored round {info.restored_round} from {info.restored_from}" if info.restored_from \
+                    else "restored no snapshot"
+                log.warning("server %s restarted and %s: rank %d registered again; the rounds after it are lost",
+                            self.address, restored, self.rank)
+                self._push_unconfirmed(deadline)
+
+    def _push_unconfirmed(self, deadline):
+        """Send again the last push of each key whose round this worker has not seen complete."""
+        items = list(self._unconfirmed.values())
+        if items:
+            part = list(enumerate(items))
+            self._push_once(max(deadline - time.monotonic(), 0.001), part, next(self._sequences))
+
     # ---- the data path ----------------------------------------------------------------
 
     def init(self, part, wait_only):
-        if self._session("init", part, wait_only=wait_only) is None:
+        self._call("init", self._init_once, part, wait_only, next(self._sequences))
+
+    def _init_once(self, timeout, part, wait_only, sequence):
+        if self._session("init", part, timeout, wait_only=wait_only, sequence=sequence) is None:
             items = [item for _, item in part]
-            self._rpc("init", self.stub.init_raw, self._frames(kvstore_pb2.InitRequest, items, wait_only=wait_only))
+            self._rpc("init", self.stub.init_raw, self._frames(kvstore_pb2.InitRequest, items, wait_only=wait_only,
+                                                               sequence=sequence), timeout)
 
     def push(self, part):
-        if self._session("push", part) is None:
+        self._call("push", self._push_once, part, next(self._sequences))
+        if self._realign:
+            self._unconfirmed.update((item.key, Item(item.key, item.array.copy(), item.shape, item.slice))
+                                     for _, item in part)
+
+    def _push_once(self, timeout, part, sequence):
+        if self._session("push", part, timeout, sequence=sequence) is None:
             items = [item for _, item in part]
-            self._rpc("push", self.stub.push_raw, self._frames(kvstore_pb2.PushRequest, items))
+            self._rpc("push", self.stub.push_raw, self._frames(kvstore_pb2.PushRequest, items, sequence=sequence),
+                      timeout)
 
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
-        items = self._session("pushpull", part, outs=outs)
+        items = self._call("pushpull", self._pushpull_once, part, outs, next(self._sequences))
+        self._confirm(items)
+        return items
+
+    def _pushpull_once(self, timeout, part, outs, sequence):
+        items = self._session("pushpull", part, timeout, outs=outs, sequence=sequence)
         if items is None:
-            request = self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part])
+            request = self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part], sequence=sequence)
             items = self._rpc("pushpull", lambda r, timeout: decode(
-                kvstore_pb2.PushPullResponse, self.stub.pushpull_raw(r, timeout=timeout), part, outs), request)
+                kvstore_pb2.PushPullResponse, self.stub.pushpull_raw(r, timeout=timeout), part, outs), request, timeout)
         return items
 
     def pull(self, part, outs, sizes):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None."""
+        items = self._call("pull", self._pull_once, part, outs, sizes)
+        self._confirm(items)
+        return items
+
+    def _pull_once(self, timeout, part, outs, sizes):
         keys = [key for _, key in part]
-        items = self._session("pull", part, outs=outs, keys=keys, sizes=sizes)
+        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes)
         if items is None:
             request = kvstore_pb2.PullRequest(**self._caller())
             for key in keys:
                 set_key(request.keys.add(), key)
             items = self._rpc("pull", lambda r, timeout: decode(
-                kvstore_pb2.PullResponse, self.stub.pull_raw(r, timeout=timeout), part, outs), request)
+                kvstore_pb2.PullResponse, self.stub.pull_raw(r, timeout=timeout), part, outs), request, timeout)
         return items
+
+    def _confirm(self, items):
+        """Forget the pushes of the keys of ``items``: their rounds completed (a sync pull waits for them)."""
+        for item in items:
+            self._unconfirmed.pop(item.key, None)
 
     # ---- the rest ---------------------------------------------------------------------
 
     def set_updater(self, optimizer, key_states, kind):
         """Install ``optimizer`` with this server's ``key_states``; ``kind`` names the call in errors."""
-        self._rpc(kind, self.stub.SetUpdater, states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer,
-                                                                       key_states))
+        request = states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states)
+        self._call(kind, self._unary_once, kind, "SetUpdater", request)
 
     def set_learning_rate(self, learning_rate):
-        self._rpc("set_learning_rate", self.stub.SetLearningRate,
-                  kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate))
+        request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)
+        self._call("set_learning_rate", self._unary_once, "set_learning_rate", "SetLearningRate", request)
 
     def optimizer_states(self):
         """(optimizer or None, {key: (num_update, [Item])}) of this server."""
-        return self._rpc("save_optimizer_states", lambda r, timeout: states_wire.from_messages(
-            self.stub.GetOptimizerStates(r, timeout=timeout)), kvstore_pb2.GetOptimizerStatesRequest())
+        return states_wire.from_messages(self._call("save_optimizer_states", self._unary_once, "save_optimizer_states",
+                                                    "GetOptimizerStates", kvstore_pb2.GetOptimizerStatesRequest()))
 
     def barrier(self):
-        self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()))
+        self._call("barrier", self._barrier_once)
+
+    def _barrier_once(self, timeout):
+        self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
+
+    def _unary_once(self, timeout, kind, method, request):
+        """The answer of the stub's ``method`` to ``request`` (a stream of answers as a list)."""
+        return self._rpc(kind, lambda r, timeout: _whole(getattr(self.stub, method)(r, timeout=timeout)), request,
+                         timeout)
 
     def close(self):
         if self.session is not None:
@@ -147,7 +283,6 @@ class ServerConn:
     def _rpc(self, kind, method, request, timeout=None):
         """``method(request, timeout=...)``, with gRPC errors raised as KVStoreError; ``kind``
         names the call in them ('push', 'pull', ...: see rpc.transport_error)."""
-        self.lease_check()
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as error:
@@ -158,7 +293,7 @@ class ServerConn:
         return encode_stream(message_type, items, dict(self._caller(), **fields),
                              with_data=not fields.get("wait_only", False))
 
-    def _session(self, kind, part, outs=None, keys=None, sizes=None, wait_only=False):
+    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0):
         """Make the ``kind`` call on the Session stream: the items (or keys) it returns; None
         when the call is not for a session (too large without shared memory, sessions off,
         or the session busy with another thread's call), for the caller to make a plain RPC.
@@ -171,7 +306,6 @@ class ServerConn:
         session = self.session
         if session is None:
             return None
-        self.lease_check()
         use_shm = session.shm_possible
         use_channel = not use_shm and session.channel_possible
         min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
@@ -205,7 +339,7 @@ class ServerConn:
         shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
 
         def build(call_id, timeout_ms, region, channel):
-            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, **self._caller())
+            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, **self._caller())
             if wait_only:
                 fields["wait_only"] = True
             if region is not None and use_output:
@@ -240,8 +374,13 @@ class ServerConn:
             decoder.remember()
             return items
 
-        return session.call(build, self.timeout, decode_response, shm_bytes,
+        return session.call(build, timeout, decode_response, shm_bytes,
                             use_channel and (in_bytes > 0 or use_output), kind)
+
+
+def _whole(answer):
+    """``answer``, or the list of the answers of a stream."""
+    return answer if isinstance(answer, message.Message) else list(answer)
 
 
 def decode(message_type, responses, part=None, outs=None):
