@@ -129,9 +129,10 @@ class ServerConn:
     def _call(self, kind, attempt, *args):
         """``attempt(seconds left, *args)`` of a ``kind`` call, made again on a new connection
         while it fails with ServerUnavailableError, or with FailedPreconditionError from a
-        server that restarted, until this call's timeout has passed."""
+        server that restarted, until this call's timeout has passed. The error raised then
+        says what happened to the call first, and why reconnecting failed."""
         deadline = time.monotonic() + self.timeout
-        delay, reconnect = RETRY_FIRST, False
+        delay, reconnect, first = RETRY_FIRST, False, None
         while True:
             try:
                 if reconnect:
@@ -140,9 +141,12 @@ class ServerConn:
                     raise FailedPreconditionError(self.lease_lost)
                 return attempt(max(deadline - time.monotonic(), 0.001), *args)
             except ServerUnavailableError as error:
+                first = first or error
                 if time.monotonic() + delay >= deadline:
-                    raise ServerUnavailableError(f"{error} (the {kind} was tried again for {self.timeout:g} s, "
-                                                 "the call's timeout)") from None
+                    if error is first:
+                        raise
+                    raise ServerUnavailableError(f"{first}; reconnecting for {self.timeout:g} s (the {kind}'s "
+                                                 f"timeout) failed: {error}") from None
                 log.info("server %s: %s; connecting again in %g s", self.address, error, delay)
                 time.sleep(delay)
                 delay, reconnect = min(2 * delay, RETRY_MAX), True
