@@ -75,6 +75,7 @@ class Cluster:
                  security=Security()):
         self.num_workers = num_workers
         self.addresses, self.processes, self.logs, self.commands = [], [], [], []
+        self._held = []  # sockets that keep the ports of killed servers (see kill)
         log_dir = Path(tmp_path) if tmp_path else None
         try:
             for i in range(servers):
@@ -107,6 +108,17 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT} s")
             time.sleep(0.05)
+
+    def kill(self, index=0):
+        """SIGKILL server ``index`` (by its PID) and keep its port bound, not listening, until
+        stop(): connections to it are refused, and no other process on this host (another
+        test's server) can take the port while a client still tries to reconnect to it."""
+        self.processes[index].kill()
+        self.processes[index].wait(STOP_TIMEOUT)
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", int(self.addresses[index].rsplit(":", 1)[1])))
+        self._held.append(held)
 
     def restart(self, index=0):
         """Kill server ``index`` (SIGKILL, by its PID) and start it again on the same port."""
@@ -145,6 +157,8 @@ class Cluster:
     def stop(self):
         """Stop every server; their return codes."""
         codes = [stop(process) for process in self.processes]
+        for held in self._held:
+            held.close()
         for log in self.logs:
             if log is not subprocess.DEVNULL:
                 log.close()

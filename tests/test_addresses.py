@@ -118,7 +118,7 @@ def test_a_server_killed_during_a_call_is_named_with_what_the_call_may_have_done
             thread.start()
             thread.join(0.5)
             assert thread.is_alive(), f"the {kind} did not wait for the round"
-            cluster.processes[0].kill()
+            cluster.kill(0)
             thread.join(WAIT)
             assert not thread.is_alive(), f"the {kind} did not fail within {WAIT} s"
         finally:

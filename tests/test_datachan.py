@@ -191,7 +191,7 @@ def test_a_killed_server_fails_the_call_in_flight(tmp_path):
             thread = threading.Thread(target=pull)
             thread.start()
             wait_until(lambda: channels(kv)[0] is not None, "the data channel")
-            cluster.processes[0].send_signal(signal.SIGKILL)
+            cluster.kill(0)
             thread.join(WAIT)
             assert not thread.is_alive(), "the pull did not fail within the bound"
             assert len(errors) == 1 and isinstance(errors[0], tensorkv.ServerUnavailableError)

@@ -139,7 +139,7 @@ class ServerConn:
                     self._reconnect(deadline)
                 if self.lease_lost is not None:
                     raise FailedPreconditionError(self.lease_lost)
-                return attempt(max(deadline - time.monotonic(), 0.001), *args)
+                return attempt(_left(deadline), *args)
             except ServerUnavailableError as error:
                 first = first or error
                 if time.monotonic() + delay >= deadline:
@@ -151,7 +151,7 @@ class ServerConn:
                 time.sleep(delay)
                 delay, reconnect = min(2 * delay, RETRY_MAX), True
             except FailedPreconditionError:
-                if reconnect or self.info(max(deadline - time.monotonic(), 0.001)).server_id == self.server_id:
+                if reconnect or self.info(_left(deadline)).server_id == self.server_id:
                     raise
                 reconnect = True
 
@@ -164,24 +164,27 @@ class ServerConn:
             if old_session is not None:
                 old_session.close()
             old_channel.close()
-            info = self.info(max(deadline - time.monotonic(), 0.001))
+            info = self.info(_left(deadline))
             restarted = info.server_id != self.server_id
             if_exists = self._if_exists
             if restarted and if_exists == kvstore_pb2.IF_EXISTS_REPLACE:
                 if_exists = kvstore_pb2.IF_EXISTS_RESUME  # what it restored is this run's
             previous = None if restarted else self.incarnation
             try:
-                self.register(self.rank, if_exists, info.server_id, previous, max(deadline - time.monotonic(), 0.001))
+                self.register(self.rank, if_exists, info.server_id, previous, _left(deadline))
             except FailedPreconditionError as error:
                 why = "it restarted" if restarted else "the connection broke"
                 raise FailedPreconditionError(
                     f"server {self.address}: registering rank {self.rank} again ({why}) was refused: {error}") from None
             self.offer(info, self._transport)
             if restarted:
-                restored = f"restored round {info.restored_round} from {info.restored_from}" if info.restored_from \
-                    else "restored no snapshot"
-                log.warning("server %s restarted and %s: rank %d registered again; the rounds after it are lost",
-                            self.address, restored, self.rank)
+                if info.restored_from:
+                    log.warning("server %s restarted and restored round %d from %s: rank %d registered again; "
+                                "the rounds applied after round %d are lost", self.address, info.restored_round,
+                                info.restored_from, self.rank, info.restored_round)
+                else:
+                    log.warning("server %s restarted without a snapshot (no --state-dir, or none written yet): "
+                                "rank %d registered again; every key it held is lost", self.address, self.rank)
                 self._push_unconfirmed(deadline)
 
     def _push_unconfirmed(self, deadline):
@@ -189,7 +192,7 @@ class ServerConn:
         items = list(self._unconfirmed.values())
         if items:
             part = list(enumerate(items))
-            self._push_once(max(deadline - time.monotonic(), 0.001), part, next(self._sequences))
+            self._push_once(_left(deadline), part, next(self._sequences))
 
     # ---- the data path ----------------------------------------------------------------
 
@@ -380,6 +383,11 @@ class ServerConn:
 
         return session.call(build, timeout, decode_response, shm_bytes,
                             use_channel and (in_bytes > 0 or use_output), kind)
+
+
+def _left(deadline):
+    """The seconds until ``deadline`` (time.monotonic()), at least a millisecond."""
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def _whole(answer):
