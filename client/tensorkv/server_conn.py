@@ -48,7 +48,8 @@ class ServerConn:
     A call whose connection breaks, or that the server answers UNAVAILABLE, is made again
     on a new connection after this worker registered again (:meth:`_reconnect`), with a
     backoff from RETRY_FIRST to RETRY_MAX seconds, until its timeout has passed; then it
-    raises the last error. Every call that changes values carries a sequence number that
+    raises ServerUnavailableError saying what happened to the call first and why
+    reconnecting failed. Every call that changes values carries a sequence number that
     stays the same when it is sent again, so the server applies it once (PushRequest.sequence).
 
     A server that restarted (its Info.server_id changed) lost this worker's registration and
