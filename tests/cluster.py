@@ -68,12 +68,14 @@ def health(address, service="tensorkv.v1.KVStoreService", timeout=5.0, security=
 class Cluster:
     """S servers for ``num_workers`` workers; ``addresses`` and ``env`` (TENSORKV_SERVERS) for
     workers. Use as a context manager, or call :meth:`stop`. ``security``: how the health
-    probe reaches servers started with TLS."""
+    probe reaches servers started with TLS. '{index}' in ``server_args`` is each server's index
+    (e.g. its own --state-dir)."""
 
     def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=(),
                  security=Security()):
         self.num_workers = num_workers
         self.addresses, self.processes, self.logs, self.commands = [], [], [], []
+        self._held = []  # sockets that keep the ports of killed servers (see kill)
         log_dir = Path(tmp_path) if tmp_path else None
         try:
             for i in range(servers):
@@ -83,7 +85,7 @@ class Cluster:
                 self.commands.append(
                     [sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers",
                      str(num_workers), "--mode", mode, "--round-timeout", str(round_timeout),
-                     "--device", "cpu", "--grace", "2", *server_args])
+                     "--device", "cpu", "--grace", "2", *(str(arg).replace("{index}", str(i)) for arg in server_args)])
                 self.processes.append(subprocess.Popen(self.commands[-1], stdout=log, stderr=subprocess.STDOUT))
                 self.addresses.append(f"127.0.0.1:{port}")
             for address, process in zip(self.addresses, self.processes):
@@ -106,6 +108,17 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT} s")
             time.sleep(0.05)
+
+    def kill(self, index=0):
+        """SIGKILL server ``index`` (by its PID) and keep its port bound, not listening, until
+        stop(): connections to it are refused, and no other process on this host (another
+        test's server) can take the port while a client still tries to reconnect to it."""
+        self.processes[index].kill()
+        self.processes[index].wait(STOP_TIMEOUT)
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", int(self.addresses[index].rsplit(":", 1)[1])))
+        self._held.append(held)
 
     def restart(self, index=0):
         """Kill server ``index`` (SIGKILL, by its PID) and start it again on the same port."""
@@ -144,6 +157,8 @@ class Cluster:
     def stop(self):
         """Stop every server; their return codes."""
         codes = [stop(process) for process in self.processes]
+        for held in self._held:
+            held.close()
         for log in self.logs:
             if log is not subprocess.DEVNULL:
                 log.close()

@@ -176,8 +176,8 @@ def test_no_data_channel_falls_back_to_grpc(tmp_path):
 
 def test_a_killed_server_fails_the_call_in_flight(tmp_path):
     with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
-        kv = tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, transport="tcp", timeout=60)
-        try:
+        kv = tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, transport="tcp", timeout=5)
+        try:  # the pull fails once it has tried to reconnect for its timeout
             value = np.arange(1 << 20, dtype=np.float32)
             kv.init("w", value)
             kv.push("w", value)  # the round waits for rank 1, so the pull below waits too
@@ -191,7 +191,7 @@ def test_a_killed_server_fails_the_call_in_flight(tmp_path):
             thread = threading.Thread(target=pull)
             thread.start()
             wait_until(lambda: channels(kv)[0] is not None, "the data channel")
-            cluster.processes[0].send_signal(signal.SIGKILL)
+            cluster.kill(0)
             thread.join(WAIT)
             assert not thread.is_alive(), "the pull did not fail within the bound"
             assert len(errors) == 1 and isinstance(errors[0], tensorkv.ServerUnavailableError)

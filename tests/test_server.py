@@ -294,7 +294,9 @@ def test_sigterm_stops_cleanly_and_fails_waits_with_unavailable(tmp_path):
         out, err = worker.communicate(timeout=60)
         assert cluster.processes[0].wait(timeout=30) == 0
         assert worker.returncode == 0, err
-        assert out.startswith(f"unavailable: server {cluster.addresses[0]} is unavailable")
+        assert out.startswith(f"unavailable: server {cluster.addresses[0]} is unavailable"), out
+        # then the pull reconnected until its timeout
+        assert "reconnecting for 5 s (the pull's timeout) failed: cannot connect to server" in out, out
     finally:
         stop(worker)
         cluster.stop()

@@ -6,7 +6,6 @@ back together on pull. A call over a list of keys makes one RPC per server invol
 all of them at once, each with a deadline.
 """
 import ipaddress
-import logging
 import math
 import os
 import re
@@ -16,48 +15,35 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, compression, rowsparse_wire, states_file, states_wire
+from . import allocator, compression, rowsparse_wire, states_file
 from .backend import on_gpu, shape_dtype, to_host
-from . import shm
-from .codec import (
-    CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key,
-)
+from .codec import Item
 from .engine import Engine, dtype_mismatch
 from .errors import (
-    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
-    ServerUnavailableError, ShapeMismatchError, key_repr,
+    DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, ServerUnavailableError,
+    ShapeMismatchError, key_repr,
 )
 from .kvstore import KVStore
 from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
 from .lease import Heartbeat
 from .security import Security
-from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
-from .v1 import kvstore_pb2, tensor_pb2
+from .rpc import CHANNEL_OPTIONS, Stub, error_from_rpc
+from .server_conn import ServerConn
+from .v1 import kvstore_pb2
 from .words import plural
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_BIGARRAY_BOUND = 1_000_000
 UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for the servers to take the rank back
-# Calls whose values (per server) take at most this many bytes use the Session stream.
-SESSION_MAX_BYTES = CHUNK_BYTES
-# With shared memory, values of at least this many bytes travel through the region.
-SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
-# With a data channel, values of at least this many bytes travel on it.
-DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10))
 TRANSPORTS = ("auto", "tcp", "grpc")
-_ONE_MESSAGE = 1 << 62
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
 # What a new run does with the keys earlier runs left on a server (RegisterRequest.if_exists).
 IF_EXISTS = {"fail": kvstore_pb2.IF_EXISTS_FAIL, "resume": kvstore_pb2.IF_EXISTS_RESUME,
              "replace": kvstore_pb2.IF_EXISTS_REPLACE}
-# The Session op of each kind of call that may travel on a Session stream.
-_SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
-                "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL}
 # Merges the list of arrays pushed for one key (one per device) as the server merges workers.
 _MERGE = Engine()
 _GPU_MERGE = {}  # CUDA device id -> Engine that merges lists of GPU arrays there
-log = logging.getLogger(__name__)
 
 
 def _merge_engine(arrays):
@@ -162,14 +148,6 @@ def _receivable(target, dtype, shape):
         and target.flags.c_contiguous and target.flags.writeable
 
 
-def _pulled_nbytes(item):
-    """The bytes of the value that a pushpull of ``item`` pulls back: its array's, or for 2-bit
-    codes those of the float32 elements they stand for."""
-    if item.two_bit is None:
-        return item.array.nbytes
-    return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
-
-
 class DistStore(KVStore):
     """A client of tensorkv servers; see :func:`tensorkv.create`.
 
@@ -199,33 +177,22 @@ class DistStore(KVStore):
             raise InvalidArgumentError(
                 f"unknown if_exists {if_exists!r}; use one of {', '.join(map(repr, IF_EXISTS))}")
         self.transport = transport
-        self._addresses = parse_servers(servers)
+        addresses = parse_servers(servers)
         allocator.tune_this_process()
         self._timeout = timeout
         self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
         self._security = Security.from_options(tls_ca, tls_cert, tls_key, token)
-        self._channels = [self._security.channel(a, CHANNEL_OPTIONS) for a in self._addresses]
-        self._stubs = [Stub(c) for c in self._channels]
-        self._pool = ThreadPoolExecutor(len(self._stubs)) if len(self._stubs) > 1 else None
         # Small calls go over one long-lived Session stream per server (off with session=False
         # or TENSORKV_NO_SESSION=1).
         if session is None:
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
-        data_tls = self._security.data_channel_context()
-        self._sessions = [Session(c, a, data_tls=data_tls) for c, a in zip(self._channels, self._addresses)] \
-            if session else None
+        self._conns = [ServerConn(address, self._security, timeout, session) for address in addresses]
+        self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
-        self._registered = {}  # server index -> the incarnation of this worker's registration there
         self._heartbeat = None  # renews the registrations' leases
         try:
-            infos = self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
-                                   connect_timeout, IF_EXISTS[if_exists])
-            # Shared memory, then the data channel, are tried (lazily, by the first call that
-            # moves enough bytes) with servers that offer them; the proof of the same host
-            # happens then (tensorkv.shm).
-            for session, info in zip(self._sessions or (), infos):
-                session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
-                session.data_port = info.data_port if transport != "grpc" else 0
+            self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
+                           connect_timeout, IF_EXISTS[if_exists])
         except BaseException:
             self.close()
             raise
@@ -238,218 +205,70 @@ class DistStore(KVStore):
     def num_workers(self):
         return self._num_workers
 
+    # What tests and tools look at, by server index.
+    @property
+    def _stubs(self):
+        return [conn.stub for conn in self._conns]
+
+    @property
+    def _sessions(self):
+        """The Session stream of each server, by index; None with sessions off."""
+        sessions = [conn.session for conn in self._conns]
+        return None if sessions[0] is None else sessions
+
+    @property
+    def _registered(self):
+        """{server index: the incarnation of this worker's registration there}."""
+        return {index: conn.incarnation for index, conn in enumerate(self._conns) if conn.incarnation is not None}
+
     def _register(self, rank, num_workers, connect_timeout, if_exists):
         """Check every server's mode and size, then join them: the first assigns the rank
-        when none is given. The servers' InfoResponses."""
-        infos = []
-        for index, address in enumerate(self._addresses):
+        when none is given."""
+        server_ids = []
+        for conn in self._conns:
             try:
-                info = self._call(index, lambda stub: stub.Info(kvstore_pb2.InfoRequest(), timeout=connect_timeout),
-                                  "info")
+                info = conn.info(connect_timeout)
             except DeadlineExceededError:  # connected, or still connecting, but no answer
                 raise ServerUnavailableError(
-                    f"server {address} is unreachable: no answer within {connect_timeout:g} s; "
-                    f"is tensorkv-server running on {address}?") from None
+                    f"server {conn.address} is unreachable: no answer within {connect_timeout:g} s; "
+                    f"is tensorkv-server running on {conn.address}?") from None
             except ServerUnavailableError as error:  # no connection: a TLS mismatch is named as such
-                raise self._security.diagnose(address) or error from None
+                raise self._security.diagnose(conn.address) or error from None
             if info.mode != _MODES[self.type]:
                 mode = kvstore_pb2.Mode.Name(info.mode).removeprefix("MODE_").lower()
                 raise FailedPreconditionError(
-                    f"server {address} runs in {mode} mode; a '{self.type}' store needs a server started with "
+                    f"server {conn.address} runs in {mode} mode; a '{self.type}' store needs a server started with "
                     f"--mode {self.type.removeprefix('dist_')} (for this one, create a 'dist_{mode}' store)")
             if num_workers is not None and info.num_workers != num_workers:
                 raise FailedPreconditionError(
-                    f"server {address} expects {plural(info.num_workers, 'worker')}, "
+                    f"server {conn.address} expects {plural(info.num_workers, 'worker')}, "
                     f"this worker was told {num_workers}")
             num_workers = info.num_workers
-            infos.append(info)
-        leases = {}  # server index -> (incarnation, lease seconds)
-        for index in range(len(self._addresses)):
-            request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists)
-            response = self._call(index, lambda stub: stub.Register(request, timeout=self._timeout), "register")
-            rank = self._rank = response.rank
-            self._registered[index] = response.incarnation
-            if response.lease_ttl_ms:  # 0: a server without leases
-                leases[index] = (response.incarnation, response.lease_ttl_ms / 1000)
-        if leases:
-            self._heartbeat = Heartbeat(self._stubs, self._addresses, rank, leases)
+            conn.offer(info, self.transport)
+            server_ids.append(info.server_id)
+        for conn, server_id in zip(self._conns, server_ids):
+            rank = self._rank = conn.register(rank, if_exists, server_id).rank
+        leased = [conn for conn in self._conns if conn.lease_ttl]
+        if leased:
+            self._heartbeat = Heartbeat(leased)
         self._num_workers = num_workers
-        return infos
 
-    def _unregister(self):
-        """Give the rank back to every server that gave it (best effort: a server that is
-        gone or slow to answer is left as it is)."""
-        if not self._registered:
-            return
-        timeout = min(self._timeout, UNREGISTER_TIMEOUT)
-        calls = {index: self._stubs[index].Unregister.future(
-            kvstore_pb2.UnregisterRequest(**self._caller(index)), timeout=timeout) for index in self._registered}
-        for index, call in calls.items():  # all servers at once
-            try:
-                call.result()
-            except grpc.RpcError as error:
-                log.info("server %s: rank %d not given back: %s", self._addresses[index], self._rank, error.code())
-        self._registered = {}
-
-    def _caller(self, index):
-        """The fields that say who calls server ``index``: this worker's rank and incarnation."""
-        return dict(rank=self._rank, incarnation=self._registered[index])
-
-    # ---- RPC plumbing -----------------------------------------------------------------
-
-    def _call(self, index, call, kind):
-        """``call(stub)`` on server ``index``, with gRPC errors raised as KVStoreError; ``kind``
-        names the call in them ('push', 'pull', ...: see rpc.transport_error).
-        FailedPreconditionError once this worker has lost its lease on a server."""
-        if self._heartbeat is not None:
-            self._heartbeat.check()
-        try:
-            return call(self._stubs[index])
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, self._addresses[index], kind) from None
-
-    def _each(self, calls, kind):
-        """Run {server index: call(stub)} (``kind`` calls) on all those servers at once;
-        {index: result}."""
+    def _fanout(self, method, calls):
+        """{server index: method(its ServerConn, *args)} for ``calls`` {server index: args},
+        on all those servers at once; the first error is raised once all have ended."""
         if len(calls) <= 1 or self._pool is None:
-            return {index: self._call(index, call, kind) for index, call in calls.items()}
-        futures = {index: self._pool.submit(self._call, index, call, kind) for index, call in calls.items()}
+            return {index: method(self._conns[index], *args) for index, args in calls.items()}
+        futures = {index: self._pool.submit(method, self._conns[index], *args) for index, args in calls.items()}
         errors = [f.exception() for f in futures.values() if f.exception() is not None]
         if errors:
             raise errors[0]
         return {index: f.result() for index, f in futures.items()}
 
-    def _session(self, index, kind, part, outs=None, keys=None, wait_only=False):
-        """Make the ``kind`` call on server ``index``'s Session stream: the items (or keys) it
-        returns; None when the call is not for a session (too large without shared memory,
-        sessions off, or the session busy with another thread's call), for the caller to make
-        a plain RPC.
-
-        With shared memory, values of SHM_MIN_BYTES or more are written into the session's
-        region and only their references travel; a pull names the region as its output area,
-        and the values the server writes there are copied into ``outs`` (or new arrays).
-        Without it, values of DATACHAN_MIN_BYTES or more travel on the session's data channel
-        when there is one, pulled ones straight into ``outs`` where they fit."""
-        if self._sessions is None:
-            return None
-        session = self._sessions[index]
-        use_shm = session.shm_possible
-        use_channel = not use_shm and session.channel_possible
-        min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
-        offload = use_shm or use_channel  # large values leave the messages
-        op = _SESSION_OPS[kind]
-        pulls = op in (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL)
-        in_bytes = out_bytes = 0
-        if keys is None:
-            items = [item for _, item in part]
-            inline = 0
-            for item in items:
-                nbytes = item.array.nbytes
-                if offload and not wait_only and nbytes >= min_bytes:
-                    in_bytes += aligned(nbytes)
-                elif not wait_only:
-                    inline += nbytes
-            if inline > SESSION_MAX_BYTES:
-                return None
-            if pulls and any(_pulled_nbytes(item) >= min_bytes for item in items):
-                out_bytes = sum(aligned(_pulled_nbytes(item)) for item in items)
-        else:
-            sizes = self._known_sizes(keys)
-            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
-                return None
-            if sizes is None:
-                out_bytes = shm.MIN_REGION_BYTES
-            else:
-                # Values that all travel inline need no output area (one copy on each side
-                # either way, without a placement per value).
-                out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= min_bytes else 0
-        use_output = offload and pulls and out_bytes >= min_bytes
-        shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
-
-        def build(call_id, timeout_ms, region, channel):
-            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, **self._caller(index))
-            if wait_only:
-                fields["wait_only"] = True
-            if region is not None and use_output:
-                fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=shm.HEADER_BYTES,
-                                                             length=region.capacity)
-            if channel is not None and use_output:
-                fields["data_channel_min_bytes"] = min_bytes
-            if keys is not None:
-                return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(keys), ()
-            sent, arrays = items, ()
-            if region is not None and in_bytes:
-                placement = Placement(region.buffer, region.id, shm.HEADER_BYTES)
-                sent = [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in items]
-            elif channel is not None and in_bytes:
-                sent, arrays = following(items, min_bytes)
-            return encode_stream(kvstore_pb2.SessionRequest, sent, fields, chunk_bytes=_ONE_MESSAGE,
-                                 with_data=not wait_only)[0], arrays
-
-        def decode(call_id, data, region, channel):
-            decoder = self._decoder(kvstore_pb2.SessionResponse, part, outs,
-                                    resolve=region.resolve if region is not None else None,
-                                    channel=channel is not None)
-            decoder.feed(data)
-            response = decoder.first
-            if response.code:
-                raise error_from_code(status_code(response.code), response.message, response.error_class or None,
-                                      self._addresses[index], kind)
-            if response.id != call_id:
-                raise InternalError(f"server {self._addresses[index]} answered session call {response.id}, "
-                                    f"not {call_id}")
-            items = decoder.finish()
-            if decoder.frames.incoming:
-                channel.receive(decoder.frames.incoming)
-            decoder.remember()
-            return items
-
-        return session.call(build, self._timeout, decode, shm_bytes, use_channel and (in_bytes > 0 or use_output),
-                            kind)
-
-    def _frames(self, index, message_type, items, **fields):
-        """The serialized request messages to server ``index`` that carry ``items``."""
-        return encode_stream(message_type, items, dict(self._caller(index), **fields),
-                             with_data=not fields.get("wait_only", False))
-
-    @staticmethod
-    def _decode(message_type, responses, part=None, outs=None):
-        """The items of a stream of serialized responses. The values of ``part`` [(position,
-        Item or key)] go straight into their ``outs[position][0]`` where that is a NumPy array
-        of the right dtype and shape (the others are decoded into new arrays)."""
-        decoder = DistStore._decoder(message_type, part, outs)
-        for data in responses:
-            decoder.feed(data)
-        items = decoder.finish()
-        decoder.remember()
-        return items
-
-    @staticmethod
-    def _decoder(message_type, part, outs, resolve=None, channel=False):
-        destination = None
-        if outs is not None:
-            # (asked key, out array that may receive its value straight, or None) by entry index
-            expected = []
-            for position, asked in part:
-                target = outs[position][0]
-                receivable = type(target) is np.ndarray and target.flags.c_contiguous and target.flags.writeable
-                expected.append((asked.key if isinstance(asked, Item) else asked, target if receivable else None))
-
-            def destination(index, key, dtype, shape, slice):
-                if index >= len(expected):
-                    return None
-                asked, target = expected[index]
-                if target is None or asked != key or target.dtype != dtype or target.shape != shape:
-                    return None
-                return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
-        return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True,
-                             channel=channel)
-
     # ---- layout -----------------------------------------------------------------------
 
     def _placement(self, key, size):
         """[(server index, slice or None)] of a value of ``size`` elements."""
-        count = len(self._stubs)
+        count = len(self._conns)
         if count == 1 or size <= self._bound:
             return [(home(key, count), None)]
         bounds = [size * i // count for i in range(count + 1)]
@@ -492,7 +311,7 @@ class DistStore(KVStore):
     def _plan(self, entries):
         """{server index: [(position, Item)]} that carry each (position, key, array) of
         ``entries``: a value on its key's server, or in slices over all servers."""
-        if len(self._stubs) == 1:
+        if len(self._conns) == 1:
             return {0: [(position, Item(key, array)) for position, key, array in entries]}
         plan = {}
         for position, key, array in entries:
@@ -502,7 +321,7 @@ class DistStore(KVStore):
 
     def _assemble(self, values, plan, results, outs=None):
         """Fill ``values`` (by position) from each server's answer, in the order of ``plan``.
-        A value that was decoded straight into its out array (see :meth:`_decode`) is that
+        A value that was decoded straight into its out array (see :func:`server_conn.decode`) is that
         array."""
         for index, answered in results.items():
             for (position, _), item in zip(plan[index], answered):
@@ -530,10 +349,7 @@ class DistStore(KVStore):
         _MERGE.check_keys([item.key for item in items])
         wait_only = self._rank != 0
         plan = self._plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
-        self._each({index: lambda stub, index=index, part=part: self._session(
-            index, "init", part, wait_only=wait_only) is not None or stub.init_raw(
-            self._frames(index, kvstore_pb2.InitRequest, [item for _, item in part], wait_only=wait_only),
-            timeout=self._timeout) for index, part in plan.items()}, "init")
+        self._fanout(ServerConn.init, {index: (part, wait_only) for index, part in plan.items()})
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)
 
@@ -561,10 +377,7 @@ class DistStore(KVStore):
     def _push(self, pairs):
         merged = self._merged(pairs)
         plan, residuals = self._push_plan((key, key, value) for key, value in merged.items())
-        self._each({index: lambda stub, index=index, part=part: self._session(
-            index, "push", part) is not None or stub.push_raw(
-            self._frames(index, kvstore_pb2.PushRequest, [item for _, item in part]), timeout=self._timeout)
-            for index, part in plan.items()}, "push")
+        self._fanout(ServerConn.push, {index: (part,) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
@@ -580,12 +393,7 @@ class DistStore(KVStore):
                 by_key.setdefault(key, targets)
             first_outs = [by_key[key] for key in order]
         plan, residuals = self._push_plan((position, key, merged[key]) for position, key in enumerate(order))
-        results = self._each({index: lambda stub, index=index, part=part: self._or(self._session(
-            index, "pushpull", part, outs=first_outs), lambda: self._decode(
-            kvstore_pb2.PushPullResponse,
-            stub.pushpull_raw(self._frames(index, kvstore_pb2.PushPullRequest, [item for _, item in part]),
-                              timeout=self._timeout), part, first_outs))
-            for index, part in plan.items()}, "pushpull")
+        results = self._fanout(ServerConn.pushpull, {index: (part, first_outs) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
@@ -596,7 +404,7 @@ class DistStore(KVStore):
         _MERGE.check_keys(keys)
         if outs is not None and not self._outs_fit(keys, outs):
             outs = None  # decoded into new arrays: the mismatch is raised before any out is written
-        count, meta = len(self._stubs), self._meta
+        count, meta = len(self._conns), self._meta
         # A key this worker has not seen yet is asked of its home server; when that answers
         # with one slice of a large value, the other slices are asked of the other servers.
         plan, unknown = {}, []
@@ -625,11 +433,8 @@ class DistStore(KVStore):
 
     def _pull_into(self, values, plan, outs=None):
         """Pull the keys of ``plan`` {server index: [(position, key)]} into ``values``."""
-        results = self._each({index: lambda stub, index=index, part=part: self._or(
-            self._session(index, "pull", part, outs=outs, keys=[key for _, key in part]),
-            lambda: self._decode(kvstore_pb2.PullResponse, stub.pull_raw(
-                self._pull_request(index, (key for _, key in part)), timeout=self._timeout), part, outs))
-            for index, part in plan.items()}, "pull")
+        results = self._fanout(ServerConn.pull, {index: (part, outs, self._known_sizes(key for _, key in part))
+                                                 for index, part in plan.items()})
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
         return self._assemble(values, plan, results, outs)
@@ -652,10 +457,6 @@ class DistStore(KVStore):
                     return False
         return True
 
-    @staticmethod
-    def _or(result, otherwise):
-        return otherwise() if result is None else result
-
     def _known_sizes(self, keys):
         """The bytes of the whole values of ``keys`` (an upper bound for slices); None when one
         of them is not known yet."""
@@ -666,12 +467,6 @@ class DistStore(KVStore):
                 return None
             sizes.append(math.prod(known[0]) * known[1].itemsize)
         return sizes
-
-    def _pull_request(self, index, keys):
-        request = kvstore_pb2.PullRequest(**self._caller(index))
-        for key in keys:
-            set_key(request.keys.add(), key)
-        return request
 
     # ---- row-sparse values: plain messages, only the rows travel ----------------------
 
@@ -690,12 +485,8 @@ class DistStore(KVStore):
             width = math.prod(value.shape[1:])
             for index, where in self._placement(key, math.prod(value.shape)):
                 sent = slice(None) if where is None else touching(value.indices, width, where)
-                if index not in requests:
-                    requests[index] = kvstore_pb2.RowSparsePushRequest(**self._caller(index))
-                rowsparse_wire.set_value(requests[index].values.add(), key, value.shape, value.indices[sent],
-                                         data[sent])
-        self._each({index: lambda stub, request=request: stub.RowSparsePush(request, timeout=self._timeout)
-                    for index, request in requests.items()}, "push")
+                requests.setdefault(index, []).append((key, value.shape, value.indices[sent], data[sent]))
+        self._fanout(ServerConn.row_sparse_push, {index: (values,) for index, values in requests.items()})
 
     def _row_sparse_pull(self, requests):
         """[(full shape, rows)] of ``requests`` [(key, row ids)]: each server is asked for the
@@ -713,9 +504,8 @@ class DistStore(KVStore):
                 mask = np.ones(len(unique), bool) if where is None else touching(unique, math.prod(shape[1:]), where)
                 if mask.any():
                     plan.setdefault(index, []).append((position, where, np.flatnonzero(mask), unique[mask]))
-        answers = self._each({index: lambda stub, index=index, part=part: stub.RowSparsePull(
-            self._rows_request(index, [(requests[position][0], ids) for position, _, _, ids in part]),
-            timeout=self._timeout) for index, part in plan.items()}, "row_sparse_pull")
+        answers = self._fanout(ServerConn.row_sparse_pull, {
+            index: ([(requests[position][0], ids) for position, _, _, ids in part],) for index, part in plan.items()})
         for index, answer in answers.items():
             for (position, where, positions, ids), value in zip(plan[index], answer.values):
                 rows = rowsparse_wire.get_value(value)[3]
@@ -730,20 +520,12 @@ class DistStore(KVStore):
         """Ask each key's home server for none of its rows, which tells its shape and dtype."""
         homes = {}
         for key in keys:
-            homes.setdefault(home(key, len(self._stubs)), []).append((key, ()))
-        answers = self._each({index: lambda stub, index=index, part=part: stub.RowSparsePull(
-            self._rows_request(index, part), timeout=self._timeout) for index, part in homes.items()},
-            "row_sparse_pull")
+            homes.setdefault(home(key, len(self._conns)), []).append((key, ()))
+        answers = self._fanout(ServerConn.row_sparse_pull, {index: (part,) for index, part in homes.items()})
         for answer in answers.values():
             for value in answer.values:
                 key, shape, _, rows = rowsparse_wire.get_value(value)
                 self._meta[key] = (shape, rows.dtype)
-
-    def _rows_request(self, index, part):
-        request = kvstore_pb2.RowSparsePullRequest(**self._caller(index))
-        for key, ids in part:
-            rowsparse_wire.set_row_ids(request.keys.add(), key, ids)
-        return request
 
     # ---- optimizer --------------------------------------------------------------------
 
@@ -758,19 +540,14 @@ class DistStore(KVStore):
 
     def _send_optimizer(self, optimizer, by_server, kind):
         """SetUpdater on every server, with that server's states {index: {key: (n, [Item])}}."""
-        self._each({index: lambda stub, index=index: stub.SetUpdater(states_wire.to_messages(
-            kvstore_pb2.SetUpdaterRequest, optimizer, by_server.get(index, {})), timeout=self._timeout)
-            for index in range(len(self._stubs))}, kind)
+        self._fanout(ServerConn.set_updater, {index: (optimizer, by_server.get(index, {}), kind)
+                                              for index in range(len(self._conns))})
 
     def _set_learning_rate(self, learning_rate):
-        request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)
-        self._each({index: lambda stub: stub.SetLearningRate(request, timeout=self._timeout)
-                    for index in range(len(self._stubs))}, "set_learning_rate")
+        self._fanout(ServerConn.set_learning_rate, {index: (learning_rate,) for index in range(len(self._conns))})
 
     def _save_optimizer_states(self, fname):
-        results = self._each({index: lambda stub: states_wire.from_messages(stub.GetOptimizerStates(
-            kvstore_pb2.GetOptimizerStatesRequest(), timeout=self._timeout)) for index in range(len(self._stubs))},
-            "save_optimizer_states")
+        results = self._fanout(ServerConn.optimizer_states, {index: () for index in range(len(self._conns))})
         optimizer, merged = None, {}
         for index in sorted(results):
             server_optimizer, key_states = results[index]
@@ -796,18 +573,17 @@ class DistStore(KVStore):
     # ---- the rest ---------------------------------------------------------------------
 
     def _barrier(self):
-        self._each({0: lambda stub: stub.Barrier(kvstore_pb2.BarrierRequest(**self._caller(0)), timeout=self._timeout)},
-                   "barrier")
+        self._conns[0].barrier()
 
     def close(self):
         if not self._closed:
             if self._heartbeat is not None:
                 self._heartbeat.close()
-            self._unregister()
-            for session in self._sessions or ():
-                session.close()
-            for channel in self._channels:
-                channel.close()
+            # The rank back to every server that gave it, all at once.
+            timeout = min(self._timeout, UNREGISTER_TIMEOUT)
+            self._fanout(ServerConn.unregister, {index: (timeout,) for index in range(len(self._conns))})
+            for conn in self._conns:
+                conn.close()
             if self._pool is not None:
                 self._pool.shutdown()
         super().close()

@@ -4,8 +4,10 @@ store is open, whatever the worker does meanwhile: computing between calls, or w
 a call for a sync round (a call in progress does not renew a lease).
 
 A server that answers FAILED_PRECONDITION no longer has the registration (the lease
-expired, or the server restarted): the store's next call raises FailedPreconditionError.
-Other failures (a server briefly unreachable) are logged and the renewals go on.
+expired, or the server restarted): the heartbeat stops renewing it and sets the
+ServerConn's ``lease_lost``, so that its next call registers again if the server restarted
+and raises FailedPreconditionError if not. Other failures (a server briefly unreachable)
+are logged and the renewals go on.
 """
 import logging
 import threading
@@ -13,67 +15,58 @@ import time
 
 import grpc
 
-from .errors import FailedPreconditionError
 from .v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Renews ``rank``'s registrations {server index: (incarnation, lease seconds)} with
-    ``stubs`` (by server index) at ``addresses``, from a thread started here."""
+    """Renews the registration of each of ``conns`` (ServerConns with a lease) with its
+    current incarnation, from a thread started here."""
 
-    def __init__(self, stubs, addresses, rank, leases):
-        self._stubs = stubs
-        self._addresses = addresses
-        self._rank = rank
-        self._leases = leases
-        self._interval = min(ttl for _, ttl in leases.values()) / 3
-        self._lost = None  # the message of the first lease lost
-        self._failing = set()  # server indexes whose last renewal failed
+    def __init__(self, conns):
+        self._conns = conns
+        self._interval = min(conn.lease_ttl for conn in conns) / 3
+        self._failing = set()  # the ServerConns whose last renewal failed
         self._calls = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tensorkv-heartbeat", daemon=True)
         self._thread.start()
-
-    def check(self):
-        """FailedPreconditionError once a server has said that this worker's lease is gone."""
-        if self._lost is not None:
-            raise FailedPreconditionError(self._lost)
 
     def _run(self):
         due = time.monotonic() + self._interval
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             # A steady pace, however long the renewals take; no burst after this process was paused.
             due = max(due + self._interval, time.monotonic())
-            self._calls = {index: self._stubs[index].KeepAlive.future(
-                kvstore_pb2.KeepAliveRequest(rank=self._rank, incarnation=incarnation), timeout=self._interval)
-                for index, (incarnation, _) in self._leases.items()}
-            for index, call in self._calls.items():
-                if not self._renewed(index, call):
-                    return
+            self._calls = {(conn, conn.incarnation): conn.stub.KeepAlive.future(
+                kvstore_pb2.KeepAliveRequest(rank=conn.rank, incarnation=conn.incarnation), timeout=self._interval)
+                for conn in self._conns if conn.lease_lost is None}
+            for (conn, incarnation), call in self._calls.items():
+                self._renewed(conn, incarnation, call)
 
-    def _renewed(self, index, call):
-        """Whether ``call`` renewed the lease on server ``index`` or may be tried again."""
-        address = self._addresses[index]
+    def _renewed(self, conn, incarnation, call):
+        """Wait for ``call``, the renewal of ``conn``'s registration ``incarnation``: a refusal
+        of that registration (not of one made since) sets ``conn.lease_lost``."""
+        address, rank = conn.address, conn.rank
         try:
             call.result()
+        except grpc.FutureCancelledError:  # by close()
+            return
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                self._lost = f"rank {self._rank} lost its lease on server {address}: {error.details()}"
-                log.error("%s", self._lost)
-                return False
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION and conn.incarnation == incarnation:
+                conn.lease_lost = f"rank {rank} lost its lease on server {address}: {error.details()}"
+                log.info("%s", conn.lease_lost)  # the next call says whether the server restarted
+                return
             if error.code() == grpc.StatusCode.CANCELLED and self._stop.is_set():
-                return False
-            if index not in self._failing:
+                return
+            if conn not in self._failing:
                 log.warning("server %s: lease of rank %d not renewed (%s: %s); trying again every %g s",
-                            address, self._rank, error.code().name, error.details(), self._interval)
-                self._failing.add(index)
-            return True
-        if index in self._failing:
-            log.info("server %s: lease of rank %d renewed again", address, self._rank)
-            self._failing.discard(index)
-        return True
+                            address, rank, error.code().name, error.details(), self._interval)
+                self._failing.add(conn)
+            return
+        if conn in self._failing:
+            log.info("server %s: lease of rank %d renewed again", address, rank)
+            self._failing.discard(conn)
 
     def close(self):
         """Stop renewing (the renewals in flight are cancelled) and wait for the thread."""

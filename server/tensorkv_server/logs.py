@@ -13,7 +13,8 @@ barrier_aborted), ``peer`` (null when the line has none), ``logger`` and ``messa
 handled (see :data:`PEER`) unless the call passes one.
 
 The events: server_started, server_stopping, server_stopped, worker_registered,
-worker_unregistered, lease_expired, round_aborted, barrier_aborted, optimizer_installed.
+worker_unregistered, worker_reregistered, lease_expired, round_aborted, barrier_aborted,
+optimizer_installed.
 """
 import contextvars
 import datetime

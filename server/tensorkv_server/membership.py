@@ -14,6 +14,13 @@ time expires on the event loop: the rank is freed as if its holder had given it 
 the expired incarnation is refused from then on, so a worker that was paused past its
 lease cannot merge anything when it wakes up.
 
+A worker whose connection broke registers again naming its *previous incarnation*: while
+the rank is still held by it, the new registration takes its place (a new incarnation; the
+old one is refused from then on) and keeps what the rank did, in the rounds and in the
+*sequence numbers* it applied. Every call that changes values carries a sequence number,
+and :meth:`Membership.applied` tells whether the rank's call of that number was applied
+already, so that a call sent again after a broken connection is never applied twice.
+
 A *run* is the set of workers registered together: it starts with a registration while no
 rank is registered, and ends when all of its ranks have been given back or have lost their
 lease. Its first registration chooses its ``if_exists``, what it does with the keys that
@@ -30,6 +37,9 @@ from tensorkv.words import plural
 log = logging.getLogger(__name__)
 
 FAIL, RESUME, REPLACE = "fail", "resume", "replace"
+# A number left out of a rank's sequence (a call refused before it changed anything) counts
+# as applied once this many later numbers have been.
+SEQUENCE_WINDOW = 256
 
 
 class Run:
@@ -54,6 +64,28 @@ class _Lease:
         self.timer = None
 
 
+class _Applied:
+    """The sequence numbers of one rank's calls that were applied: every number up to
+    ``through``, and those in ``beyond``."""
+
+    __slots__ = ("through", "beyond")
+
+    def __init__(self):
+        self.through = 0
+        self.beyond = set()
+
+    def __contains__(self, sequence):
+        return sequence <= self.through or sequence in self.beyond
+
+    def add(self, sequence):
+        self.beyond.add(sequence)
+        if len(self.beyond) > SEQUENCE_WINDOW:
+            self.through = min(self.beyond) - 1
+        while self.through + 1 in self.beyond:
+            self.through += 1
+            self.beyond.discard(self.through)
+
+
 class Membership:
     """The ranks 0 <= rank < ``num_workers`` registered on one server, their incarnations
     and leases. ``on_expired(rank, ended)`` runs when a lease expires, after the rank is
@@ -68,6 +100,7 @@ class Membership:
         self._next_incarnation = time.time_ns() // 1000
         self._leases = {}  # rank -> _Lease of its registration
         self._expired = {}  # rank -> the incarnation whose lease expired last
+        self._applied = {}  # rank -> _Applied sequence numbers of its registration (and those it took over)
         self._on_expired = on_expired
 
     @property
@@ -80,10 +113,17 @@ class Membership:
         """Whether a run is going on: some rank is registered."""
         return bool(self.incarnations)
 
-    def register(self, rank=None, if_exists=FAIL):
+    def register(self, rank=None, if_exists=FAIL, previous=None):
         """(rank, incarnation, whether it started a new run) of a new registration of
         ``rank``, or of the lowest free rank; FailedPreconditionError if it is taken, or if
-        ``if_exists`` is not that of the run going on."""
+        ``if_exists`` is not that of the run going on. With ``previous``, the incarnation
+        that held ``rank`` before the caller's connection broke: the new registration takes
+        its place when it still holds the rank; FailedPreconditionError if its lease expired."""
+        if previous is not None and rank is not None:
+            if self.incarnations.get(rank) == previous:
+                return rank, self._take_over(rank, previous), False
+            if self._expired.get(rank) == previous:
+                self.check(rank, previous)  # raises: that lease expired
         if self.running and if_exists != self.run.if_exists:
             raise FailedPreconditionError(
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
@@ -108,6 +148,25 @@ class Membership:
                  rank, incarnation, len(self.incarnations), self.num_workers,
                  extra={"event": "worker_registered", "rank": rank})
         return rank, incarnation, started
+
+    def _take_over(self, rank, previous):
+        """The incarnation of a new registration of ``rank`` in the place of ``previous``."""
+        incarnation = self.incarnations[rank] = self._next_incarnation
+        self._next_incarnation += 1
+        self._leases.pop(rank).timer.cancel()
+        self._grant(rank, incarnation)
+        log.info("worker with rank %d registered again (incarnation %d in the place of %d)",
+                 rank, incarnation, previous, extra={"event": "worker_reregistered", "rank": rank})
+        return incarnation
+
+    def applied(self, rank, sequence):
+        """Whether the call of ``rank`` numbered ``sequence`` (0: not numbered) was applied."""
+        return sequence > 0 and sequence in self._applied.get(rank, ())
+
+    def record(self, rank, sequence):
+        """Remember that the call of ``rank`` numbered ``sequence`` was applied."""
+        if sequence > 0:
+            self._applied.setdefault(rank, _Applied()).add(sequence)
 
     def unregister(self, rank, incarnation):
         """Give ``rank`` back (only its current holder may); whether that ended the run."""
@@ -161,6 +220,7 @@ class Membership:
         """Forget ``rank``'s registration and its lease; whether that ended the run."""
         del self.incarnations[rank]
         self._leases.pop(rank).timer.cancel()
+        self._applied.pop(rank, None)
         log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:
             log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})

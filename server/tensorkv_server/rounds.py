@@ -17,6 +17,11 @@ counted twice); where it had not, the replacement's push completes the round the
 wait in. So every round sums exactly one push per rank, each from the holder of the rank
 at the time. A round still waits at most ``round_timeout`` for the rank to be taken again
 and push; then it aborts as any other.
+
+Init, push and pushpull apply each of a rank's sequence numbers at most once (see
+:mod:`.membership`): a call whose number was applied is acknowledged again without being
+applied, and the check is made again right where a call changes state, so that a call
+sent again while the first is still waiting on the server is applied by one of them only.
 """
 import asyncio
 import logging
@@ -110,10 +115,10 @@ class Coordinator:
 
     # ---- membership -------------------------------------------------------------------
 
-    def register(self, rank=None, if_exists=FAIL):
+    def register(self, rank=None, if_exists=FAIL, previous=None):
         """(rank, incarnation) of a new registration: see :meth:`Membership.register`. The
         first registration of a run with if_exists 'replace' drops what earlier runs left."""
-        rank, incarnation, started = self.members.register(rank, if_exists)
+        rank, incarnation, started = self.members.register(rank, if_exists, previous)
         if started and if_exists == REPLACE:
             log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
                      len(self.engine))
@@ -168,10 +173,12 @@ class Coordinator:
 
     # ---- init -------------------------------------------------------------------------
 
-    async def init(self, rank, incarnation, items, wait_only):
+    async def init(self, rank, incarnation, items, wait_only, sequence=0):
         """Rank 0 stores ``items``; every other rank (or a wait_only call) waits until the keys
         exist, then checks its dtypes and shapes against them."""
         self.members.check(rank, incarnation)
+        if self.members.applied(rank, sequence):
+            return
         for item in items:
             if item.two_bit is not None:
                 raise InvalidArgumentError(f"key {key_repr(item.key)}: an init carries 2-bit compressed codes; "
@@ -209,6 +216,9 @@ class Coordinator:
             self.members.check(rank, incarnation)
             for item in items:
                 self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
+            if self.members.applied(rank, sequence):
+                return
+        self.members.record(rank, sequence)
         for key in keys:
             self._initialized.setdefault(key, set()).add(rank)
 
@@ -247,10 +257,12 @@ class Coordinator:
 
     # ---- push and pull ----------------------------------------------------------------
 
-    async def push(self, rank, incarnation, items):
+    async def push(self, rank, incarnation, items, sequence=0):
         """Merge ``items`` (codec.Item) into their keys: in async mode at once, in sync mode
         into each key's current round, applied when all workers have pushed."""
         self.members.check(rank, incarnation)
+        if self.members.applied(rank, sequence):
+            return
         self._check_distinct(items, "push")
         with self.engine.on_device():  # 2-bit codes become the values they stand for, on the engine's device
             items = [compression.decompressed(item, self.engine.xp) for item in items]
@@ -260,6 +272,7 @@ class Coordinator:
             if check_updater is not None:
                 check_updater(item.key, self.engine.get(item.key).array)
         if self.mode == ASYNC:
+            self.members.record(rank, sequence)
             for item in items:
                 self._apply(item.key, self.engine.merge([item.array]))
             metrics.COUNTS.pushes += len(items)
@@ -267,6 +280,7 @@ class Coordinator:
         if self.num_workers == 1:
             # Every round of one worker is complete with its push: applied at once, as
             # _add_to_round would (such a round never waits, so it is never aborted).
+            self.members.record(rank, sequence)
             for item in items:
                 self._apply(item.key, self.engine.merge([item.array]))
             metrics.COUNTS.pushes += len(items)
@@ -276,6 +290,9 @@ class Coordinator:
         while await self._settle(rank, [item.key for item in items]):
             pass
         self.members.check(rank, incarnation)
+        if self.members.applied(rank, sequence):
+            return
+        self.members.record(rank, sequence)
         metrics.COUNTS.pushes += len(items)
         for item in items:
             self._add_to_round(rank, item)
@@ -307,8 +324,8 @@ class Coordinator:
         metrics.COUNTS.pulls += len(keys)
         return [self.engine.pull_rows(key, ids) for key, (_, ids) in zip(keys, requests)]
 
-    async def pushpull(self, rank, incarnation, items):
-        await self.push(rank, incarnation, items)
+    async def pushpull(self, rank, incarnation, items, sequence=0):
+        await self.push(rank, incarnation, items, sequence)
         return await self.pull(rank, incarnation, [item.key for item in items])
 
     def _add_to_round(self, rank, item):

@@ -170,7 +170,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if_exists = _IF_EXISTS_BY_VALUE.get(request.if_exists)
         if if_exists is None:
             raise InvalidArgumentError(f"unknown if_exists value {request.if_exists}")
-        rank, incarnation = self.coordinator.register(request.rank if request.HasField("rank") else None, if_exists)
+        rank, incarnation = self.coordinator.register(
+            request.rank if request.HasField("rank") else None, if_exists,
+            request.previous_incarnation if request.HasField("previous_incarnation") else None)
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation,
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
@@ -193,18 +195,20 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             data_port=self.data_port.port if self.data_port else 0,
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, server_id=self.server_id,
-            restored_from=self.snapshots.restored_from if self.snapshots else "", **info)
+            restored_from=self.snapshots.restored_from if self.snapshots else "",
+            restored_round=self.snapshots.restored_round if self.snapshots else 0, **info)
 
     async def Init(self, request_iterator, context):
         await self._apply(request_iterator, kvstore_pb2.InitRequest,
                           lambda first, items: self.coordinator.init(
-                              first.rank, first.incarnation, items, first.wait_only),
+                              first.rank, first.incarnation, items, first.wait_only, first.sequence),
                           with_data=lambda first: not first.wait_only)
         return kvstore_pb2.InitResponse()
 
     async def Push(self, request_iterator, context):
         await self._apply(request_iterator, kvstore_pb2.PushRequest,
-                          lambda first, items: self.coordinator.push(first.rank, first.incarnation, items))
+                          lambda first, items: self.coordinator.push(first.rank, first.incarnation, items,
+                                                                     first.sequence))
         return kvstore_pb2.PushResponse()
 
     async def Pull(self, request, context):
@@ -231,12 +235,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             key, shape, row_ids, rows = rowsparse_wire.get_value(value, self.limits.max_key_bytes)
             items.append(codec.Item(key, RowSparse(rows, row_ids, shape)))
         codec.check_key_count([item.key for item in items], self.limits.max_keys_per_call)
-        await self.coordinator.push(request.rank, request.incarnation, items)
+        await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
         return kvstore_pb2.RowSparsePushResponse()
 
     async def PushPull(self, request_iterator, context):
         items = await self._apply(request_iterator, kvstore_pb2.PushPullRequest,
-                                  lambda first, items: self.coordinator.pushpull(first.rank, first.incarnation, items))
+                                  lambda first, items: self.coordinator.pushpull(
+                                      first.rank, first.incarnation, items, first.sequence))
         if items is not None:
             for message in _responses(self._host(items)):
                 yield message
@@ -338,14 +343,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             await channel.receive(incoming, timeout)
             metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
-            await self.coordinator.push(request.rank, request.incarnation, items)
+            await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
             return []
         if request.op == kvstore_pb2.SESSION_OP_PULL:
             return await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
         if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
-            return await self.coordinator.pushpull(request.rank, request.incarnation, items)
+            return await self.coordinator.pushpull(request.rank, request.incarnation, items, request.sequence)
         if request.op == kvstore_pb2.SESSION_OP_INIT:
-            await self.coordinator.init(request.rank, request.incarnation, items, request.wait_only)
+            await self.coordinator.init(request.rank, request.incarnation, items, request.wait_only, request.sequence)
             return []
         raise InvalidArgumentError(f"unknown session op {request.op}")
 

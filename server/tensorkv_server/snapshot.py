@@ -173,6 +173,7 @@ class Snapshots:
         self.coordinator = coordinator
         self.directory = directory
         self.restored_from = ""
+        self.restored_round = 0  # the highest round of any key in it
         os.makedirs(directory, exist_ok=True)
         self._sequence = max((number for number, _ in self._files()), default=0)
         self._lock = asyncio.Lock()
@@ -196,6 +197,7 @@ class Snapshots:
                 log.warning("snapshot %s skipped: %s", path, error, extra={"event": "snapshot_skipped"})
                 continue
             self.restored_from = name
+            self.restored_round = max((entry["round"] - 1 for entry in header["keys"]), default=0)
             run = self.coordinator.members.run
             log.info("restored %s, run %d, from %s", plural(len(header["keys"]), "key"), run.number if run else 0,
                      path, extra={"event": "snapshot_restored"})

@@ -1,0 +1,458 @@
+"""One tensorkv server as a worker's store sees it: :class:`ServerConn`, its channel and
+stub, this worker's registration there, and the transport of each call, chosen here once
+per call: the Session stream (with the values in shared memory, on the data channel or in
+the messages) when the call fits it, else a plain RPC.
+
+A ``part`` is the list [(position, Item)] of the values of one call that go to this server
+(a key, or its slice); for a pull, [(position, key)]. ``outs`` are the caller's out arrays
+by position: a pulled value goes straight into ``outs[position][0]`` where that is a NumPy
+array of its dtype and shape.
+"""
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+from google.protobuf import message
+
+from . import rowsparse_wire, shm, states_wire
+from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
+from .errors import FailedPreconditionError, InternalError, ServerUnavailableError
+from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
+from .v1 import kvstore_pb2, tensor_pb2
+
+# Calls whose values (per server) take at most this many bytes use the Session stream.
+SESSION_MAX_BYTES = CHUNK_BYTES
+# With shared memory, values of at least this many bytes travel through the region.
+SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
+# With a data channel, values of at least this many bytes travel on it.
+DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10))
+_ONE_MESSAGE = 1 << 62
+# Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
+RETRY_FIRST = 0.05
+RETRY_MAX = 1.0
+# The Session op of each kind of call that may travel on a Session stream.
+_SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
+                "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL}
+log = logging.getLogger(__name__)
+
+
+class ServerConn:
+    """The server at ``address``, reached with ``security``; every call is bounded by
+    ``timeout`` seconds, reconnecting included. ``session``: whether small calls use a
+    Session stream.
+
+    A call whose connection breaks, or that the server answers UNAVAILABLE, is made again
+    on a new connection after this worker registered again (:meth:`_reconnect`), with a
+    backoff from RETRY_FIRST to RETRY_MAX seconds, until its timeout has passed; then it
+    raises ServerUnavailableError saying what happened to the call first and why
+    reconnecting failed. Every call that changes values carries a sequence number that
+    stays the same when it is sent again, so the server applies it once (PushRequest.sequence).
+
+    A server that restarted (its Info.server_id changed) lost this worker's registration and
+    the rounds since its snapshot: this worker registers afresh, logs one warning, and sends
+    again its last push of each key whose round it has not seen complete (a pull of the key
+    since), so that the workers' pushes line up in the rounds of the restored server."""
+
+    def __init__(self, address, security, timeout, session=True):
+        self.address = address
+        self.timeout = timeout
+        self._security = security
+        self._uses_session = session
+        self._connect()
+        self.rank = None
+        self.incarnation = None  # of this worker's registration here; None while not registered
+        self.lease_ttl = 0.0  # seconds; 0: a server without leases
+        self.lease_lost = None  # why the server no longer renews the lease (set by lease.Heartbeat)
+        self.server_id = None  # Info.server_id when this worker registered
+        self._if_exists = kvstore_pb2.IF_EXISTS_FAIL
+        self._transport = "auto"
+        self._sequences = itertools.count(1)
+        self._lock = threading.Lock()  # one reconnect at a time
+        self._realign = False  # whether a restart needs the last pushes again (sync, several workers)
+        self._unconfirmed = {}  # key -> a copy of the Item last pushed, until a pull of the key
+
+    def _connect(self):
+        """A new channel, stub and Session stream (its shared-memory region and data channel
+        are negotiated again by the first call that needs them)."""
+        self.channel = self._security.channel(self.address, CHANNEL_OPTIONS)
+        self.stub = Stub(self.channel)
+        self.session = Session(self.channel, self.address, data_tls=self._security.data_channel_context()) \
+            if self._uses_session else None
+
+    # ---- registration -----------------------------------------------------------------
+
+    def info(self, timeout):
+        return self._rpc("info", self.stub.Info, kvstore_pb2.InfoRequest(), timeout)
+
+    def offer(self, info, transport):
+        """Let calls use what the server offers (``info``) and ``transport`` allows: shared
+        memory, then the data channel, tried lazily by the first call that moves enough bytes
+        (the proof of the same host happens then: tensorkv.shm)."""
+        self._transport = transport
+        self._realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1
+        if self.session is not None:
+            self.session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
+            self.session.data_port = info.data_port if transport != "grpc" else 0
+
+    def register(self, rank, if_exists, server_id, previous=None, timeout=None):
+        """Join the job as ``rank`` (None: the server assigns one) on the server whose Info
+        said ``server_id``, in the place of the registration ``previous`` (see
+        RegisterRequest.previous_incarnation); the RegisterResponse."""
+        request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous)
+        response = self._rpc("register", self.stub.Register, request, timeout)
+        self.rank, self.incarnation = response.rank, response.incarnation
+        self.lease_ttl = response.lease_ttl_ms / 1000
+        self.lease_lost = None
+        self.server_id, self._if_exists = server_id, if_exists
+        return response
+
+    def unregister(self, timeout):
+        """Give the rank back (best effort: a server that is gone or slow to answer is left
+        as it is)."""
+        if self.incarnation is None:
+            return
+        try:
+            self.stub.Unregister(kvstore_pb2.UnregisterRequest(**self._caller()), timeout=timeout)
+        except grpc.RpcError as error:
+            log.info("server %s: rank %d not given back: %s", self.address, self.rank, error.code())
+        self.incarnation = None
+
+    def _caller(self):
+        """The fields that say who calls: this worker's rank and incarnation."""
+        return dict(rank=self.rank, incarnation=self.incarnation)
+
+    # ---- reconnecting -----------------------------------------------------------------
+
+    def _call(self, kind, attempt, *args):
+        """``attempt(seconds left, *args)`` of a ``kind`` call, made again on a new connection
+        while it fails with ServerUnavailableError, or with FailedPreconditionError from a
+        server that restarted, until this call's timeout has passed. The error raised then
+        says what happened to the call first, and why reconnecting failed."""
+        deadline = time.monotonic() + self.timeout
+        delay, reconnect, first = RETRY_FIRST, False, None
+        while True:
+            try:
+                if reconnect:
+                    self._reconnect(deadline)
+                if self.lease_lost is not None:
+                    raise FailedPreconditionError(self.lease_lost)
+                return attempt(_left(deadline), *args)
+            except ServerUnavailableError as error:
+                first = first or error
+                if time.monotonic() + delay >= deadline:
+                    if error is first:
+                        raise
+                    raise ServerUnavailableError(f"{first}; reconnecting for {self.timeout:g} s (the {kind}'s "
+                                                 f"timeout) failed: {error}") from None
+                log.info("server %s: %s; connecting again in %g s", self.address, error, delay)
+                time.sleep(delay)
+                delay, reconnect = min(2 * delay, RETRY_MAX), True
+            except FailedPreconditionError:
+                if reconnect or self.info(_left(deadline)).server_id == self.server_id:
+                    raise
+                reconnect = True
+
+    def _reconnect(self, deadline):
+        """Open a new connection and register again under this worker's rank: in the place of
+        its registration when the server still holds it, else afresh (the server restarted)."""
+        with self._lock:
+            old_channel, old_session = self.channel, self.session
+            self._connect()
+            if old_session is not None:
+                old_session.close()
+            old_channel.close()
+            info = self.info(_left(deadline))
+            restarted = info.server_id != self.server_id
+            if_exists = self._if_exists
+            if restarted and if_exists == kvstore_pb2.IF_EXISTS_REPLACE:
+                if_exists = kvstore_pb2.IF_EXISTS_RESUME  # what it restored is this run's
+            previous = None if restarted else self.incarnation
+            try:
+                self.register(self.rank, if_exists, info.server_id, previous, _left(deadline))
+            except FailedPreconditionError as error:
+                why = "it restarted" if restarted else "the connection broke"
+                raise FailedPreconditionError(
+                    f"server {self.address}: registering rank {self.rank} again ({why}) was refused: {error}") from None
+            self.offer(info, self._transport)
+            if restarted:
+                if info.restored_from:
+                    log.warning("server %s restarted and restored round %d from %s: rank %d registered again; "
+                                "the rounds applied after round %d are lost", self.address, info.restored_round,
+                                info.restored_from, self.rank, info.restored_round)
+                else:
+                    log.warning("server %s restarted without a snapshot (no --state-dir, or none written yet): "
+                                "rank %d registered again; every key it held is lost", self.address, self.rank)
+                self._push_unconfirmed(deadline)
+
+    def _push_unconfirmed(self, deadline):
+        """Send again the last push of each key whose round this worker has not seen complete."""
+        items = list(self._unconfirmed.values())
+        if items:
+            part = list(enumerate(items))
+            self._push_once(_left(deadline), part, next(self._sequences))
+
+    # ---- the data path ----------------------------------------------------------------
+
+    def init(self, part, wait_only):
+        self._call("init", self._init_once, part, wait_only, next(self._sequences))
+
+    def _init_once(self, timeout, part, wait_only, sequence):
+        if self._session("init", part, timeout, wait_only=wait_only, sequence=sequence) is None:
+            items = [item for _, item in part]
+            self._rpc("init", self.stub.init_raw, self._frames(kvstore_pb2.InitRequest, items, wait_only=wait_only,
+                                                               sequence=sequence), timeout)
+
+    def push(self, part):
+        self._call("push", self._push_once, part, next(self._sequences))
+        if self._realign:
+            self._unconfirmed.update((item.key, Item(item.key, item.array.copy(), item.shape, item.slice,
+                                                     two_bit=item.two_bit)) for _, item in part)
+
+    def _push_once(self, timeout, part, sequence):
+        if self._session("push", part, timeout, sequence=sequence) is None:
+            items = [item for _, item in part]
+            self._rpc("push", self.stub.push_raw, self._frames(kvstore_pb2.PushRequest, items, sequence=sequence),
+                      timeout)
+
+    def pushpull(self, part, outs):
+        """The items pulled back after pushing ``part``."""
+        items = self._call("pushpull", self._pushpull_once, part, outs, next(self._sequences))
+        self._confirm(items)
+        return items
+
+    def _pushpull_once(self, timeout, part, outs, sequence):
+        items = self._session("pushpull", part, timeout, outs=outs, sequence=sequence)
+        if items is None:
+            request = self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part], sequence=sequence)
+            items = self._rpc("pushpull", lambda r, timeout: decode(
+                kvstore_pb2.PushPullResponse, self.stub.pushpull_raw(r, timeout=timeout), part, outs), request, timeout)
+        return items
+
+    def pull(self, part, outs, sizes):
+        """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None."""
+        items = self._call("pull", self._pull_once, part, outs, sizes)
+        self._confirm(items)
+        return items
+
+    def _pull_once(self, timeout, part, outs, sizes):
+        keys = [key for _, key in part]
+        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes)
+        if items is None:
+            request = kvstore_pb2.PullRequest(**self._caller())
+            for key in keys:
+                set_key(request.keys.add(), key)
+            items = self._rpc("pull", lambda r, timeout: decode(
+                kvstore_pb2.PullResponse, self.stub.pull_raw(r, timeout=timeout), part, outs), request, timeout)
+        return items
+
+    def row_sparse_push(self, values):
+        """RowSparsePush of ``values`` [(key, full shape, row ids, rows)] (rows only, in plain messages)."""
+        self._call("push", self._row_sparse_push_once, values, next(self._sequences))
+
+    def _row_sparse_push_once(self, timeout, values, sequence):
+        request = kvstore_pb2.RowSparsePushRequest(sequence=sequence, **self._caller())
+        for key, shape, row_ids, rows in values:
+            rowsparse_wire.set_value(request.values.add(), key, shape, row_ids, rows)
+        self._rpc("push", self.stub.RowSparsePush, request, timeout)
+
+    def row_sparse_pull(self, part):
+        """The RowSparsePullResponse to ``part`` [(key, row ids)]."""
+        return self._call("row_sparse_pull", self._row_sparse_pull_once, part)
+
+    def _row_sparse_pull_once(self, timeout, part):
+        request = kvstore_pb2.RowSparsePullRequest(**self._caller())
+        for key, row_ids in part:
+            rowsparse_wire.set_row_ids(request.keys.add(), key, row_ids)
+        return self._rpc("row_sparse_pull", self.stub.RowSparsePull, request, timeout)
+
+    def _confirm(self, items):
+        """Forget the pushes of the keys of ``items``: their rounds completed (a sync pull waits for them)."""
+        for item in items:
+            self._unconfirmed.pop(item.key, None)
+
+    # ---- the rest ---------------------------------------------------------------------
+
+    def set_updater(self, optimizer, key_states, kind):
+        """Install ``optimizer`` with this server's ``key_states``; ``kind`` names the call in errors."""
+        request = states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states)
+        self._call(kind, self._unary_once, kind, "SetUpdater", request)
+
+    def set_learning_rate(self, learning_rate):
+        request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)
+        self._call("set_learning_rate", self._unary_once, "set_learning_rate", "SetLearningRate", request)
+
+    def optimizer_states(self):
+        """(optimizer or None, {key: (num_update, [Item])}) of this server."""
+        return states_wire.from_messages(self._call("save_optimizer_states", self._unary_once, "save_optimizer_states",
+                                                    "GetOptimizerStates", kvstore_pb2.GetOptimizerStatesRequest()))
+
+    def barrier(self):
+        self._call("barrier", self._barrier_once)
+
+    def _barrier_once(self, timeout):
+        self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
+
+    def _unary_once(self, timeout, kind, method, request):
+        """The answer of the stub's ``method`` to ``request`` (a stream of answers as a list)."""
+        return self._rpc(kind, lambda r, timeout: _whole(getattr(self.stub, method)(r, timeout=timeout)), request,
+                         timeout)
+
+    def close(self):
+        if self.session is not None:
+            self.session.close()
+        self.channel.close()
+
+    # ---- transports -------------------------------------------------------------------
+
+    def _rpc(self, kind, method, request, timeout=None):
+        """``method(request, timeout=...)``, with gRPC errors raised as KVStoreError; ``kind``
+        names the call in them ('push', 'pull', ...: see rpc.transport_error)."""
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self.address, kind) from None
+
+    def _frames(self, message_type, items, **fields):
+        """The serialized request messages that carry ``items``."""
+        return encode_stream(message_type, items, dict(self._caller(), **fields),
+                             with_data=not fields.get("wait_only", False))
+
+    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0):
+        """Make the ``kind`` call on the Session stream: the items (or keys) it returns; None
+        when the call is not for a session (too large without shared memory, sessions off,
+        or the session busy with another thread's call), for the caller to make a plain RPC.
+
+        With shared memory, values of SHM_MIN_BYTES or more are written into the session's
+        region and only their references travel; a pull names the region as its output area,
+        and the values the server writes there are copied into ``outs`` (or new arrays).
+        Without it, values of DATACHAN_MIN_BYTES or more travel on the session's data channel
+        when there is one, pulled ones straight into ``outs`` where they fit."""
+        session = self.session
+        if session is None:
+            return None
+        use_shm = session.shm_possible
+        use_channel = not use_shm and session.channel_possible
+        min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
+        offload = use_shm or use_channel  # large values leave the messages
+        op = _SESSION_OPS[kind]
+        pulls = op in (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL)
+        in_bytes = out_bytes = 0
+        if keys is None:
+            items = [item for _, item in part]
+            inline = 0
+            for item in items:
+                nbytes = item.array.nbytes
+                if offload and not wait_only and nbytes >= min_bytes:
+                    in_bytes += aligned(nbytes)
+                elif not wait_only:
+                    inline += nbytes
+            if inline > SESSION_MAX_BYTES:
+                return None
+            if pulls and any(_pulled_nbytes(item) >= min_bytes for item in items):
+                out_bytes = sum(aligned(_pulled_nbytes(item)) for item in items)
+        else:
+            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
+                return None
+            if sizes is None:
+                out_bytes = shm.MIN_REGION_BYTES
+            else:
+                # Values that all travel inline need no output area (one copy on each side
+                # either way, without a placement per value).
+                out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= min_bytes else 0
+        use_output = offload and pulls and out_bytes >= min_bytes
+        shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
+
+        def build(call_id, timeout_ms, region, channel):
+            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, **self._caller())
+            if wait_only:
+                fields["wait_only"] = True
+            if region is not None and use_output:
+                fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=shm.HEADER_BYTES,
+                                                             length=region.capacity)
+            if channel is not None and use_output:
+                fields["data_channel_min_bytes"] = min_bytes
+            if keys is not None:
+                return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(keys), ()
+            sent, arrays = items, ()
+            if region is not None and in_bytes:
+                placement = Placement(region.buffer, region.id, shm.HEADER_BYTES)
+                sent = [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in items]
+            elif channel is not None and in_bytes:
+                sent, arrays = following(items, min_bytes)
+            return encode_stream(kvstore_pb2.SessionRequest, sent, fields, chunk_bytes=_ONE_MESSAGE,
+                                 with_data=not wait_only)[0], arrays
+
+        def decode_response(call_id, data, region, channel):
+            decoder = _decoder(kvstore_pb2.SessionResponse, part, outs,
+                               resolve=region.resolve if region is not None else None, channel=channel is not None)
+            decoder.feed(data)
+            response = decoder.first
+            if response.code:
+                raise error_from_code(status_code(response.code), response.message, response.error_class or None,
+                                      self.address, kind)
+            if response.id != call_id:
+                raise InternalError(f"server {self.address} answered session call {response.id}, not {call_id}")
+            items = decoder.finish()
+            if decoder.frames.incoming:
+                channel.receive(decoder.frames.incoming)
+            decoder.remember()
+            return items
+
+        return session.call(build, timeout, decode_response, shm_bytes,
+                            use_channel and (in_bytes > 0 or use_output), kind)
+
+
+def _pulled_nbytes(item):
+    """The bytes of the value that a pushpull of ``item`` pulls back: its array's, or for 2-bit
+    codes those of the float32 elements they stand for."""
+    if item.two_bit is None:
+        return item.array.nbytes
+    return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
+
+
+def _left(deadline):
+    """The seconds until ``deadline`` (time.monotonic()), at least a millisecond."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _whole(answer):
+    """``answer``, or the list of the answers of a stream."""
+    return answer if isinstance(answer, message.Message) else list(answer)
+
+
+def decode(message_type, responses, part=None, outs=None):
+    """The items of a stream of serialized responses. The values of ``part`` [(position,
+    Item or key)] go straight into their ``outs[position][0]`` where that is a NumPy array
+    of the right dtype and shape (the others are decoded into new arrays)."""
+    decoder = _decoder(message_type, part, outs)
+    for data in responses:
+        decoder.feed(data)
+    items = decoder.finish()
+    decoder.remember()
+    return items
+
+
+def _decoder(message_type, part, outs, resolve=None, channel=False):
+    destination = None
+    if outs is not None:
+        # (asked key, out array that may receive its value straight, or None) by entry index
+        expected = []
+        for position, asked in part:
+            target = outs[position][0]
+            receivable = type(target) is np.ndarray and target.flags.c_contiguous and target.flags.writeable
+            expected.append((asked.key if isinstance(asked, Item) else asked, target if receivable else None))
+
+        def destination(index, key, dtype, shape, slice):
+            if index >= len(expected):
+                return None
+            asked, target = expected[index]
+            if target is None or asked != key or target.dtype != dtype or target.shape != shape:
+                return None
+            return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
+    return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True,
+                         channel=channel)

@@ -1,0 +1,93 @@
+"""A small userspace TCP proxy for tests that break connections (this kernel has no netem).
+
+``FaultProxy(target)`` listens on 127.0.0.1:``port`` and relays every connection to
+``target`` ('host:port'), each direction in its own thread. On command it resets every open
+connection (:meth:`reset`: the client sees ECONNRESET; the server sees its peer go) or
+swallows what the server sends (:meth:`hold_replies`), so that a call reaches the server but
+its answer never reaches the client. Every thread is a daemon and :meth:`close` ends them.
+"""
+import socket
+import struct
+import threading
+
+_CHUNK = 1 << 16
+
+
+class FaultProxy:
+    def __init__(self, target):
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._pairs = []  # [(client socket, server socket)] of the open connections
+        self._holding = threading.Event()
+        self.connections = 0  # accepted so far
+        threading.Thread(target=self._accept, name="faultproxy-accept", daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                server = socket.create_connection(self._target)
+            except OSError:
+                _abort(client)
+                continue
+            with self._lock:
+                self._pairs.append((client, server))
+                self.connections += 1
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, source, sink, replies):
+        """Relay ``source`` to ``sink`` until either ends; an end of ``source`` is passed on."""
+        while True:
+            try:
+                data = source.recv(_CHUNK)
+                if not data:
+                    sink.shutdown(socket.SHUT_WR)
+                    return
+                if not (replies and self._holding.is_set()):
+                    sink.sendall(data)
+            except OSError:  # reset, or closed by reset()
+                return
+
+    def hold_replies(self, holding=True):
+        """From now on, drop (``holding``) or relay again what servers send to clients."""
+        if holding:
+            self._holding.set()
+        else:
+            self._holding.clear()
+
+    def reset(self):
+        """Reset every open connection: an RST to the client, the server's side closed."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for client, server in pairs:
+            _abort(client)
+            _abort(server)
+
+    def close(self):
+        self._listener.close()
+        self.reset()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _abort(sock):
+    """Close ``sock`` with an RST rather than a FIN (SO_LINGER with a zero timeout); the
+    shutdown first wakes a thread blocked reading it, which would keep it open."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
+    sock.close()
