@@ -107,8 +107,8 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/row_sparse.py $(BENCH_ARGS)
 	$(PY) bench/compression.py $(BENCH_ARGS)
 
-# The server image; ENGINE=docker works too. The smoke run overrides the image's --host 0.0.0.0
-# with loopback, where the server needs neither TLS nor a token.
+# The server image; ENGINE=docker works too. `make image-smoke` runs the image's server with TLS
+# and a token (deploy/image-smoke.sh): health, the tutorial, status, a metrics scrape, a clean stop.
 ENGINE ?= podman
 IMAGE ?= tensorkv:dev
 .PHONY: image image-smoke
@@ -117,10 +117,4 @@ image:
 	$(ENGINE) build --network=host -t $(IMAGE) .
 
 image-smoke: image $(STAMP)
-	@port=$$($(PY) -c '$(FREE_PORT)'); \
-	name=tensorkv-smoke-$$port; \
-	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --host 127.0.0.1 --port $$port --data-port 0 \
-		--num-workers 1 >/dev/null; \
-	trap '$(ENGINE) stop -t 10 $$name >/dev/null' EXIT; \
-	$(PY) -c '$(WAIT_PORT)' $$port && \
-	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py
+	deploy/image-smoke.sh $(ENGINE) $(IMAGE) $(PY)
