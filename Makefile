@@ -118,3 +118,11 @@ image:
 
 image-smoke: image $(STAMP)
 	deploy/image-smoke.sh $(ENGINE) $(IMAGE) $(PY)
+
+# `make cluster`: two servers and two workers training examples/train.py, from the image, under
+# podman-compose (COMPOSE="docker compose" ENGINE=docker works too): deploy/compose/cluster.sh.
+COMPOSE ?= podman-compose
+.PHONY: cluster
+
+cluster: image
+	ENGINE=$(ENGINE) COMPOSE="$(COMPOSE)" TENSORKV_IMAGE=$(IMAGE) deploy/compose/cluster.sh
