@@ -87,7 +87,8 @@ run-dist: $(STAMP)
 # engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md;
 # then the Trainer's (bench/trainer.py) -> bench-results/trainer.md; then row_sparse_pull's
 # (bench/row_sparse.py) -> bench-results/row_sparse.md; then 2-bit gradient compression's
-# (bench/compression.py) -> bench-results/compression.md.
+# (bench/compression.py) -> bench-results/compression.md; then push+pull with --metrics-port
+# next to without (bench/metrics_overhead.py) -> bench-results/metrics_overhead.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -106,6 +107,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/trainer.py $(BENCH_ARGS)
 	$(PY) bench/row_sparse.py $(BENCH_ARGS)
 	$(PY) bench/compression.py $(BENCH_ARGS)
+	$(PY) bench/metrics_overhead.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too. `make image-smoke` runs the image's server with TLS
 # and a token (deploy/image-smoke.sh): health, the tutorial, status, a metrics scrape, a clean stop.
