@@ -14,7 +14,7 @@ socks = [socket.socket() for _ in range(3)]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))')
 name=tensorkv-smoke-$port
-cleanup() { "$engine" rm -f -t 10 "$name" >/dev/null 2>&1 || true; rm -rf "$secrets"; }
+cleanup() { "$engine" rm -f -v "$name" >/dev/null 2>&1 || true; rm -rf "$secrets"; }  # -v: the VOLUME's
 trap cleanup EXIT
 
 "$(dirname "$0")/secrets.sh" "$secrets"

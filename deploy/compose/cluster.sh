@@ -13,7 +13,13 @@ export TENSORKV_IMAGE=${TENSORKV_IMAGE:-tensorkv:dev}
 TENSORKV_SECRETS=$(mktemp -d); export TENSORKV_SECRETS
 timeout=${TENSORKV_CLUSTER_TIMEOUT:-300}
 in_compose() { $compose -p tensorkv-cluster -f "$here/compose.yaml" "$@"; }
-cleanup() { in_compose down -v -t 10 >/dev/null 2>&1 || true; rm -rf "$TENSORKV_SECRETS"; }
+# The workers' containers go first, with the anonymous volumes of the image's VOLUME (which
+# podman-compose 1.0.3's `down -v` leaves behind).
+cleanup() {
+    "$engine" rm -f -v tensorkv-worker-0 tensorkv-worker-1 >/dev/null 2>&1 || true
+    in_compose down -v -t 10 >/dev/null 2>&1 || true
+    rm -rf "$TENSORKV_SECRETS"
+}
 trap cleanup EXIT
 
 "$here/../secrets.sh" "$TENSORKV_SECRETS" server-0 server-1
