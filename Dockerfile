@@ -19,6 +19,8 @@ ENV PYTHONUNBUFFERED=1
 # Snapshots of the server's state (--state-dir): mount a volume here to keep them across containers.
 RUN mkdir -p /var/lib/tensorkv && chown 65534:65534 /var/lib/tensorkv
 VOLUME /var/lib/tensorkv
+# Examples for a worker run from this image (`make cluster` trains examples/train.py).
+COPY examples/train.py examples/tutorial_dist.py /tensorkv/examples/
 USER 65534:65534
 WORKDIR /tensorkv
 # Prometheus metrics on 50053 (http://HOST:50053/metrics).

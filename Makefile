@@ -87,7 +87,8 @@ run-dist: $(STAMP)
 # engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md;
 # then the Trainer's (bench/trainer.py) -> bench-results/trainer.md; then row_sparse_pull's
 # (bench/row_sparse.py) -> bench-results/row_sparse.md; then 2-bit gradient compression's
-# (bench/compression.py) -> bench-results/compression.md.
+# (bench/compression.py) -> bench-results/compression.md; then push+pull with --metrics-port
+# next to without (bench/metrics_overhead.py) -> bench-results/metrics_overhead.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -106,9 +107,10 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/trainer.py $(BENCH_ARGS)
 	$(PY) bench/row_sparse.py $(BENCH_ARGS)
 	$(PY) bench/compression.py $(BENCH_ARGS)
+	$(PY) bench/metrics_overhead.py $(BENCH_ARGS)
 
-# The server image; ENGINE=docker works too. The smoke run overrides the image's --host 0.0.0.0
-# with loopback, where the server needs neither TLS nor a token.
+# The server image; ENGINE=docker works too. `make image-smoke` runs the image's server with TLS
+# and a token (deploy/image-smoke.sh): health, the tutorial, status, a metrics scrape, a clean stop.
 ENGINE ?= podman
 IMAGE ?= tensorkv:dev
 .PHONY: image image-smoke
@@ -117,10 +119,12 @@ image:
 	$(ENGINE) build --network=host -t $(IMAGE) .
 
 image-smoke: image $(STAMP)
-	@port=$$($(PY) -c '$(FREE_PORT)'); \
-	name=tensorkv-smoke-$$port; \
-	$(ENGINE) run -d --rm --name $$name --network=host $(IMAGE) --host 127.0.0.1 --port $$port --data-port 0 \
-		--num-workers 1 >/dev/null; \
-	trap '$(ENGINE) stop -t 10 $$name >/dev/null' EXIT; \
-	$(PY) -c '$(WAIT_PORT)' $$port && \
-	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py
+	deploy/image-smoke.sh $(ENGINE) $(IMAGE) $(PY)
+
+# `make cluster`: two servers and two workers training examples/train.py, from the image, under
+# podman-compose (COMPOSE="docker compose" ENGINE=docker works too): deploy/compose/cluster.sh.
+COMPOSE ?= podman-compose
+.PHONY: cluster
+
+cluster: image
+	ENGINE=$(ENGINE) COMPOSE="$(COMPOSE)" TENSORKV_IMAGE=$(IMAGE) deploy/compose/cluster.sh

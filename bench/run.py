@@ -1,6 +1,6 @@
 """`make bench`: tensorkv next to its references, measured in one run on 127.0.0.1.
 
-    python bench/run.py [--quick] [--metrics] [--out-dir bench-results] [--mxnet-json FILE]
+    python bench/run.py [--quick] [--out-dir bench-results] [--mxnet-json FILE]
 
 tensorkv is measured through its public API only (tensorkv.create, init, push,
 pull, pushpull).  Rows, all medians, for one float32 key unless said:
@@ -34,7 +34,6 @@ Results go to <out-dir>/bench.json (all numbers), <out-dir>/bench.md (the
 table as Markdown) and the throughput plot to <out-dir>/throughput.png
 (bench-quick.* / throughput-quick.png with
 --quick, a fast smoke run with 16 MiB in place of 64 MiB and fewer repeats).
---metrics runs every server with --metrics-port, to compare with a run without.
 """
 
 import argparse
@@ -80,8 +79,6 @@ PATHS = {
 }
 # Each TLS path -> the plaintext path it is compared with.
 TLS_PAIRS = {"tls-tcp": "tcp-only", "tls-grpc": "grpc-only"}
-# Whether every tensorkv server serves metrics, on a port of its own (--metrics).
-SERVER_METRICS = False
 
 FULL = dict(sizes=(64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB),
             big=64 * MiB, repeats=15, big_repeats=7, small_repeats=2000,
@@ -236,8 +233,7 @@ def server(num_workers, env, logdir, args=()):
     log = os.path.join(logdir, f"server-{port}.log")
     proc = _spawn([sys.executable, "-m", "tensorkv_server", "--host",
                    "127.0.0.1", "--port", str(port), "--num-workers",
-                   str(num_workers), "--mode", "sync", *args,
-                   *(["--metrics-port", str(common.free_port())] if SERVER_METRICS else [])], env, log)
+                   str(num_workers), "--mode", "sync", *args], env, log)
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT
         while True:
@@ -807,8 +803,6 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="a fast smoke run: fewer sizes and repeats, "
                              "16 MiB in place of 64 MiB")
-    parser.add_argument("--metrics", action="store_true",
-                        help="servers serve Prometheus metrics (--metrics-port)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "bench-results"))
     parser.add_argument("--mxnet-json", default=None,
                         help="MXNet's numbers (default <out-dir>/mxnet.json)")
@@ -820,8 +814,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(args)
-    global SERVER_METRICS
-    SERVER_METRICS = args.metrics
 
     cfg = QUICK if args.quick else FULL
     os.makedirs(args.out_dir, exist_ok=True)
