@@ -44,6 +44,13 @@ test: lint
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# `make robustness SEEDS=N`: every scenario of tests/robustness with seeds 1..N (`make test`
+# runs seed 1); `make robustness SEED=S` replays one seed.
+SEEDS ?= 20
+.PHONY: robustness
+robustness: $(STAMP)
+	$(PY) -m pytest -q tests/robustness $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))
+
 # `make test-gpu`: the GPU suite (tests/test_gpu.py) on a machine with a CUDA device, run by
 # GPU_PYTHON (one that has CuPy, and torch for its torch tests) on the tree as it is, without
 # installing it; the generated modules must be there (`make proto` where grpcio-tools is).

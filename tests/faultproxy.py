@@ -4,7 +4,7 @@
 ``target`` ('host:port'), each direction in its own thread. On command it resets every open
 connection (:meth:`reset`: the client sees ECONNRESET; the server sees its peer go) or
 swallows what the server sends (:meth:`hold_replies`), so that a call reaches the server but
-its answer never reaches the client. Every thread is a daemon and :meth:`close` ends them.
+its answer never reaches the client, or stalls both directions for a while (:meth:`stall`). Every thread is a daemon and :meth:`close` ends them.
 """
 import socket
 import struct
@@ -23,6 +23,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._pairs = []  # [(client socket, server socket)] of the open connections
         self._holding = threading.Event()
+        self._flowing = threading.Event()  # cleared while stalled
+        self._flowing.set()
         self.connections = 0  # accepted so far
         threading.Thread(target=self._accept, name="faultproxy-accept", daemon=True).start()
 
@@ -51,6 +53,7 @@ class FaultProxy:
                 if not data:
                     sink.shutdown(socket.SHUT_WR)
                     return
+                self._flowing.wait()
                 if not (replies and self._holding.is_set()):
                     sink.sendall(data)
             except OSError:  # reset, or closed by reset()
@@ -63,6 +66,13 @@ class FaultProxy:
         else:
             self._holding.clear()
 
+    def stall(self, seconds):
+        """Relay nothing, either way, for ``seconds`` (the connections stay open)."""
+        self._flowing.clear()
+        timer = threading.Timer(seconds, self._flowing.set)
+        timer.daemon = True
+        timer.start()
+
     def reset(self):
         """Reset every open connection: an RST to the client, the server's side closed."""
         with self._lock:
@@ -72,6 +82,7 @@ class FaultProxy:
             _abort(server)
 
     def close(self):
+        self._flowing.set()
         self._listener.close()
         self.reset()
 

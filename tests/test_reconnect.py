@@ -118,7 +118,7 @@ def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tm
 
 
 ROUNDS = 30
-KEYS = {"a": 4, "b": 4, "c": 4, "big": 16}  # as tests/workers/restart_rounds.py
+KEYS = {"a": 4, "b": 4, "big": 16}  # as tests/workers/robust_rounds.py
 
 
 def test_workers_go_on_through_a_server_kill_9_and_restart_on_its_state_dir(tmp_path):
@@ -131,7 +131,7 @@ def test_workers_go_on_through_a_server_kill_9_and_restart_on_its_state_dir(tmp_
     its last answer, which the README names as the case a restart cannot line up."""
     server_args = ("--state-dir", str(tmp_path / "state{index}"), "--snapshot-interval", "0.2")
     with Cluster(servers=2, num_workers=3, tmp_path=tmp_path, server_args=server_args) as cluster:
-        workers = [cluster.start_worker("restart_rounds", ROUNDS) for _ in range(3)]
+        workers = [cluster.start_worker("robust_rounds", ROUNDS, "nocheck", 0.2) for _ in range(3)]
         try:
             for worker in workers:
                 for line in worker.stdout:

@@ -147,6 +147,10 @@ def check_shape(shape):
         raise InvalidTensorError(f"shape {shape} has {len(shape)} dimensions; at most {MAX_RANK}")
     if any(d < 0 for d in shape):
         raise InvalidTensorError(f"shape {shape} has a negative dimension")
+    # NumPy refuses a shape whose nonzero dimensions times the item size (at most 16 bytes)
+    # pass 2**63 bytes, even with a zero dimension among them.
+    if math.prod(d for d in shape if d) >= 1 << 59:
+        raise InvalidTensorError(f"shape {shape} has more elements than any array can hold")
     return shape, math.prod(shape)
 
 

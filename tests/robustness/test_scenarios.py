@@ -1,0 +1,133 @@
+"""Seeded, randomized failure scenarios (issue 11's robustness suite, after etcd's): real
+servers and worker processes on 127.0.0.1, faults from real mechanisms (connections reset,
+stalled or their answers lost by tests/faultproxy.py; servers killed with -9 and restarted
+on their state dir). Every scenario checks that nothing hangs (every wait is bounded), that
+no acknowledged update is lost or applied twice (integer-valued SGD: every value is exactly
+1000 - workers x the updates its server reports), that the workers raise nothing, and that
+server memory stays bounded. The seed is in each test's id: ``make robustness SEED=S``
+replays one."""
+import json
+import random
+import time
+
+from tensorkv.codec import get_key
+from tensorkv.ctl import Server
+from tensorkv.security import Security
+
+from cluster import Cluster, check_workers, rss, stop
+from faultproxy import FaultProxy
+
+KEYS = {"a": 4, "b": 4, "big": 16}  # as tests/workers/robust_rounds.py (bigarray_bound 8)
+WORKERS = 2
+SCENARIO_TIMEOUT = 150.0  # seconds a scenario's workers get to finish
+RSS_GROWTH = 200 << 20  # bytes a server may grow by during a scenario
+
+
+def _updates(addresses):
+    """[{key: updates}] that each server reports (the rounds it applied to each key it holds)."""
+    return [{get_key(key.key): key.updates for key in Server(address, Security(), 10.0).keys()}
+            for address in addresses]
+
+
+def _expected(updates):
+    """Each key's value after the updates the servers report: 1000 - WORKERS per round."""
+    weights = []
+    for key, size in KEYS.items():
+        holders = [counts[key] for counts in updates if key in counts]
+        per_slice = size // len(holders)
+        weights.append([float(1000 - WORKERS * count) for count in holders for _ in range(per_slice)])
+    return weights
+
+
+def _finish(workers):
+    """[(returncode, stdout, stderr)] of ``workers``, each stopped by its PID if it overruns."""
+    deadline = time.monotonic() + SCENARIO_TIMEOUT
+    results = []
+    for worker in workers:
+        try:
+            out, err = worker.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:
+            stop(worker)
+            out, err = worker.communicate()
+            err += f"\n[worker stopped after {SCENARIO_TIMEOUT} s]"
+        results.append((worker.returncode, out, err))
+    return results
+
+
+def test_reset_stalled_and_unanswered_connections_lose_and_double_nothing(seed, tmp_path):
+    """Faults on the workers' connections from their first completed round on. (Before it, a
+    reset while ``create`` registers fails the worker at once, and the other worker's round
+    then aborts; a pull whose RoundAbortedError answer was lost is sent again and returns the
+    stale value without an error: both are known gaps, see the notes of issue 11.)"""
+    rng = random.Random(seed)
+    rounds = rng.randint(10, 25)
+    with Cluster(servers=rng.choice([1, 2]), num_workers=WORKERS, tmp_path=tmp_path) as cluster:
+        memory = [rss(process.pid) for process in cluster.processes]
+        proxies = [[FaultProxy(address) for address in cluster.addresses] for _ in range(WORKERS)]
+        workers = [cluster.start_worker("robust_rounds", rounds, "check", 0, env={
+            "TENSORKV_SERVERS": ",".join(proxy.address for proxy in own), "TENSORKV_RANK": str(rank)})
+            for rank, own in enumerate(proxies)]
+        faults = []
+        try:
+            for worker in workers:  # faults start once every worker has joined (see the note below)
+                worker.stdout.readline()
+            deadline = time.monotonic() + SCENARIO_TIMEOUT
+            while any(worker.poll() is None for worker in workers) and time.monotonic() < deadline:
+                time.sleep(rng.uniform(0.05, 0.5))
+                proxy = rng.choice(rng.choice(proxies))
+                fault = rng.choice(["reset", "stall", "lost answer"])
+                faults.append(fault)
+                if fault == "reset":
+                    proxy.reset()
+                elif fault == "stall":
+                    proxy.stall(rng.uniform(0.1, 1.5))
+                else:  # the server gets the call, its answer never comes back
+                    proxy.hold_replies()
+                    time.sleep(rng.uniform(0.05, 0.3))
+                    proxy.reset()
+                    proxy.hold_replies(False)
+            results = _finish(workers)
+        finally:
+            for worker in workers:
+                stop(worker)
+            for own in proxies:
+                for proxy in own:
+                    proxy.close()
+        outs = check_workers(results)
+        updates = _updates(cluster.addresses)
+        assert all(rss(process.pid) - before < RSS_GROWTH for process, before in zip(cluster.processes, memory))
+    assert faults, "no fault was injected"
+    assert all(count == rounds for counts in updates for count in counts.values()), (updates, faults)
+    for out in outs:
+        assert json.loads(out.splitlines()[-1])["weights"] == _expected(updates), (faults, updates)
+
+
+def test_a_server_killed_and_restarted_on_its_state_dir_loses_only_unsnapshotted_rounds(seed, tmp_path):
+    """A server killed with -9 once every worker has seen round ``k`` complete (while they
+    compute: not in the instant between a round's completion and its answers, the case the
+    README names as one a restart cannot line up) and restarted on its state dir."""
+    rng = random.Random(seed)
+    rounds, kill_after = rng.randint(12, 20), rng.randint(2, 8)
+    server_args = ("--state-dir", str(tmp_path / "state{index}"), "--snapshot-interval", str(rng.uniform(0.1, 0.5)))
+    with Cluster(servers=2, num_workers=WORKERS, tmp_path=tmp_path, server_args=server_args) as cluster:
+        victim = rng.randrange(2)
+        workers = [cluster.start_worker("robust_rounds", rounds, "nocheck", 0.3) for _ in range(WORKERS)]
+        try:
+            for worker in workers:
+                for line in worker.stdout:  # bounded: the worker ends, or prints every round
+                    if line == f"round {kill_after}\n":
+                        break
+            cluster.restart(victim)
+            results = _finish(workers)
+        finally:
+            for worker in workers:
+                stop(worker)
+        outs = check_workers(results)
+        restarted = Server(cluster.addresses[victim], Security(), 10.0).info()
+        updates = _updates(cluster.addresses)
+    assert restarted.restored_from, restarted
+    for _, _, err in results:
+        warnings = [line for line in err.splitlines() if "restarted" in line and cluster.addresses[victim] in line]
+        assert len(warnings) == 1, err
+    weights = [json.loads(out.splitlines()[-1])["weights"] for out in outs]
+    assert all(w == _expected(updates) for w in weights), (updates, weights)
