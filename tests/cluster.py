@@ -2,9 +2,12 @@
 ``python -m tensorkv_server`` processes on free ports and W worker processes, every wait
 bounded, each process stopped by its own PID (SIGTERM, then SIGKILL)."""
 import os
+import queue
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,3 +179,54 @@ def check_workers(results):
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, f"worker {rank} exited {code}\nstdout:\n{out}\nstderr:\n{err}"
     return [out for _, out, _ in results]
+
+
+ANSWER = 30.0  # seconds a worker gets to answer a command
+ANSWERS = ("ready", "pushed", "value ", "error ")  # how driven.py's answers start
+
+
+class DrivenWorker:
+    """A worker process (tests/workers/driven.py) with rank ``rank``, driven line by line; its
+    stdout lines through a queue."""
+
+    def __init__(self, cluster, rank, env=None):
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKERS / "driven.py")],
+            env={**cluster.env, "TENSORKV_RANK": str(rank), **(env or {})},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.expect("ready")
+
+    def _read(self):
+        for line in self.process.stdout:
+            if line.startswith(ANSWERS):  # not a log line
+                self.lines.put(line.rstrip("\n"))
+
+    def send(self, command):
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, start=""):
+        """The next line, which must start with ``start``."""
+        try:
+            line = self.lines.get(timeout=ANSWER)
+        except queue.Empty:
+            raise AssertionError(f"worker {self.process.pid}: no answer within {ANSWER} s") from None
+        assert line.startswith(start), line
+        return line
+
+    def call(self, command, start=""):
+        self.send(command)
+        return self.expect(start)
+
+    def close(self):
+        """Close the store; the exit code."""
+        self.send("close")
+        self.process.stdin.close()
+        return self.process.wait(STOP_TIMEOUT)
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)  # a paused worker must run to exit on SIGTERM
+        stop(self.process)

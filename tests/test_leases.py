@@ -5,9 +5,7 @@ is idle and while it waits in a sync pull. Real server and worker processes on 1
 (tests/workers/driven.py, one command per stdin line); each worker pushes rank + 1, so the
 value after round n is exactly 3 n."""
 import os
-import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -20,57 +18,7 @@ import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv_server.__main__ import parse_args
 
-from cluster import STOP_TIMEOUT, WORKERS, Cluster, stop, wait_until
-
-ANSWER = 30.0  # seconds a worker gets to answer a command
-ANSWERS = ("ready", "pushed", "value ", "error ")  # how driven.py's answers start
-
-
-class Worker:
-    """A driven worker process with rank ``rank``; its stdout lines through a queue."""
-
-    def __init__(self, cluster, rank, env=None):
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKERS / "driven.py")],
-            env={**cluster.env, "TENSORKV_RANK": str(rank), **(env or {})},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.expect("ready")
-
-    def _read(self):
-        for line in self.process.stdout:
-            if line.startswith(ANSWERS):  # not a log line
-                self.lines.put(line.rstrip("\n"))
-
-    def send(self, command):
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-
-    def expect(self, start=""):
-        """The next line, which must start with ``start``."""
-        try:
-            line = self.lines.get(timeout=ANSWER)
-        except queue.Empty:
-            raise AssertionError(f"worker {self.process.pid}: no answer within {ANSWER} s") from None
-        assert line.startswith(start), line
-        return line
-
-    def call(self, command, start=""):
-        self.send(command)
-        return self.expect(start)
-
-    def close(self):
-        """Close the store; the exit code."""
-        self.send("close")
-        self.process.stdin.close()
-        return self.process.wait(STOP_TIMEOUT)
-
-    def stop(self):
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)  # a paused worker must run to exit on SIGTERM
-        stop(self.process)
-
+from cluster import STOP_TIMEOUT, Cluster, DrivenWorker as Worker, stop, wait_until
 
 def _info(cluster):
     with grpc.insecure_channel(cluster.addresses[0]) as channel:

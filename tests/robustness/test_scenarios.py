@@ -1,20 +1,22 @@
 """Seeded, randomized failure scenarios (issue 11's robustness suite, after etcd's): real
 servers and worker processes on 127.0.0.1, faults from real mechanisms (connections reset,
 stalled or their answers lost by tests/faultproxy.py; servers killed with -9 and restarted
-on their state dir). Every scenario checks that nothing hangs (every wait is bounded), that
-no acknowledged update is lost or applied twice (integer-valued SGD: every value is exactly
-1000 - workers x the updates its server reports), that the workers raise nothing, and that
-server memory stays bounded. The seed is in each test's id: ``make robustness SEED=S``
-replays one."""
+on their state dir; a worker killed with -9 or paused past its lease, then replaced). Every
+scenario checks that nothing hangs (every wait is bounded), that no acknowledged update is
+lost or applied twice (integer-valued SGD: every value is exactly what the updates the
+servers report make it), that the workers raise only the documented errors, and that server
+memory stays bounded. The seed is in each test's id: ``make robustness SEED=S`` replays one."""
 import json
+import os
 import random
+import signal
 import time
 
 from tensorkv.codec import get_key
 from tensorkv.ctl import Server
 from tensorkv.security import Security
 
-from cluster import Cluster, check_workers, rss, stop
+from cluster import Cluster, DrivenWorker, check_workers, rss, stop, wait_until
 from faultproxy import FaultProxy
 
 KEYS = {"a": 4, "b": 4, "big": 16}  # as tests/workers/robust_rounds.py (bigarray_bound 8)
@@ -131,3 +133,53 @@ def test_a_server_killed_and_restarted_on_its_state_dir_loses_only_unsnapshotted
         assert len(warnings) == 1, err
     weights = [json.loads(out.splitlines()[-1])["weights"] for out in outs]
     assert all(w == _expected(updates) for w in weights), (updates, weights)
+
+
+def _holders(address):
+    """The registered ranks of the server at ``address``."""
+    return set(Server(address, Security(), 10.0).info().registered_ranks)
+
+
+def test_a_worker_killed_or_paused_past_its_lease_is_replaced_and_nothing_it_sent_late_is_merged(seed, tmp_path):
+    """Rank 0 pushes 1 and rank 1 pushes 2 each round (SGD adds each round's sum: 3 a round).
+    After a random number of rounds rank 1 is killed with -9 or paused (SIGSTOP) past its
+    lease, with or without its push of the round in flight; a replacement takes rank 1 and the
+    job goes on. A paused worker that wakes is refused (FailedPreconditionError), and the
+    value is 3 x the rounds completed, exactly."""
+    rng = random.Random(seed)
+    lease = rng.choice([1.0, 1.5])
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--lease-timeout", str(lease))) as cluster:
+        started = []
+        try:
+            started += [DrivenWorker(cluster, 0), DrivenWorker(cluster, 1)]
+            survivor, lost = started
+            rounds = 0
+            for _ in range(rng.randint(0, 3)):
+                _round(survivor, lost, rounds := rounds + 1)
+            paused, lost_pushed = rng.random() < 0.5, rng.random() < 0.5
+            if lost_pushed:  # the round holds rank 1's push: its replacement joins the next one
+                lost.call("push 2", "pushed")
+            os.kill(lost.process.pid, signal.SIGSTOP if paused else signal.SIGKILL)
+            wait_until(lambda: 1 not in _holders(cluster.addresses[0]), "rank 1 freed", timeout=lease + 5)
+            started.append(DrivenWorker(cluster, 1))
+            replacement = started[-1]
+            if paused:  # wakes up and pushes: refused, merged nowhere
+                lost.send("push 100")
+                os.kill(lost.process.pid, signal.SIGCONT)
+                assert lost.expect("error ").startswith("error FailedPreconditionError: ")
+            if lost_pushed:  # round rounds+1 completes with the survivor's push
+                survivor.call("push 1", "pushed")
+                assert survivor.call("pull") == f"value {3 * (rounds := rounds + 1)}"
+            for _ in range(rng.randint(1, 3)):
+                _round(survivor, replacement, rounds := rounds + 1)
+            assert survivor.close() == 0 and replacement.close() == 0
+        finally:
+            for worker in started:
+                worker.stop()
+
+
+def _round(rank0, rank1, number):
+    """Rank 0 pushes 1, rank 1 pushes 2, both pull: 3 x ``number`` exactly."""
+    rank0.call("push 1", "pushed")
+    rank1.call("push 2", "pushed")
+    assert rank0.call("pull") == rank1.call("pull") == f"value {3 * number}"
