@@ -340,6 +340,6 @@ def test_decoders_learn_entries_only_when_told():
 def test_a_shape_numpy_cannot_hold_is_refused_even_with_no_elements():
     """Found by tests/robustness/test_fuzz.py: (8, 0, 2**31, 2**31) has no elements, yet NumPy
     cannot reshape to it; the server answered INTERNAL."""
-    with pytest.raises(InvalidTensorError, match="more elements than any array can hold"):
+    with pytest.raises(InvalidTensorError, match="more than any array can hold"):
         codec.check_shape((8, 0, 2**31, 2**31))
     assert codec.check_shape((8, 0, 3)) == ((8, 0, 3), 0)

@@ -147,11 +147,14 @@ def check_shape(shape):
         raise InvalidTensorError(f"shape {shape} has {len(shape)} dimensions; at most {MAX_RANK}")
     if any(d < 0 for d in shape):
         raise InvalidTensorError(f"shape {shape} has a negative dimension")
+    count = math.prod(shape)
     # NumPy refuses a shape whose nonzero dimensions times the item size (at most 16 bytes)
-    # pass 2**63 bytes, even with a zero dimension among them.
-    if math.prod(d for d in shape if d) >= 1 << 59:
-        raise InvalidTensorError(f"shape {shape} has more elements than any array can hold")
-    return shape, math.prod(shape)
+    # pass 2**63 bytes even when a zero dimension leaves no elements (larger counts meet the
+    # server's --max-value-bytes).
+    if count == 0 and math.prod(d for d in shape if d) >= 1 << 59:
+        raise InvalidTensorError(f"shape {shape} has no elements, and more than any array can hold along its "
+                                 "other dimensions")
+    return shape, count
 
 
 # ---- streams of frames --------------------------------------------------------------
