@@ -95,7 +95,8 @@ run-dist: $(STAMP)
 # then the Trainer's (bench/trainer.py) -> bench-results/trainer.md; then row_sparse_pull's
 # (bench/row_sparse.py) -> bench-results/row_sparse.md; then 2-bit gradient compression's
 # (bench/compression.py) -> bench-results/compression.md; then push+pull with --metrics-port
-# next to without (bench/metrics_overhead.py) -> bench-results/metrics_overhead.md.
+# next to without (bench/metrics_overhead.py) -> bench-results/metrics_overhead.md; then the
+# failure rows (bench/failures.py) -> bench-results/failures.md.
 # `make bench BENCH_ARGS=--quick` is a fast smoke run.
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
@@ -115,6 +116,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/row_sparse.py $(BENCH_ARGS)
 	$(PY) bench/compression.py $(BENCH_ARGS)
 	$(PY) bench/metrics_overhead.py $(BENCH_ARGS)
+	$(PY) bench/failures.py $(BENCH_ARGS)
 
 # The server image; ENGINE=docker works too. `make image-smoke` runs the image's server with TLS
 # and a token (deploy/image-smoke.sh): health, the tutorial, status, a metrics scrape, a clean stop.
