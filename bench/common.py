@@ -6,6 +6,8 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 
 STOP_TIMEOUT = 5.0  # seconds to wait after terminate, then after kill
@@ -76,3 +78,23 @@ def write_results(args, name, text, numbers):
         f.write(text)
     with open(stem + ".json", "w") as f:
         json.dump(numbers, f, indent=2)
+
+
+def run_ratio_bench(doc, argv, name, measure, repeats, failure, markdown, ratio, goal, met):
+    """The main of a bench script that times rows against a reference row: ``measure(repeats,
+    logdir)`` -> ({row: median seconds}, values checked ok) (``repeats[0]`` with --quick, else
+    ``repeats[1]``); exit status 2 after printing ``failure`` when a value was wrong; else the
+    results written (:func:`write_results`) with ``markdown(medians, command)`` and
+    ``ratio(medians)``, which ``met(ratio)`` compares with ``goal``. Exit status 0."""
+    args = parse_args(doc, argv)
+    command = f"python bench/{name}.py" + (" --quick" if args.quick else "")
+    with tempfile.TemporaryDirectory() as logdir:
+        medians, ok = measure(repeats[0] if args.quick else repeats[1], logdir)
+    if not ok:
+        print(f"{name} bench FAILED: {failure}", file=sys.stderr)
+        return 2
+    value = ratio(medians)
+    write_results(args, name, markdown(medians, command), {
+        "command": command, "ms": {n: s * 1e3 for n, s in medians.items()}, "ratio": value, "goal": goal,
+        "goal_met": met(value)})
+    return 0

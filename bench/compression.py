@@ -16,7 +16,6 @@ import contextlib
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -59,7 +58,13 @@ def measure(repeats, logdir):
     return {name: statistics.median(values[1:]) for name, values in times.items()}, ok
 
 
-def markdown(medians, ratio, command):
+def speedup(medians):
+    """The 2-bit push's effective rate over the plain push's."""
+    return medians["plain push"] / medians["2-bit push"]
+
+
+def markdown(medians, command):
+    ratio = speedup(medians)
     lines = [f"`{command}`: one 4 MiB float32 key, dist_sync over TCP (transport='tcp'), 1 worker, medians; "
              f"goal: 2-bit effective rate >= {GOAL:.0f}x plain.", "",
              "| row | ms | effective GB/s |", "| --- | ---: | ---: |"]
@@ -69,18 +74,9 @@ def markdown(medians, ratio, command):
 
 
 def main(argv=None):
-    args = common.parse_args(__doc__, argv)
-    command = "python bench/compression.py" + (" --quick" if args.quick else "")
-    with tempfile.TemporaryDirectory() as logdir:
-        medians, ok = measure(5 if args.quick else 30, logdir)
-    if not ok:
-        print("compression bench FAILED: a pulled value differs from the quantization formula", file=sys.stderr)
-        return 2
-    ratio = medians["plain push"] / medians["2-bit push"]
-    common.write_results(args, "compression", markdown(medians, ratio, command), {
-        "command": command, "ms": {n: s * 1e3 for n, s in medians.items()}, "ratio": ratio, "goal": GOAL,
-        "goal_met": ratio >= GOAL})
-    return 0
+    return common.run_ratio_bench(
+        __doc__, argv, "compression", measure, (5, 30), "a pulled value differs from the quantization formula",
+        markdown, speedup, GOAL, lambda ratio: ratio >= GOAL)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ with exit status 2. Writes <out-dir>/row_sparse.{json,md} (row_sparse-quick.* wi
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -66,18 +65,9 @@ def markdown(medians, command):
 
 
 def main(argv=None):
-    args = common.parse_args(__doc__, argv)
-    command = "python bench/row_sparse.py" + (" --quick" if args.quick else "")
-    with tempfile.TemporaryDirectory() as logdir:
-        medians, ok = measure(3 if args.quick else 10, logdir)
-    if not ok:
-        print("row_sparse bench FAILED: the rows pulled differ from the table", file=sys.stderr)
-        return 2
-    ratio = medians["row_sparse_pull 1%"] / medians["full pull"]
-    common.write_results(args, "row_sparse", markdown(medians, command), {
-        "command": command, "ms": {n: s * 1e3 for n, s in medians.items()}, "ratio": ratio, "goal": GOAL,
-        "goal_met": ratio <= GOAL})
-    return 0
+    return common.run_ratio_bench(
+        __doc__, argv, "row_sparse", measure, (3, 10), "the rows pulled differ from the table", markdown,
+        lambda medians: medians["row_sparse_pull 1%"] / medians["full pull"], GOAL, lambda ratio: ratio <= GOAL)
 
 
 if __name__ == "__main__":

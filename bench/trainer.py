@@ -18,7 +18,6 @@ the bench with exit status 2. Writes <out-dir>/trainer.{json,md} (trainer-quick.
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -90,18 +89,9 @@ def markdown(medians, command):
 
 
 def main(argv=None):
-    args = common.parse_args(__doc__, argv)
-    command = "python bench/trainer.py" + (" --quick" if args.quick else "")
-    with tempfile.TemporaryDirectory() as logdir:
-        medians, ok = measure(3 if args.quick else 10, logdir)
-    if not ok:
-        print("trainer bench FAILED: the Trainer's weights differ from a fresh pull", file=sys.stderr)
-        return 2
-    ratio = medians["Trainer.step()"] / medians["raw push + pull"]
-    common.write_results(args, "trainer", markdown(medians, command), {
-        "command": command, "ms": {n: s * 1e3 for n, s in medians.items()}, "ratio": ratio, "goal": GOAL,
-        "goal_met": ratio <= GOAL})
-    return 0
+    return common.run_ratio_bench(
+        __doc__, argv, "trainer", measure, (3, 10), "the Trainer's weights differ from a fresh pull", markdown,
+        lambda medians: medians["Trainer.step()"] / medians["raw push + pull"], GOAL, lambda ratio: ratio <= GOAL)
 
 
 if __name__ == "__main__":

@@ -161,3 +161,21 @@ def test_workers_go_on_through_a_server_kill_9_and_restart_on_its_state_dir(tmp_
         else:
             expected = [1000 - 3 * next(counts[key] for counts in updates if key in counts)] * size
         assert value == expected, (key, updates)
+
+
+@pytest.mark.parametrize("snapshots", [False, True], ids=["no-state-dir", "state-dir"])
+def test_a_worker_keeps_copies_of_its_pushes_only_for_a_server_that_writes_snapshots(tmp_path, snapshots):
+    """The copies are for lining the pushes up in the rounds a restart restores (Info.snapshots):
+    without a state dir a restart restores nothing, and a push costs no copy of its bytes."""
+    server_args = ("--state-dir", str(tmp_path / "state")) if snapshots else ()
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=server_args) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, timeout=TIMEOUT) as kv0, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, rank=1, timeout=TIMEOUT) as kv1:
+        assert Server(cluster.addresses[0], Security(), 10.0).info().snapshots == snapshots
+        for kv in (kv0, kv1):
+            kv.init("w", np.zeros(4, np.int32))
+        kv0.push("w", np.ones(4, np.int32))  # its round waits for rank 1
+        assert ("w" in kv0._conns[0]._unconfirmed) == snapshots
+        kv1.push("w", np.ones(4, np.int32))
+        np.testing.assert_array_equal(kv0.pull("w"), [2] * 4)
+        assert not kv0._conns[0]._unconfirmed  # the pull saw the round complete

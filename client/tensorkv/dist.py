@@ -148,6 +148,16 @@ def _receivable(target, dtype, shape):
         and target.flags.c_contiguous and target.flags.writeable
 
 
+def _grouped(pairs):
+    """{key: every array pushed for it} of the (key, [array]) ``pairs`` of one push (a key may
+    repeat); the keys checked."""
+    grouped = {}
+    for key, arrays in pairs:
+        grouped.setdefault(key, []).extend(arrays)
+    _MERGE.check_keys(list(grouped))
+    return grouped
+
+
 class DistStore(KVStore):
     """A client of tensorkv servers; see :func:`tensorkv.create`.
 
@@ -296,10 +306,7 @@ class DistStore(KVStore):
     def _merged(self, pairs):
         """{key: one array}: the arrays pushed for each key, summed (a repeated key too); GPU
         arrays are summed on their GPU."""
-        grouped = {}
-        for key, arrays in pairs:
-            grouped.setdefault(key, []).extend(arrays)
-        _MERGE.check_keys(list(grouped))
+        grouped = _grouped(pairs)
         merged = {}
         for key, arrays in grouped.items():
             first = arrays[0]
@@ -473,10 +480,7 @@ class DistStore(KVStore):
     def _push_rows(self, pairs):
         """RowSparsePush of each key's merged rows to every server holding it (a slice's server
         gets the rows that touch its slice, or none, so that its round counts this push)."""
-        grouped = {}
-        for key, values in pairs:
-            grouped.setdefault(key, []).extend(values)
-        _MERGE.check_keys(list(grouped))
+        grouped = _grouped(pairs)
         requests = {}
         for key, values in grouped.items():
             value = merge_rows(key, [RowSparse(to_host(v.data), v.indices, v.shape) for v in values])

@@ -54,9 +54,10 @@ class ServerConn:
     stays the same when it is sent again, so the server applies it once (PushRequest.sequence).
 
     A server that restarted (its Info.server_id changed) lost this worker's registration and
-    the rounds since its snapshot: this worker registers afresh, logs one warning, and sends
-    again its last push of each key whose round it has not seen complete (a pull of the key
-    since), so that the workers' pushes line up in the rounds of the restored server."""
+    the rounds since its snapshot: this worker registers afresh, logs one warning, and, where
+    the server writes snapshots (Info.snapshots), sends again its last push of each key whose
+    round it has not seen complete (a pull of the key since), so that the workers' pushes
+    line up in the rounds of the restored server."""
 
     def __init__(self, address, security, timeout, session=True):
         self.address = address
@@ -73,7 +74,7 @@ class ServerConn:
         self._transport = "auto"
         self._sequences = itertools.count(1)
         self._lock = threading.Lock()  # one reconnect at a time
-        self._realign = False  # whether a restart needs the last pushes again (sync, several workers)
+        self._realign = False  # whether a restart needs the last pushes again (sync, several workers, snapshots)
         self._unconfirmed = {}  # key -> a copy of the Item last pushed, until a pull of the key
 
     def _connect(self):
@@ -94,7 +95,8 @@ class ServerConn:
         memory, then the data channel, tried lazily by the first call that moves enough bytes
         (the proof of the same host happens then: tensorkv.shm)."""
         self._transport = transport
-        self._realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1
+        # A copy of each push is kept for a restart only where one can restore rounds to line up.
+        self._realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1 and info.snapshots
         if self.session is not None:
             self.session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
             self.session.data_port = info.data_port if transport != "grpc" else 0

@@ -196,7 +196,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, server_id=self.server_id,
             restored_from=self.snapshots.restored_from if self.snapshots else "",
-            restored_round=self.snapshots.restored_round if self.snapshots else 0, **info)
+            restored_round=self.snapshots.restored_round if self.snapshots else 0,
+            snapshots=self.snapshots is not None, **info)
 
     async def Init(self, request_iterator, context):
         await self._apply(request_iterator, kvstore_pb2.InitRequest,
