@@ -4,9 +4,11 @@ A snapshot is taken on the event loop between two calls, so it is consistent: ev
 each key's round number and update count, the optimizer with its per-key states and update
 counts, the key type, the run (number and if_exists) and the incarnation counter.
 Registrations are not saved (workers register again), nor the pushes of sync rounds still
-open (they are lost, as a crash loses them). The arrays are copied on the loop; the file is
-written in a thread: ``NAME.part``, fsync, renamed over ``NAME``, fsync of the directory.
-The two newest snapshots are kept. The format is in docs/snapshot.md.
+open (they are lost, as a crash loses them). The arrays are copied on the loop, into
+buffers whose pages a thread has touched first (faulting in fresh pages costs this machine
+many times the copy, and would hold up every call); the file is written in a thread, in one
+pass: ``NAME.part``, fsync, renamed over ``NAME``, fsync of the directory. The two newest
+snapshots are kept. The format is in docs/snapshot.md.
 """
 import asyncio
 import hashlib
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import re
+import zipfile
 
 import numpy as np
 
@@ -44,12 +47,18 @@ class WrongServer(Exception):
     --max-memory: this server refuses to start."""
 
 
-def capture(coordinator):
-    """(header, {name: NumPy array}) of ``coordinator``'s state, with copies of the arrays."""
+def capture(coordinator, buffers):
+    """(header, {name: NumPy array}) of ``coordinator``'s state, with copies of the arrays:
+    into ``buffers[key]`` where it has the value's shape and dtype."""
     engine, arrays, keys = coordinator.engine, {}, []
     for key in engine.keys():
         stored = engine.get(key)
-        value = to_host(stored.array).copy()
+        value, buffer = to_host(stored.array), buffers.get(key)
+        if buffer is not None and (buffer.shape, buffer.dtype) == (value.shape, value.dtype):
+            np.copyto(buffer, value)
+            value = buffer
+        else:
+            value = value.copy()
         keys.append({"key": key, "shape": list(stored.shape), "slice": stored.slice and list(stored.slice),
                      "dtype": str(value.dtype),
                      "round": coordinator._rounds[key].current.number if key in coordinator._rounds else 1,
@@ -73,14 +82,49 @@ def capture(coordinator):
     return header, arrays
 
 
-def encode(header, arrays):
-    """The bytes of a snapshot file: one ASCII line ``tensorkv-snapshot 1 SHA256\\n``, then
-    the payload, a NumPy .npz archive whose "header" is the UTF-8 JSON ``header``."""
-    buffer = io.BytesIO()
-    np.savez(buffer, header=np.frombuffer(json.dumps(header).encode(), np.uint8),
-             **{name: _portable(array) for name, array in arrays.items()})
-    payload = buffer.getvalue()
-    return f"{FORMAT} {VERSION} {hashlib.sha256(payload).hexdigest()}\n".encode() + payload
+def _buffers(values):
+    """{key: an array of the shape and dtype of the NumPy array ``values[key]``, with every
+    page faulted in}."""
+    buffers = {}
+    for key, value in values.items():
+        if isinstance(value, np.ndarray):
+            buffers[key] = np.empty(value.shape, value.dtype)
+            buffers[key].view(np.uint8).fill(0)  # NumPy lets other threads (the loop) run meanwhile
+    return buffers
+
+
+class _Hashing:
+    """A write-only file that hashes what goes through it. Having no tell(), it makes
+    zipfile write the archive in one pass, with no seek back over hashed bytes."""
+
+    def __init__(self, file):
+        self.file, self.sha256 = file, hashlib.sha256()
+
+    def write(self, data):
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def flush(self):
+        self.file.flush()
+
+
+def _line(digest):
+    return f"{FORMAT} {VERSION} {digest}\n".encode()
+
+
+def encode_into(file, header, arrays):
+    """Write a snapshot file to ``file`` (seekable, at its start): one ASCII line
+    ``tensorkv-snapshot 1 SHA256\\n``, then the payload, a NumPy .npz archive whose "header"
+    is the UTF-8 JSON ``header``. The line is written last, once the payload is hashed."""
+    file.write(_line("0" * 64))
+    payload = _Hashing(file)
+    members = {"header": np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays}
+    with zipfile.ZipFile(payload, "w", allowZip64=True) as archive:  # what np.savez writes
+        for name, array in members.items():
+            with archive.open(name + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, _portable(array), allow_pickle=False)
+    file.seek(0)
+    file.write(_line(payload.sha256.hexdigest()))
 
 
 def _portable(array):
@@ -205,7 +249,9 @@ class Snapshots:
 
     async def take(self):
         """(file name, number of keys, run number) of a new snapshot of the current state."""
-        header, arrays = capture(self.coordinator)
+        engine = self.coordinator.engine
+        buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
+        header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile are copied anew
         self._sequence += 1
         name = f"snapshot-{self._sequence:012d}.tkv"
         async with self._lock:
@@ -218,7 +264,7 @@ class Snapshots:
     def _write(self, name, header, arrays):
         path = os.path.join(self.directory, name)
         with open(path + ".part", "wb") as file:
-            file.write(encode(header, arrays))
+            encode_into(file, header, arrays)
             file.flush()
             os.fsync(file.fileno())
         os.replace(path + ".part", path)
