@@ -103,6 +103,36 @@ def test_a_push_whose_acknowledgement_was_lost_is_not_applied_twice(metered):
             np.testing.assert_array_equal(kv.pull("w"), [6] * 4)
 
 
+def _aborted(port):
+    """The server's count of aborted rounds."""
+    return scrape(port)[1][("tensorkv_rounds_total", (("outcome", "aborted"),))]
+
+
+@pytest.mark.parametrize("call", ["pull", "pushpull"])
+def test_an_aborted_round_whose_answer_was_lost_is_reported_when_the_call_is_sent_again(tmp_path, call):
+    """Rank 0 waits in a round that rank 1 never joins; the server's RoundAbortedError answer
+    is lost with the connection. The call sent again gets the same error, not the stale value."""
+    port = free_port()
+    with Cluster(num_workers=2, round_timeout=1.0, tmp_path=tmp_path, server_args=("--metrics-port", str(port))) \
+            as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        with tensorkv.create("dist_sync", servers=proxy.address, rank=0, timeout=TIMEOUT) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+            kv0.init("w", np.zeros(4, np.int32))
+            kv1.init("w", np.zeros(4, np.int32))
+            if call == "pull":
+                kv0.push("w", np.ones(4, np.int32))
+            proxy.hold_replies()
+            result = _in_thread(lambda: kv0.pull("w") if call == "pull" else _pushpull(kv0, 1))
+            wait_until(lambda: _aborted(port) == 1, "the round aborted")  # and its answer swallowed
+            proxy.reset()
+            proxy.hold_replies(False)
+            with pytest.raises(tensorkv.RoundAbortedError, match="key 'w': round 1 aborted after 1 s; missing ranks \\[1\\]"):
+                result()
+            assert proxy.connections >= 2  # it was sent again
+            np.testing.assert_array_equal(kv0.pull("w"), [0] * 4)  # a new pull: the round was discarded
+            np.testing.assert_array_equal(kv1.pull("w"), [0] * 4)
+
+
 def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses[0], timeout=3) as kv:

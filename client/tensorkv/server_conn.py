@@ -51,7 +51,9 @@ class ServerConn:
     backoff from RETRY_FIRST to RETRY_MAX seconds, until its timeout has passed; then it
     raises ServerUnavailableError saying what happened to the call first and why
     reconnecting failed. Every call that changes values carries a sequence number that
-    stays the same when it is sent again, so the server applies it once (PushRequest.sequence).
+    stays the same when it is sent again, so the server applies it once (PushRequest.sequence);
+    every pull carries one too, so that a round's abort is not lost with the answer that
+    reported it (PullRequest.pull_sequence).
 
     A server that restarted (its Info.server_id changed) lost this worker's registration and
     the rounds since its snapshot: this worker registers afresh, logs one warning, and, where
@@ -73,6 +75,7 @@ class ServerConn:
         self._if_exists = kvstore_pb2.IF_EXISTS_FAIL
         self._transport = "auto"
         self._sequences = itertools.count(1)
+        self._pull_sequences = itertools.count(1)  # numbered apart: see PullRequest.pull_sequence
         self._lock = threading.Lock()  # one reconnect at a time
         self._realign = False  # whether a restart needs the last pushes again (sync, several workers, snapshots)
         self._unconfirmed = {}  # key -> a copy of the Item last pushed, until a pull of the key
@@ -237,15 +240,15 @@ class ServerConn:
 
     def pull(self, part, outs, sizes):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None."""
-        items = self._call("pull", self._pull_once, part, outs, sizes)
+        items = self._call("pull", self._pull_once, part, outs, sizes, next(self._pull_sequences))
         self._confirm(items)
         return items
 
-    def _pull_once(self, timeout, part, outs, sizes):
+    def _pull_once(self, timeout, part, outs, sizes, pull_sequence):
         keys = [key for _, key in part]
-        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes)
+        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes, pull_sequence=pull_sequence)
         if items is None:
-            request = kvstore_pb2.PullRequest(**self._caller())
+            request = kvstore_pb2.PullRequest(pull_sequence=pull_sequence, **self._caller())
             for key in keys:
                 set_key(request.keys.add(), key)
             items = self._rpc("pull", lambda r, timeout: decode(
@@ -264,10 +267,10 @@ class ServerConn:
 
     def row_sparse_pull(self, part):
         """The RowSparsePullResponse to ``part`` [(key, row ids)]."""
-        return self._call("row_sparse_pull", self._row_sparse_pull_once, part)
+        return self._call("row_sparse_pull", self._row_sparse_pull_once, part, next(self._pull_sequences))
 
-    def _row_sparse_pull_once(self, timeout, part):
-        request = kvstore_pb2.RowSparsePullRequest(**self._caller())
+    def _row_sparse_pull_once(self, timeout, part, pull_sequence):
+        request = kvstore_pb2.RowSparsePullRequest(pull_sequence=pull_sequence, **self._caller())
         for key, row_ids in part:
             rowsparse_wire.set_row_ids(request.keys.add(), key, row_ids)
         return self._rpc("row_sparse_pull", self.stub.RowSparsePull, request, timeout)
@@ -324,7 +327,8 @@ class ServerConn:
         return encode_stream(message_type, items, dict(self._caller(), **fields),
                              with_data=not fields.get("wait_only", False))
 
-    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0):
+    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0,
+                 pull_sequence=0):
         """Make the ``kind`` call on the Session stream: the items (or keys) it returns; None
         when the call is not for a session (too large without shared memory, sessions off,
         or the session busy with another thread's call), for the caller to make a plain RPC.
@@ -370,7 +374,8 @@ class ServerConn:
         shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
 
         def build(call_id, timeout_ms, region, channel):
-            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, **self._caller())
+            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, pull_sequence=pull_sequence,
+                          **self._caller())
             if wait_only:
                 fields["wait_only"] = True
             if region is not None and use_output:

@@ -22,6 +22,9 @@ Init, push and pushpull apply each of a rank's sequence numbers at most once (se
 :mod:`.membership`): a call whose number was applied is acknowledged again without being
 applied, and the check is made again right where a call changes state, so that a call
 sent again while the first is still waiting on the server is applied by one of them only.
+A call (pulls numbered apart) that failed with RoundAbortedError fails with it again when
+it is sent again: the aborted round is reported to a rank once, and that answer may be
+what a broken connection lost.
 """
 import asyncio
 import logging
@@ -287,7 +290,7 @@ class Coordinator:
             metrics.COUNTS.rounds_completed += len(items)
             return
         # A rank that already pushed a key in its current round joins the next round.
-        while await self._settle(rank, [item.key for item in items]):
+        while await self._settled(rank, [item.key for item in items], ("push", sequence)):
             pass
         self.members.check(rank, incarnation)
         if self.members.applied(rank, sequence):
@@ -297,20 +300,23 @@ class Coordinator:
         for item in items:
             self._add_to_round(rank, item)
 
-    async def pull(self, rank, incarnation, keys):
+    async def pull(self, rank, incarnation, keys, pull_sequence=0):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
         until the caller next awaits), after the current round of each key this rank has
-        pushed to (sync mode)."""
+        pushed to (sync mode). ``pull_sequence``: see PullRequest.pull_sequence."""
+        return await self._pull(rank, incarnation, keys, ("pull", pull_sequence))
+
+    async def _pull(self, rank, incarnation, keys, call):
         self.members.check(rank, incarnation)
         keys = self.engine.check_keys(keys)
         for key in keys:
             self.engine.get(key)
-        if self.mode == SYNC and await self._settle(rank, keys):
+        if self.mode == SYNC and await self._settled(rank, keys, call):
             self.members.check(rank, incarnation)
         metrics.COUNTS.pulls += len(keys)
         return [self._snapshot(key) for key in keys]
 
-    async def pull_rows(self, rank, incarnation, requests):
+    async def pull_rows(self, rank, incarnation, requests, pull_sequence=0):
         """[(full shape, new array of the rows)] of ``requests`` [(key, row ids)], after the
         current round of each key this rank has pushed to (sync mode); every id is checked
         before anything is waited for."""
@@ -319,14 +325,14 @@ class Coordinator:
         for key, (_, ids) in zip(keys, requests):
             shape = self.engine.get(key).shape
             check_row_ids(key, ids, shape[0] if shape else 0)
-        if self.mode == SYNC and await self._settle(rank, keys):
+        if self.mode == SYNC and await self._settled(rank, keys, ("pull", pull_sequence)):
             self.members.check(rank, incarnation)
         metrics.COUNTS.pulls += len(keys)
         return [self.engine.pull_rows(key, ids) for key, (_, ids) in zip(keys, requests)]
 
     async def pushpull(self, rank, incarnation, items, sequence=0):
         await self.push(rank, incarnation, items, sequence)
-        return await self.pull(rank, incarnation, [item.key for item in items])
+        return await self._pull(rank, incarnation, [item.key for item in items], ("pushpull", sequence))
 
     def _add_to_round(self, rank, item):
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
@@ -375,6 +381,18 @@ class Coordinator:
         for rank in round_.ranks:
             rounds.aborted[rank] = error
         _fail(round_.done, error)
+
+    async def _settled(self, rank, keys, call):
+        """:meth:`_settle` for ``rank``'s call ``call`` ((kind, sequence number)): the error
+        that the call, sent before, failed with is raised again (Membership.failure)."""
+        error = self.members.failure(rank, call)
+        if error is not None:
+            raise type(error)(str(error))
+        try:
+            return await self._settle(rank, keys)
+        except RoundAbortedError as error:
+            self.members.failed(rank, call, error)
+            raise
 
     async def _settle(self, rank, keys):
         """Report to ``rank`` the aborted rounds of ``keys`` it pushed to, and wait for the

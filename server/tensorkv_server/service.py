@@ -213,7 +213,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return kvstore_pb2.PushResponse()
 
     async def Pull(self, request, context):
-        items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
+        items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request),
+                                            request.pull_sequence)
         for message in _responses(self._host(items)):
             yield message
 
@@ -224,7 +225,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             codec.check_key_bytes(key, self.limits.max_key_bytes)
             requests.append((key, np.array(entry.row_ids, np.int64)))
         codec.check_key_count([key for key, _ in requests], self.limits.max_keys_per_call)
-        results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests)
+        results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests,
+                                                    request.pull_sequence)
         response = kvstore_pb2.RowSparsePullResponse()
         for (key, row_ids), (shape, rows) in zip(requests, results):
             rowsparse_wire.set_value(response.values.add(), key, shape, row_ids, rows)
@@ -347,7 +349,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
             return []
         if request.op == kvstore_pb2.SESSION_OP_PULL:
-            return await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
+            return await self.coordinator.pull(request.rank, request.incarnation, self._keys(request),
+                                               request.pull_sequence)
         if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
             return await self.coordinator.pushpull(request.rank, request.incarnation, items, request.sequence)
         if request.op == kvstore_pb2.SESSION_OP_INIT:
