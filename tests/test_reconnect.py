@@ -15,6 +15,7 @@ import tensorkv
 from tensorkv.codec import get_key
 from tensorkv.ctl import Server
 from tensorkv.security import Security
+from tensorkv.v1 import kvstore_pb2
 
 from cluster import Cluster, check_workers, free_port, stop, wait_until
 from faultproxy import FaultProxy
@@ -131,6 +132,55 @@ def test_an_aborted_round_whose_answer_was_lost_is_reported_when_the_call_is_sen
             assert proxy.connections >= 2  # it was sent again
             np.testing.assert_array_equal(kv0.pull("w"), [0] * 4)  # a new pull: the round was discarded
             np.testing.assert_array_equal(kv1.pull("w"), [0] * 4)
+
+
+def test_a_push_in_a_snapshot_is_not_applied_again_by_the_restarted_server(tmp_path):
+    """A push's answer is lost; the server, which applied it, writes a snapshot and is killed
+    with -9. Restarted on its state dir, it gets the push again with its sequence number: the
+    numbers applied came back with the snapshot, so it is acknowledged, not applied twice."""
+    state = str(tmp_path / "state")
+    with Cluster(tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) as cluster, \
+            FaultProxy(cluster.addresses[0]) as proxy:
+        server = Server(cluster.addresses[0], Security(), 10.0)
+        with tensorkv.create("dist_sync", servers=proxy.address, timeout=TIMEOUT) as kv:
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))  # each push adds -gradient
+            kv.init("w", np.zeros(4, np.float32))
+            proxy.hold_replies()
+            result = _in_thread(lambda: kv.push("w", np.full(4, -5, np.float32)))
+            wait_until(lambda: server.keys()[0].updates == 1, "the push applied")  # its answer never arrives
+            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+            cluster.restart()  # SIGKILL, then a new server on the state dir
+            proxy.reset()
+            proxy.hold_replies(False)
+            result()
+            np.testing.assert_array_equal(kv.pull("w"), [5] * 4)
+            kv.push("w", np.full(4, -1, np.float32))
+            np.testing.assert_array_equal(kv.pull("w"), [6] * 4)
+
+
+def test_a_push_of_a_round_open_at_the_snapshot_is_applied_by_the_restarted_server(tmp_path):
+    """As above, with 2 workers: rank 0's push waits in an open round when the snapshot is
+    taken, so the snapshot holds neither it nor its number, and the push sent again counts."""
+    state, port = str(tmp_path / "state"), free_port()
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0",
+                                                                "--metrics-port", str(port))) \
+            as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        server = Server(cluster.addresses[0], Security(), 10.0)
+        with tensorkv.create("dist_sync", servers=proxy.address, rank=0, timeout=TIMEOUT) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+            kv0.init("w", np.zeros(4, np.int32))
+            kv1.init("w", np.zeros(4, np.int32))
+            proxy.hold_replies()
+            result = _in_thread(lambda: kv0.push("w", np.full(4, 1, np.int32)))
+            wait_until(lambda: _pushes(port) == 1, "rank 0's push in an open round")
+            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+            cluster.restart()
+            proxy.reset()
+            proxy.hold_replies(False)
+            result()
+            kv1.push("w", np.full(4, 2, np.int32))
+            np.testing.assert_array_equal(kv1.pull("w"), [3] * 4)
+            np.testing.assert_array_equal(kv0.pull("w"), [3] * 4)
 
 
 def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tmp_path):

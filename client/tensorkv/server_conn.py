@@ -176,9 +176,8 @@ class ServerConn:
             if_exists = self._if_exists
             if restarted and if_exists == kvstore_pb2.IF_EXISTS_REPLACE:
                 if_exists = kvstore_pb2.IF_EXISTS_RESUME  # what it restored is this run's
-            previous = None if restarted else self.incarnation
             try:
-                self.register(self.rank, if_exists, info.server_id, previous, _left(deadline))
+                self.register(self.rank, if_exists, info.server_id, self.incarnation, _left(deadline))
             except FailedPreconditionError as error:
                 why = "it restarted" if restarted else "the connection broke"
                 raise FailedPreconditionError(

@@ -82,6 +82,12 @@ class _Applied:
     def __contains__(self, sequence):
         return sequence <= self.through or sequence in self.beyond
 
+    def saved(self, excluded):
+        """(through, beyond) of these numbers without those in ``excluded``."""
+        through = min([self.through, *(number - 1 for number in excluded)])
+        beyond = (set(range(through + 1, self.through + 1)) | self.beyond) - set(excluded)
+        return through, sorted(beyond)
+
     def add(self, sequence):
         self.beyond.add(sequence)
         if len(self.beyond) > SEQUENCE_WINDOW:
@@ -107,6 +113,7 @@ class Membership:
         self._expired = {}  # rank -> the incarnation whose lease expired last
         self._applied = {}  # rank -> _Applied sequence numbers of its registration (and those it took over)
         self._failures = {}  # rank -> {(kind, number): the error that call failed with}, the last FAILURES_KEPT
+        self._restored = {}  # rank -> (incarnation, _Applied) saved in the snapshot this server restored
         self._on_expired = on_expired
 
     @property
@@ -150,6 +157,9 @@ class Membership:
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
         self._grant(rank, incarnation)
+        restored = self._restored.pop(rank, None)
+        if restored is not None and previous is not None and restored[0] == previous:
+            self._applied[rank] = restored[1]  # the same worker, after this server restarted
         log.info("worker registered with rank %d, incarnation %d (%d of %d)",
                  rank, incarnation, len(self.incarnations), self.num_workers,
                  extra={"event": "worker_registered", "rank": rank})
@@ -173,6 +183,24 @@ class Membership:
         """Remember that the call of ``rank`` numbered ``sequence`` was applied."""
         if sequence > 0:
             self._applied.setdefault(rank, _Applied()).add(sequence)
+
+    def saved_sequences(self, excluded):
+        """The sequence numbers each registered rank applied, for a snapshot: without
+        ``excluded`` {rank: numbers} (pushes of open rounds, which a snapshot does not hold)."""
+        saved = []
+        for rank, incarnation in sorted(self.incarnations.items()):
+            if rank in self._applied:
+                through, beyond = self._applied[rank].saved(excluded.get(rank, ()))
+                saved.append({"rank": rank, "incarnation": incarnation, "through": through, "beyond": beyond})
+        return saved
+
+    def restore_sequences(self, saved):
+        """Keep the numbers of :meth:`saved_sequences` for each rank's worker, which gets them
+        back when it registers again naming the incarnation it held (RegisterRequest.previous_incarnation)."""
+        for entry in saved:
+            applied = _Applied()
+            applied.through, applied.beyond = int(entry["through"]), {int(number) for number in entry["beyond"]}
+            self._restored[int(entry["rank"])] = (int(entry["incarnation"]), applied)
 
     def failure(self, rank, call):
         """The error that ``rank``'s call ``call`` ((kind, number); number 0: not numbered)

@@ -55,11 +55,12 @@ class _Wait:
     """Something workers wait on (one round of one key, or one barrier): the ranks that
     arrived, a future done when all have, and the timer that aborts it."""
 
-    __slots__ = ("number", "ranks", "total", "_done", "timer", "opened", "latest")
+    __slots__ = ("number", "ranks", "sequences", "total", "_done", "timer", "opened", "latest")
 
     def __init__(self, number):
         self.number = number
         self.ranks = set()
+        self.sequences = {}  # a round's rank -> the sequence number of the push it merged
         self.total = None  # a round's running sum of pushes
         self._done = None  # created when first needed: most rounds of one worker never wait
         self.timer = None
@@ -298,7 +299,7 @@ class Coordinator:
         self.members.record(rank, sequence)
         metrics.COUNTS.pushes += len(items)
         for item in items:
-            self._add_to_round(rank, item)
+            self._add_to_round(rank, item, sequence)
 
     async def pull(self, rank, incarnation, keys, pull_sequence=0):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
@@ -334,10 +335,11 @@ class Coordinator:
         await self.push(rank, incarnation, items, sequence)
         return await self._pull(rank, incarnation, [item.key for item in items], ("pushpull", sequence))
 
-    def _add_to_round(self, rank, item):
+    def _add_to_round(self, rank, item, sequence):
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
         current = rounds.current
         current.ranks.add(rank)
+        current.sequences[rank] = sequence
         complete = len(current.ranks) == self.num_workers
         now = time.monotonic()
         if complete and current.total is None:
@@ -360,6 +362,15 @@ class Coordinator:
             current.opened = now
             loop = asyncio.get_running_loop()
             current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
+
+    def open_sequences(self):
+        """{rank: the sequence numbers of its pushes in rounds still open}: applied, but in
+        no value yet."""
+        numbers = {}
+        for rounds in self._rounds.values():
+            for rank, sequence in rounds.current.sequences.items():
+                numbers.setdefault(rank, set()).add(sequence)
+        return numbers
 
     def _apply(self, key, merged):
         self.engine.apply(key, merged)
