@@ -183,6 +183,29 @@ def test_a_push_of_a_round_open_at_the_snapshot_is_applied_by_the_restarted_serv
             np.testing.assert_array_equal(kv0.pull("w"), [3] * 4)
 
 
+def test_a_row_sparse_push_of_a_round_open_at_a_restart_is_sent_again(tmp_path):
+    """Rank 0's row-sparse push waits in an open round when the server is killed with -9 and
+    restarted on its state dir, whose snapshot holds the round without that push: rank 0 sends
+    it again, as it would a dense push, so that the round completes with rank 1's push and both
+    pull the same exact value (SGD, learning rate 1: each row gets -gradient)."""
+    state = str(tmp_path / "state")
+    with Cluster(num_workers=2, round_timeout=5.0, tmp_path=tmp_path,
+                 server_args=("--state-dir", state, "--snapshot-interval", "0")) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, timeout=TIMEOUT) as kv0, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, rank=1, timeout=TIMEOUT) as kv1:
+        for kv in (kv0, kv1):
+            kv.init("w", np.zeros((4, 2), np.float32))
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
+        kv0.push("w", tensorkv.row_sparse(np.full((1, 2), -1, np.float32), [1], (4, 2)))  # waits for rank 1
+        Server(cluster.addresses[0], Security(), 10.0).kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+        cluster.restart()
+        kv1.push("w", tensorkv.row_sparse(np.full((1, 2), -2, np.float32), [2], (4, 2)))
+        expected = [[0, 0], [1, 1], [2, 2], [0, 0]]
+        np.testing.assert_array_equal(kv0.pull("w"), expected)
+        np.testing.assert_array_equal(kv1.row_sparse_pull("w", row_ids=[2, 1]), [[2, 2], [1, 1]])
+        assert not kv0._conns[0]._unconfirmed and not kv1._conns[0]._unconfirmed  # the pulls saw the round complete
+
+
 def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses[0], timeout=3) as kv:

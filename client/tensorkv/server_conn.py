@@ -57,9 +57,10 @@ class ServerConn:
 
     A server that restarted (its Info.server_id changed) lost this worker's registration and
     the rounds since its snapshot: this worker registers afresh, logs one warning, and, where
-    the server writes snapshots (Info.snapshots), sends again its last push of each key whose
-    round it has not seen complete (a pull of the key since), so that the workers' pushes
-    line up in the rounds of the restored server."""
+    the server writes snapshots (Info.snapshots), sends again its last push (dense or
+    row-sparse) of each key whose round it has not seen complete (a pull of the key since,
+    or a row_sparse_pull), so that the workers' pushes line up in the rounds of the restored
+    server."""
 
     def __init__(self, address, security, timeout, session=True):
         self.address = address
@@ -78,7 +79,9 @@ class ServerConn:
         self._pull_sequences = itertools.count(1)  # numbered apart: see PullRequest.pull_sequence
         self._lock = threading.Lock()  # one reconnect at a time
         self._realign = False  # whether a restart needs the last pushes again (sync, several workers, snapshots)
-        self._unconfirmed = {}  # key -> a copy of the Item last pushed, until a pull of the key
+        # key -> a copy of what was last pushed to it (an Item, or row-sparse (key, shape, row ids,
+        # rows)), until a pull of the key
+        self._unconfirmed = {}
 
     def _connect(self):
         """A new channel, stub and Session stream (its shared-memory region and data channel
@@ -194,11 +197,14 @@ class ServerConn:
                 self._push_unconfirmed(deadline)
 
     def _push_unconfirmed(self, deadline):
-        """Send again the last push of each key whose round this worker has not seen complete."""
-        items = list(self._unconfirmed.values())
+        """Send again the last push of each key whose round this worker has not seen complete:
+        the dense ones in one push, the row-sparse ones in one RowSparsePush."""
+        items = [value for value in self._unconfirmed.values() if isinstance(value, Item)]
+        rows = [value for value in self._unconfirmed.values() if not isinstance(value, Item)]
         if items:
-            part = list(enumerate(items))
-            self._push_once(_left(deadline), part, next(self._sequences))
+            self._push_once(_left(deadline), list(enumerate(items)), next(self._sequences))
+        if rows:
+            self._row_sparse_push_once(_left(deadline), rows, next(self._sequences))
 
     # ---- the data path ----------------------------------------------------------------
 
@@ -226,7 +232,7 @@ class ServerConn:
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
         items = self._call("pushpull", self._pushpull_once, part, outs, next(self._sequences))
-        self._confirm(items)
+        self._confirm(item.key for item in items)
         return items
 
     def _pushpull_once(self, timeout, part, outs, sequence):
@@ -240,7 +246,7 @@ class ServerConn:
     def pull(self, part, outs, sizes):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None."""
         items = self._call("pull", self._pull_once, part, outs, sizes, next(self._pull_sequences))
-        self._confirm(items)
+        self._confirm(item.key for item in items)
         return items
 
     def _pull_once(self, timeout, part, outs, sizes, pull_sequence):
@@ -257,6 +263,9 @@ class ServerConn:
     def row_sparse_push(self, values):
         """RowSparsePush of ``values`` [(key, full shape, row ids, rows)] (rows only, in plain messages)."""
         self._call("push", self._row_sparse_push_once, values, next(self._sequences))
+        if self._realign:
+            self._unconfirmed.update((key, (key, shape, row_ids.copy(), rows.copy()))
+                                     for key, shape, row_ids, rows in values)
 
     def _row_sparse_push_once(self, timeout, values, sequence):
         request = kvstore_pb2.RowSparsePushRequest(sequence=sequence, **self._caller())
@@ -266,7 +275,9 @@ class ServerConn:
 
     def row_sparse_pull(self, part):
         """The RowSparsePullResponse to ``part`` [(key, row ids)]."""
-        return self._call("row_sparse_pull", self._row_sparse_pull_once, part, next(self._pull_sequences))
+        answer = self._call("row_sparse_pull", self._row_sparse_pull_once, part, next(self._pull_sequences))
+        self._confirm(key for key, _ in part)
+        return answer
 
     def _row_sparse_pull_once(self, timeout, part, pull_sequence):
         request = kvstore_pb2.RowSparsePullRequest(pull_sequence=pull_sequence, **self._caller())
@@ -274,10 +285,10 @@ class ServerConn:
             rowsparse_wire.set_row_ids(request.keys.add(), key, row_ids)
         return self._rpc("row_sparse_pull", self.stub.RowSparsePull, request, timeout)
 
-    def _confirm(self, items):
-        """Forget the pushes of the keys of ``items``: their rounds completed (a sync pull waits for them)."""
-        for item in items:
-            self._unconfirmed.pop(item.key, None)
+    def _confirm(self, keys):
+        """Forget the pushes of ``keys``: their rounds completed (a sync pull waits for them)."""
+        for key in keys:
+            self._unconfirmed.pop(key, None)
 
     # ---- the rest ---------------------------------------------------------------------
 
