@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import zipfile
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 FORMAT = "tensorkv-snapshot"
 VERSION = 1
 KEEP = 2
+_LINE_MAX = 128  # bytes the first line may take
+_LOCAL_HEADER = 30  # bytes of a zip member's local header before its name and extra field
 _NAME = re.compile(r"snapshot-(\d{12})\.tkv")
 
 
@@ -133,23 +136,87 @@ def _portable(array):
     return array.view(np.uint16) if array.dtype == BFLOAT16 else array
 
 
+def read(path):
+    """(header, {name: array}) of the snapshot file at ``path``, read into one buffer whose
+    views the arrays are; BadSnapshot if it is not whole."""
+    with open(path, "rb") as file:
+        data = np.empty(os.fstat(file.fileno()).st_size, np.uint8)
+        if file.readinto(memoryview(data)) != data.size:
+            raise BadSnapshot("the file changed while it was read")
+    return decode(data)
+
+
 def decode(data):
-    """(header, {name: array}) of a snapshot file's bytes; BadSnapshot if it is not whole."""
-    line, _, payload = data.partition(b"\n")
-    fields = line.split(b" ")
-    if len(fields) != 3 or fields[0] != FORMAT.encode() or fields[1] != str(VERSION).encode():
+    """(header, {name: array}) of a snapshot file's bytes (a uint8 array: the arrays are views
+    of it); BadSnapshot if it is not whole."""
+    newline = bytes(data[:_LINE_MAX]).find(b"\n")
+    fields = bytes(data[:max(newline, 0)]).split(b" ")
+    if newline < 0 or len(fields) != 3 or fields[0] != FORMAT.encode() or fields[1] != str(VERSION).encode():
         raise BadSnapshot(f"not a {FORMAT} file of version {VERSION}")
-    if hashlib.sha256(payload).hexdigest().encode() != fields[2]:
+    payload = data[newline + 1:]
+    if hashlib.sha256(memoryview(payload)).hexdigest().encode() != fields[2]:
         raise BadSnapshot("checksum mismatch (truncated or corrupt)")
     try:
-        with np.load(io.BytesIO(payload), allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
+        arrays = _members(payload)
         header = json.loads(bytes(arrays.pop("header")).decode())
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
         raise BadSnapshot(f"unreadable payload ({error})") from None
     if not isinstance(header, dict):
         raise BadSnapshot("malformed header (not a JSON object)")
     return header, arrays
+
+
+def _members(payload):
+    """{name: array} of the .npy members of the .npz archive ``payload`` (uint8), views of it:
+    np.load would copy each member out, through zipfile's reads."""
+    arrays = {}
+    with zipfile.ZipFile(_Reader(payload)) as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+                raise ValueError(f"member {info.filename!r} is not a stored .npy file")
+            local = bytes(payload[info.header_offset:info.header_offset + _LOCAL_HEADER])
+            if len(local) != _LOCAL_HEADER or local[:4] != b"PK\x03\x04":
+                raise ValueError(f"member {info.filename!r} has no local header")
+            name_bytes, extra_bytes = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+            start = info.header_offset + _LOCAL_HEADER + name_bytes + extra_bytes
+            member = payload[start:start + info.file_size]
+            npy = _Reader(member)
+            version = np.lib.format.read_magic(npy)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                raise ValueError(f"member {info.filename!r}: .npy version {version}")
+            shape, fortran_order, dtype = read_header[version](npy)
+            if dtype.hasobject:
+                raise ValueError(f"member {info.filename!r} holds Python objects")
+            body = member[npy.tell():]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if body.size != nbytes:
+                raise ValueError(f"member {info.filename!r}: {body.size} bytes for shape {shape} of {dtype}")
+            arrays[info.filename[:-4]] = body.view(dtype).reshape(shape, order="F" if fortran_order else "C")
+    return arrays
+
+
+class _Reader:
+    """A read-only, seekable file over a uint8 array, without copying it (io.BytesIO would)."""
+
+    def __init__(self, data):
+        self._data, self._pos = data, 0
+
+    def read(self, size=-1):
+        end = self._data.size if size is None or size < 0 else min(self._pos + size, self._data.size)
+        chunk = bytes(self._data[self._pos:end])
+        self._pos = end
+        return chunk
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._data.size}[whence] + offset
+        return self._pos
+
+    def tell(self):
+        return self._pos
+
+    def seekable(self):
+        return True
 
 
 def restore(coordinator, header, arrays):
@@ -236,8 +303,7 @@ class Snapshots:
         for _, name in self._files():
             path = os.path.join(self.directory, name)
             try:
-                with open(path, "rb") as file:
-                    header, arrays = decode(file.read())
+                header, arrays = read(path)
                 restore(self.coordinator, header, arrays)
             except WrongServer as error:
                 raise WrongServer(f"{name}: {error}") from None
