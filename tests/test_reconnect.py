@@ -234,6 +234,23 @@ def test_a_round_in_the_snapshot_is_not_applied_again_when_the_workers_line_up(t
             np.testing.assert_array_equal(kv0.pull("w"), [-5] * 4)
 
 
+def test_a_connection_reset_while_create_asks_for_info_is_tried_again_within_connect_timeout(tmp_path):
+    """The first connection is reset before the server's answer comes (the proxy swallows the
+    HTTP/2 handshake): create connects again and joins, where a refused connection fails at
+    once (tests/test_addresses.py)."""
+    with Cluster(tmp_path=tmp_path) as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        proxy.hold_replies()
+        result = _in_thread(lambda: tensorkv.create("dist_sync", servers=proxy.address, connect_timeout=TIMEOUT))
+        wait_until(lambda: proxy.connections >= 1, "create's first connection")
+        time.sleep(0.2)
+        proxy.reset()
+        proxy.hold_replies(False)
+        with result() as kv:
+            kv.init("w", np.ones(4, np.int32))
+            np.testing.assert_array_equal(kv.pull("w"), [1] * 4)
+        assert proxy.connections >= 2
+
+
 def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses[0], timeout=3) as kv:

@@ -22,7 +22,7 @@ from google.protobuf import message
 from . import rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import FailedPreconditionError, InternalError, ServerUnavailableError
-from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
+from .rpc import CHANNEL_OPTIONS, Session, Stub, connection_reset, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 
 # Calls whose values (per server) take at most this many bytes use the Session stream.
@@ -94,7 +94,9 @@ class ServerConn:
     # ---- registration -----------------------------------------------------------------
 
     def info(self, timeout):
-        return self._rpc("info", self.stub.Info, kvstore_pb2.InfoRequest(), timeout)
+        """The InfoResponse, asked again while the connection is reset, until ``timeout`` has
+        passed; a refused connection fails at once (:meth:`_through_resets`)."""
+        return self._through_resets("info", self.stub.Info, kvstore_pb2.InfoRequest(), timeout)
 
     def offer(self, info, transport):
         """Let calls use what the server offers (``info``) and ``transport`` allows: shared
@@ -336,6 +338,24 @@ class ServerConn:
             return method(request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as error:
             raise error_from_rpc(error, self.address, kind) from None
+
+    def _through_resets(self, kind, method, request, timeout):
+        """:meth:`_rpc`, made again after RETRY_FIRST to RETRY_MAX seconds while its connection
+        is reset (the server, or something between, accepted it and tore it down:
+        rpc.connection_reset) until ``timeout`` has passed; a refused connection (nothing
+        listens) and every other error are raised at once. Only for calls that may be made twice."""
+        deadline = time.monotonic() + timeout
+        delay = RETRY_FIRST
+        while True:
+            try:
+                return method(request, timeout=_left(deadline))
+            except grpc.RpcError as error:
+                if not connection_reset(error) or time.monotonic() + delay >= deadline:
+                    raise error_from_rpc(error, self.address, kind) from None
+                log.info("server %s: the connection was reset during the %s; trying again in %g s",
+                         self.address, kind, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX)
 
     def _frames(self, message_type, items, **fields):
         """The serialized request messages that carry ``items``."""
