@@ -84,6 +84,24 @@ def _host_copy(array):
     return array.copy() if isinstance(array, np.ndarray) else to_host(array)
 
 
+class _SharedTimer:
+    """The one abort timer of the rounds that one push opened (one per key of a list, which
+    would otherwise each arm a timer of their own): cancelled once every one of them has
+    completed or aborted."""
+
+    __slots__ = ("handle", "open")
+
+    def __init__(self, handle, count):
+        self.handle = handle
+        self.open = count
+
+    def cancel(self):
+        """One of the rounds no longer waits."""
+        self.open -= 1
+        if self.open == 0:
+            self.handle.cancel()
+
+
 class _KeyRounds:
     """The sync rounds of one key: the current round, and the ranks whose pushes an aborted
     round discarded, with the error their next call on the key reports."""
@@ -272,9 +290,9 @@ class Coordinator:
             items = [compression.decompressed(item, self.engine.xp) for item in items]
         check_updater = getattr(self.engine.updater, "check", None)
         for item in items:
-            self.engine.check_value(item.key, item.array, item.shape, item.slice)
+            stored = self.engine.check_value(item.key, item.array, item.shape, item.slice)
             if check_updater is not None:
-                check_updater(item.key, self.engine.get(item.key).array)
+                check_updater(item.key, stored.array)
         if self.mode == ASYNC:
             self.members.record(rank, sequence)
             for item in items:
@@ -298,8 +316,12 @@ class Coordinator:
             return
         self.members.record(rank, sequence)
         metrics.COUNTS.pushes += len(items)
-        for item in items:
-            self._add_to_round(rank, item, sequence)
+        opened = [opened for opened in (self._add_to_round(rank, item, sequence) for item in items) if opened]
+        if opened:
+            handle = asyncio.get_running_loop().call_later(self.round_timeout, self._abort_rounds, opened)
+            timer = _SharedTimer(handle, len(opened))
+            for _, round_ in opened:
+                round_.timer = timer
 
     async def pull(self, rank, incarnation, keys, pull_sequence=0):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
@@ -336,6 +358,8 @@ class Coordinator:
         return await self._pull(rank, incarnation, [item.key for item in items], ("pushpull", sequence))
 
     def _add_to_round(self, rank, item, sequence):
+        """Add ``item`` to its key's current round, applied if that completes it; (key, round)
+        when this push opened the round, for the caller to arm its abort timer."""
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
         current = rounds.current
         current.ranks.add(rank)
@@ -356,12 +380,12 @@ class Coordinator:
             rounds.current = _Wait(current.number + 1)
             if current._done is not None:
                 current._done.set_result(None)
-            return
+            return None
         current.latest = now
         if len(current.ranks) == 1:
             current.opened = now
-            loop = asyncio.get_running_loop()
-            current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
+            return item.key, current
+        return None
 
     def open_sequences(self):
         """{rank: the sequence numbers of its pushes in rounds still open}: applied, but in
@@ -375,6 +399,12 @@ class Coordinator:
     def _apply(self, key, merged):
         self.engine.apply(key, merged)
         self._updates[key] = self._updates.get(key, 0) + 1
+
+    def _abort_rounds(self, opened):
+        """Abort the rounds of ``opened`` [(key, round)] that are still waiting."""
+        for key, round_ in opened:
+            if key in self._rounds and self._rounds[key].current is round_:
+                self._abort_round(key, round_)
 
     def _abort_round(self, key, round_, why=None, error_class=RoundAbortedError):
         rounds = self._rounds[key]
