@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 
@@ -74,6 +75,7 @@ class ServerConn:
         self.lease_lost = None  # why the server no longer renews the lease (set by lease.Heartbeat)
         self.server_id = None  # Info.server_id when this worker registered
         self._if_exists = kvstore_pb2.IF_EXISTS_FAIL
+        self._request_id = _request_id()  # of the next registration, kept while it is sent again
         self._transport = "auto"
         self._sequences = itertools.count(1)
         self._pull_sequences = itertools.count(1)  # numbered apart: see PullRequest.pull_sequence
@@ -112,9 +114,14 @@ class ServerConn:
     def register(self, rank, if_exists, server_id, previous=None, timeout=None):
         """Join the job as ``rank`` (None: the server assigns one) on the server whose Info
         said ``server_id``, in the place of the registration ``previous`` (see
-        RegisterRequest.previous_incarnation); the RegisterResponse."""
-        request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous)
-        response = self._rpc("register", self.stub.Register, request, timeout)
+        RegisterRequest.previous_incarnation); the RegisterResponse. A connection reset is
+        tried again (:meth:`_through_resets`), with the same RegisterRequest.request_id until
+        the registration is answered, so that the server makes it once."""
+        request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous,
+                                              request_id=self._request_id)
+        response = self._through_resets("register", self.stub.Register, request,
+                                        self.timeout if timeout is None else timeout)
+        self._request_id = _request_id()
         self.rank, self.incarnation = response.rank, response.incarnation
         self.lease_ttl = response.lease_ttl_ms / 1000
         self.lease_lost = None
@@ -450,6 +457,11 @@ def _pulled_nbytes(item):
     if item.two_bit is None:
         return item.array.nbytes
     return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
+
+
+def _request_id():
+    """A new RegisterRequest.request_id: random, never 0."""
+    return secrets.randbits(63) + 1
 
 
 def _left(deadline):
