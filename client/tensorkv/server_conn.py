@@ -23,7 +23,7 @@ from google.protobuf import message
 from . import rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import FailedPreconditionError, InternalError, ServerUnavailableError
-from .rpc import CHANNEL_OPTIONS, Session, Stub, connection_reset, error_from_code, error_from_rpc, status_code
+from .rpc import CHANNEL_OPTIONS, Session, Stub, connection_lost, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 
 # Calls whose values (per server) take at most this many bytes use the Session stream.
@@ -303,8 +303,8 @@ class ServerConn:
 
     def set_updater(self, optimizer, key_states, kind):
         """Install ``optimizer`` with this server's ``key_states``; ``kind`` names the call in errors."""
-        request = states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states)
-        self._call(kind, self._unary_once, kind, "SetUpdater", request)
+        messages = list(states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states))
+        self._call(kind, self._unary_once, kind, "SetUpdater", messages)
 
     def set_learning_rate(self, learning_rate):
         request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)
@@ -322,7 +322,10 @@ class ServerConn:
         self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
 
     def _unary_once(self, timeout, kind, method, request):
-        """The answer of the stub's ``method`` to ``request`` (a stream of answers as a list)."""
+        """The answer of the stub's ``method`` to ``request`` (a list of messages for a stream
+        of them, sent whole by each attempt); a stream of answers as a list."""
+        if isinstance(request, list):
+            request = iter(request)
         return self._rpc(kind, lambda r, timeout: _whole(getattr(self.stub, method)(r, timeout=timeout)), request,
                          timeout)
 
@@ -344,15 +347,17 @@ class ServerConn:
     def _through_resets(self, kind, method, request, timeout):
         """:meth:`_rpc`, made again after RETRY_FIRST to RETRY_MAX seconds while its connection
         is reset (the server, or something between, accepted it and tore it down:
-        rpc.connection_reset) until ``timeout`` has passed; a refused connection (nothing
-        listens) and every other error are raised at once. Only for calls that may be made twice."""
+        rpc.connection_lost, where the server does not refuse this client's credentials) until
+        ``timeout`` has passed; a refused connection (nothing listens) and every other error
+        are raised at once. Only for calls that may be made twice."""
         deadline = time.monotonic() + timeout
         delay = RETRY_FIRST
         while True:
             try:
                 return method(request, timeout=_left(deadline))
             except grpc.RpcError as error:
-                if not connection_reset(error) or time.monotonic() + delay >= deadline:
+                again = time.monotonic() + delay < deadline and connection_lost(error)
+                if not again or self._security.diagnose(self.address) is not None:
                     raise error_from_rpc(error, self.address, kind) from None
                 log.info("server %s: the connection was reset during the %s; trying again in %g s",
                          self.address, kind, delay)
