@@ -206,6 +206,34 @@ def test_a_row_sparse_push_of_a_round_open_at_a_restart_is_sent_again(tmp_path):
         assert not kv0._conns[0]._unconfirmed and not kv1._conns[0]._unconfirmed  # the pulls saw the round complete
 
 
+def test_a_round_in_the_snapshot_is_not_applied_again_when_the_workers_line_up(tmp_path):
+    """Both ranks push and the round completes; the server writes a snapshot and is killed
+    with -9 before either pulls. Restarted, it gets each rank's last push again, with its
+    sequence number: the round is in the snapshot, so it is not applied a second time."""
+    state = str(tmp_path / "state")
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) \
+            as cluster:
+        server = Server(cluster.addresses[0], Security(), 10.0)
+        with tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=0, timeout=TIMEOUT) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+            kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))  # each round adds -(sum of gradients)
+            kv0.init("w", np.zeros(4, np.float32))
+            kv1.init("w", np.zeros(4, np.float32))
+            kv0.push("w", np.full(4, 1, np.float32))
+            kv1.push("w", np.full(4, 2, np.float32))
+            wait_until(lambda: server.keys()[0].updates == 1, "the round applied")
+            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+            cluster.restart()
+            pulled = _in_thread(lambda: kv0.pull("w"))
+            np.testing.assert_array_equal(kv1.pull("w"), [-3] * 4)
+            np.testing.assert_array_equal(pulled(), [-3] * 4)
+            assert server.keys()[0].updates == 1
+            # and the rounds go on in step
+            kv0.push("w", np.full(4, 1, np.float32))
+            kv1.push("w", np.full(4, 1, np.float32))
+            np.testing.assert_array_equal(kv0.pull("w"), [-5] * 4)
+
+
 def test_a_connection_reset_while_create_asks_for_info_is_tried_again_within_connect_timeout(tmp_path):
     """The first connection is reset before the server's answer comes (the proxy swallows the
     HTTP/2 handshake): create connects again and joins, where a refused connection fails at

@@ -2,6 +2,7 @@
 --snapshot-interval; restored at start from the newest whole one. One server for one
 dist_sync worker (tests/workers/sgd_run.py: SGD with momentum over three int keys)."""
 import hashlib
+import io
 import json
 import signal
 import subprocess
@@ -100,6 +101,29 @@ def test_sigterm_writes_a_snapshot_that_a_restart_loads(tmp_path):
         assert _info(cluster).restored_from == "snapshot-000000000001.tkv"
         with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, if_exists="resume") as kv:
             np.testing.assert_array_equal(kv.pull([0, 1, 2]), np.array(first, np.float32))
+
+
+def test_a_snapshot_is_the_documented_npz_and_one_that_np_savez_wrote_loads(tmp_path):
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
+        weights = np.array(_run(cluster)["weights"], np.float32)
+        written = tmp_path / "state" / _snapshot(cluster).file_name
+        line, _, payload = written.read_bytes().partition(b"\n")
+        assert line == b"tensorkv-snapshot 1 " + hashlib.sha256(payload).hexdigest().encode()
+        with np.load(io.BytesIO(payload), allow_pickle=False) as archive:  # what another reader does
+            arrays = {name: archive[name] for name in archive.files}
+        header = json.loads(bytes(arrays["header"]).decode())
+        assert [entry["key"] for entry in header["keys"]] == [0, 1, 2]
+        np.testing.assert_array_equal([arrays[f"value_{i}"] for i in range(3)], weights)
+        assert sorted(arrays) == ["header", "state_0", "state_1", "state_2", "value_0", "value_1", "value_2"]
+        rewritten = io.BytesIO()  # as np.savez writes it: sizes before the data, no zip64 fields
+        np.savez(rewritten, **arrays)
+        newer = written.with_name("snapshot-000000000002.tkv")
+        newer.write_bytes(b"tensorkv-snapshot 1 " + hashlib.sha256(rewritten.getvalue()).hexdigest().encode() + b"\n"
+                          + rewritten.getvalue())
+        cluster.restart()
+        assert _info(cluster).restored_from == newer.name
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, if_exists="resume") as kv:
+            np.testing.assert_array_equal(kv.pull([0, 1, 2]), weights)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "unparsable"])

@@ -159,9 +159,12 @@ class Engine:
             self.state_array_bytes += state_array_bytes(array)
 
     def _stored_copy(self, item):
-        """A copy of ``item``'s value in this namespace; ResourceExhaustedError if it does not fit."""
+        """A copy of ``item``'s value in this namespace, or on NumPy an owned array itself (a
+        buffer read for this engine); ResourceExhaustedError if it does not fit."""
         try:
             value = to_namespace(item.array, self.xp)
+            if item.owned and self.xp is np and value.flags.c_contiguous and value.flags.writeable:
+                return value
             return self._copy(value, value.dtype)
         except MemoryError:
             raise no_memory(item.key, item.shape, shape_dtype(item.array)[1], item.array.nbytes) from None

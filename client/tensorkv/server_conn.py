@@ -83,7 +83,7 @@ class ServerConn:
         self._realign = False  # whether a restart needs the last pushes again (sync, several workers, snapshots)
         # key -> a copy of what was last pushed to it (an Item, or row-sparse (key, shape, row ids,
         # rows)), until a pull of the key
-        self._unconfirmed = {}
+        self._unconfirmed = {}  # key -> (sequence number, a copy of its last push), until a pull of the key
 
     def _connect(self):
         """A new channel, stub and Session stream (its shared-memory region and data channel
@@ -206,14 +206,17 @@ class ServerConn:
                 self._push_unconfirmed(deadline)
 
     def _push_unconfirmed(self, deadline):
-        """Send again the last push of each key whose round this worker has not seen complete:
-        the dense ones in one push, the row-sparse ones in one RowSparsePush."""
-        items = [value for value in self._unconfirmed.values() if isinstance(value, Item)]
-        rows = [value for value in self._unconfirmed.values() if not isinstance(value, Item)]
-        if items:
-            self._push_once(_left(deadline), list(enumerate(items)), next(self._sequences))
-        if rows:
-            self._row_sparse_push_once(_left(deadline), rows, next(self._sequences))
+        """Send again the last push of each key whose round this worker has not seen complete,
+        with the sequence number it had: the restarted server skips a push that its snapshot
+        holds (RegisterRequest.previous_incarnation), and applies the others."""
+        calls = {}
+        for sequence, value in self._unconfirmed.values():
+            calls.setdefault(sequence, []).append(value)
+        for sequence, values in sorted(calls.items()):
+            if isinstance(values[0], Item):
+                self._push_once(_left(deadline), list(enumerate(values)), sequence)
+            else:
+                self._row_sparse_push_once(_left(deadline), values, sequence)
 
     # ---- the data path ----------------------------------------------------------------
 
@@ -227,10 +230,11 @@ class ServerConn:
                                                                sequence=sequence), timeout)
 
     def push(self, part):
-        self._call("push", self._push_once, part, next(self._sequences))
+        sequence = next(self._sequences)
+        self._call("push", self._push_once, part, sequence)
         if self._realign:
-            self._unconfirmed.update((item.key, Item(item.key, item.array.copy(), item.shape, item.slice,
-                                                     two_bit=item.two_bit)) for _, item in part)
+            self._unconfirmed.update((item.key, (sequence, Item(item.key, item.array.copy(), item.shape, item.slice,
+                                                                two_bit=item.two_bit))) for _, item in part)
 
     def _push_once(self, timeout, part, sequence):
         if self._session("push", part, timeout, sequence=sequence) is None:
@@ -271,9 +275,10 @@ class ServerConn:
 
     def row_sparse_push(self, values):
         """RowSparsePush of ``values`` [(key, full shape, row ids, rows)] (rows only, in plain messages)."""
-        self._call("push", self._row_sparse_push_once, values, next(self._sequences))
+        sequence = next(self._sequences)
+        self._call("push", self._row_sparse_push_once, values, sequence)
         if self._realign:
-            self._unconfirmed.update((key, (key, shape, row_ids.copy(), rows.copy()))
+            self._unconfirmed.update((key, (sequence, (key, shape, row_ids.copy(), rows.copy())))
                                      for key, shape, row_ids, rows in values)
 
     def _row_sparse_push_once(self, timeout, values, sequence):

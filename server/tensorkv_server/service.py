@@ -21,6 +21,7 @@ from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, Inva
 from tensorkv.rowsparse import RowSparse
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tensorkv.words import plural
 
 from . import datachan, logs, metrics, shm
 from .limits import Limits
@@ -38,6 +39,8 @@ RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
+_OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
+                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL}
 
 
 if hasattr(asyncio, "timeout"):  # Python 3.11+
@@ -280,6 +283,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             call_id = request.id
             incoming = decoder.frames.incoming
             uses_channel = bool(incoming or request.data_channel_min_bytes)
+            if request.op in _OPS_WITHOUT_VALUES and items:  # bytes it announced would stay unread on the channel
+                raise InvalidArgumentError(f"session op {kvstore_pb2.SessionOp.Name(request.op)} takes no values; the "
+                                           f"request carries {plural(len(items), 'value')}")
             if request.op in (kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION):
                 return self._region_call(request, regions), None
             if request.op == kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL:

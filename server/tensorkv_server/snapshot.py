@@ -5,18 +5,19 @@ each key's round number and update count, the optimizer with its per-key states 
 counts, the key type, the run (number and if_exists) and the incarnation counter.
 Registrations are not saved (workers register again), nor the pushes of sync rounds still
 open (they are lost, as a crash loses them). The arrays are copied on the loop, into
-buffers whose pages a thread has touched first (faulting in fresh pages costs this machine
-many times the copy, and would hold up every call); the file is written in a thread, in one
-pass: ``NAME.part``, fsync, renamed over ``NAME``, fsync of the directory. The two newest
-snapshots are kept. The format is in docs/snapshot.md.
+buffers whose pages a thread has touched first (faulting in fresh pages costs this VM many
+times the copy, and would hold up every call); the file is written in a thread, in one
+pass from those buffers: ``NAME.part``, fsync, renamed over ``NAME``, fsync of the
+directory. The two newest snapshots are kept. A restore reads the file straight into the
+arrays the server keeps. The format is in docs/snapshot.md.
 """
 import asyncio
 import hashlib
-import io
 import json
 import logging
 import os
 import re
+import struct
 import zipfile
 
 import numpy as np
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 FORMAT = "tensorkv-snapshot"
 VERSION = 1
 KEEP = 2
+CHUNK = 16 << 20  # bytes read at a time to hash a file that is not whole
 _NAME = re.compile(r"snapshot-(\d{12})\.tkv")
 
 
@@ -53,12 +55,7 @@ def capture(coordinator, buffers):
     engine, arrays, keys = coordinator.engine, {}, []
     for key in engine.keys():
         stored = engine.get(key)
-        value, buffer = to_host(stored.array), buffers.get(key)
-        if buffer is not None and (buffer.shape, buffer.dtype) == (value.shape, value.dtype):
-            np.copyto(buffer, value)
-            value = buffer
-        else:
-            value = value.copy()
+        value = _host_copy(stored.array, buffers.get(key))
         keys.append({"key": key, "shape": list(stored.shape), "slice": stored.slice and list(stored.slice),
                      "dtype": str(value.dtype),
                      "round": coordinator._rounds[key].current.number if key in coordinator._rounds else 1,
@@ -81,6 +78,16 @@ def capture(coordinator, buffers):
               "sequences": coordinator.members.saved_sequences(coordinator.open_sequences()),
               "barriers_done": coordinator._barriers_done}
     return header, arrays
+
+
+def _host_copy(value, buffer):
+    """A NumPy copy of ``value``: ``buffer`` holding it when they match, else a new array."""
+    if not isinstance(value, np.ndarray):
+        return to_host(value)  # a copy from the GPU
+    if buffer is None or (buffer.shape, buffer.dtype) != (value.shape, value.dtype):
+        return value.copy()
+    np.copyto(buffer, value)
+    return buffer
 
 
 def _buffers(values):
@@ -120,10 +127,12 @@ def encode_into(file, header, arrays):
     file.write(_line("0" * 64))
     payload = _Hashing(file)
     members = {"header": np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays}
-    with zipfile.ZipFile(payload, "w", allowZip64=True) as archive:  # what np.savez writes
+    with zipfile.ZipFile(payload, "w", allowZip64=True) as archive:  # the archive np.savez writes
         for name, array in members.items():
+            array = np.ascontiguousarray(_portable(array))
             with archive.open(name + ".npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, _portable(array), allow_pickle=False)
+                np.lib.format.write_array_header_1_0(member, np.lib.format.header_data_from_array_1_0(array))
+                member.write(array.reshape(-1).view(np.uint8))  # no copy, unlike np.lib.format.write_array
     file.seek(0)
     file.write(_line(payload.sha256.hexdigest()))
 
@@ -133,23 +142,100 @@ def _portable(array):
     return array.view(np.uint16) if array.dtype == BFLOAT16 else array
 
 
-def decode(data):
-    """(header, {name: array}) of a snapshot file's bytes; BadSnapshot if it is not whole."""
-    line, _, payload = data.partition(b"\n")
-    fields = line.split(b" ")
-    if len(fields) != 3 or fields[0] != FORMAT.encode() or fields[1] != str(VERSION).encode():
+def read(file):
+    """(header, {name: array}) of the snapshot file ``file`` (binary, at its start), each
+    array read straight into memory of its own; BadSnapshot if the file is not whole."""
+    line = file.readline(len(_line("0" * 64)))
+    fields = line.rstrip(b"\n").split(b" ")
+    if not line.endswith(b"\n") or len(fields) != 3 or fields[:2] != [FORMAT.encode(), str(VERSION).encode()]:
         raise BadSnapshot(f"not a {FORMAT} file of version {VERSION}")
-    if hashlib.sha256(payload).hexdigest().encode() != fields[2]:
-        raise BadSnapshot("checksum mismatch (truncated or corrupt)")
     try:
-        with np.load(io.BytesIO(payload), allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
+        digest, arrays = _read_payload(file, len(line))
         header = json.loads(bytes(arrays.pop("header")).decode())
-    except (OSError, ValueError, KeyError) as error:
-        raise BadSnapshot(f"unreadable payload ({error})") from None
+    except _UNREADABLE as error:
+        if _digest(file, len(line)) != fields[2].decode():
+            raise BadSnapshot("checksum mismatch (truncated or corrupt)") from None
+        raise BadSnapshot(f"unreadable payload ({error!r})") from None
+    if digest != fields[2].decode():
+        raise BadSnapshot("checksum mismatch (truncated or corrupt)")
     if not isinstance(header, dict):
         raise BadSnapshot("malformed header (not a JSON object)")
     return header, arrays
+
+
+# What a payload that is not a whole archive of .npy files raises while it is read.
+_UNREADABLE = (ValueError, KeyError, EOFError, struct.error, zipfile.BadZipFile)
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _read_payload(file, start):
+    """(hex SHA-256 of the payload from offset ``start`` to the end, {name: array} of its
+    .npy members): one pass over the file, every array read into its own memory."""
+    members = sorted(_members(file))
+    sha256, position = hashlib.sha256(), start
+    file.seek(start)
+    arrays = {}
+    for offset, nbytes, name, shape, dtype, fortran_order in members:
+        if offset < position:
+            raise ValueError(f"member {name!r} overlaps the one before it")
+        sha256.update(_read_exactly(file, offset - position))
+        data = np.empty(nbytes, np.uint8)
+        _read_into(file, data)
+        sha256.update(data)
+        arrays[name] = data.view(dtype).reshape(shape, order="F" if fortran_order else "C")
+        position = offset + data.nbytes
+    sha256.update(file.read())
+    return sha256.hexdigest(), arrays
+
+
+def _members(file):
+    """[(offset and size of the array's bytes, name, shape, dtype, fortran_order)] of the .npy
+    members of the zip archive in ``file``, each checked to fill its member exactly."""
+    members, end = [], file.seek(0, os.SEEK_END)
+    with zipfile.ZipFile(file) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy") or info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"member {info.filename!r} is not an uncompressed .npy file")
+            file.seek(info.header_offset)
+            local = _read_exactly(file, 30)  # a zip local file header, then its name and extra field
+            if local[:4] != b"PK\x03\x04":
+                raise ValueError(f"member {info.filename!r}: no local file header")
+            data = info.header_offset + 30 + sum(struct.unpack_from("<HH", local, 26))
+            file.seek(data)
+            read_header = _NPY_HEADERS.get(np.lib.format.read_magic(file))
+            if read_header is None:
+                raise ValueError(f"member {info.filename!r}: an .npy version this server does not read")
+            shape, fortran_order, dtype = read_header(file)
+            offset, nbytes = file.tell(), int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if dtype.hasobject or offset + nbytes != data + info.file_size or data + info.file_size > end:
+                raise ValueError(f"member {info.filename!r} does not hold an array of {shape} {dtype}")
+            members.append((offset, nbytes, info.filename[:-4], shape, dtype, fortran_order))
+    return members
+
+
+def _read_exactly(file, size):
+    data = file.read(size)
+    if len(data) != size:
+        raise EOFError(f"{size} bytes wanted, {len(data)} left")
+    return data
+
+
+def _read_into(file, array):
+    view, done = memoryview(array), 0
+    while done < len(view):
+        count = file.readinto(view[done:])
+        if not count:
+            raise EOFError(f"{len(view)} bytes wanted, {done} left")
+        done += count
+
+
+def _digest(file, start):
+    """The hex SHA-256 of ``file`` from offset ``start`` to its end."""
+    sha256 = hashlib.sha256()
+    file.seek(start)
+    while chunk := file.read(CHUNK):
+        sha256.update(chunk)
+    return sha256.hexdigest()
 
 
 def restore(coordinator, header, arrays):
@@ -192,7 +278,8 @@ def _parse(header, arrays):
         array = arrays[f"value_{index}"]
         if array.dtype == np.uint16 and entry["dtype"] == "bfloat16":
             array = array.view(BFLOAT16)
-        items.append(Item(check_key(entry["key"]), array, entry["shape"], entry["slice"] and tuple(entry["slice"])))
+        items.append(Item(check_key(entry["key"]), array, entry["shape"], entry["slice"] and tuple(entry["slice"]),
+                          owned=True))  # read for the engine to keep
         for field in ("round", "updates", "initialized_in"):
             int(entry[field])
     for field in ("next_incarnation", "barriers_done"):
@@ -237,7 +324,7 @@ class Snapshots:
             path = os.path.join(self.directory, name)
             try:
                 with open(path, "rb") as file:
-                    header, arrays = decode(file.read())
+                    header, arrays = read(file)
                 restore(self.coordinator, header, arrays)
             except WrongServer as error:
                 raise WrongServer(f"{name}: {error}") from None
