@@ -156,3 +156,27 @@ def test_after_a_server_restart_an_old_workers_push_is_refused(tmp_path):
                 assert list(_info(address).registered_ranks) == [0, 1]
         finally:
             old.close()
+
+
+def test_a_register_sent_again_with_its_request_id_gets_the_same_registration(tmp_path):
+    """A Register whose answer a reset lost is sent again with the same request_id (as
+    tensorkv.server_conn does): the server answers the registration it made, not "rank taken",
+    and a rank it assigned is not assigned twice; another request_id is refused as before."""
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster, \
+            grpc.insecure_channel(cluster.addresses[0], options=CHANNEL_OPTIONS) as channel:
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+
+        def register(**fields):
+            return stub.Register(kvstore_pb2.RegisterRequest(**fields), timeout=5)
+        first = register(rank=1, request_id=7)
+        again = register(rank=1, request_id=7)
+        assert (again.rank, again.incarnation) == (first.rank, first.incarnation)
+        assigned = register(request_id=8)  # the server picks rank 0
+        assert assigned.rank == 0
+        again = register(request_id=8)
+        assert (again.rank, again.incarnation) == (0, assigned.incarnation)
+        with pytest.raises(grpc.RpcError) as refused:
+            register(rank=1, request_id=9)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "rank 1 is already taken by another worker" in refused.value.details()
+        assert list(_info(cluster.addresses[0]).registered_ranks) == [0, 1]

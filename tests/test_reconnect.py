@@ -251,6 +251,24 @@ def test_a_connection_reset_while_create_asks_for_info_is_tried_again_within_con
         assert proxy.connections >= 2
 
 
+def test_a_set_optimizer_whose_answer_was_lost_is_sent_again_whole(tmp_path):
+    """SetUpdater is a stream of messages: the call sent again after the reset carries all of
+    them again (before, the messages were a generator that the first attempt had used up, and
+    the server refused the empty stream: "SetUpdater names no optimizer")."""
+    with Cluster(tmp_path=tmp_path) as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        server = Server(cluster.addresses[0], Security(), 10.0)
+        with tensorkv.create("dist_sync", servers=proxy.address, timeout=TIMEOUT) as kv:
+            kv.init("w", np.zeros(4, np.float32))
+            proxy.hold_replies()
+            result = _in_thread(lambda: kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0)))
+            wait_until(lambda: server.info().optimizer == "sgd", "the optimizer installed")  # its answer never arrives
+            proxy.reset()
+            proxy.hold_replies(False)
+            result()
+            kv.push("w", np.full(4, -5, np.float32))
+            np.testing.assert_array_equal(kv.pull("w"), [5] * 4)
+
+
 def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses[0], timeout=3) as kv:

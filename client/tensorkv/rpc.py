@@ -174,13 +174,16 @@ def transport_error(details, address, kind):
                                   f"(it may have crashed or been killed); {effect}")
 
 
-def connection_reset(error):
-    """Whether the ``grpc.RpcError`` ``error`` is a connection that was made, then reset
-    (ECONNRESET: a server, or something between, accepted it and tore it down, before or
-    after the HTTP/2 handshake), not refused (ECONNREFUSED: nothing listens). Both arrive as
-    UNAVAILABLE; only the transport's words tell them apart. A peer that closes the connection
-    ("Socket closed") is not taken for a reset: a TLS server does so to a plaintext client."""
-    return error.code() == grpc.StatusCode.UNAVAILABLE and "Connection reset by peer" in (error.details() or "")
+def connection_lost(error):
+    """Whether the ``grpc.RpcError`` ``error`` is a connection that was made, then reset or
+    closed by the peer (a server, or something between, accepted it and tore it down, before
+    or after the HTTP/2 handshake), not refused (ECONNREFUSED: nothing listens). Both arrive
+    as UNAVAILABLE; only the transport's words tell them apart. A reset may read as either
+    ("Connection reset by peer", or "Socket closed" when it meets a write); a peer that closes
+    may also be one that refuses this client's credentials (Security.diagnose tells)."""
+    details = error.details() or ""
+    return error.code() == grpc.StatusCode.UNAVAILABLE and (
+        "Connection reset by peer" in details or "Socket closed" in details)
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 
@@ -22,7 +23,7 @@ from google.protobuf import message
 from . import rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import FailedPreconditionError, InternalError, ServerUnavailableError
-from .rpc import CHANNEL_OPTIONS, Session, Stub, connection_reset, error_from_code, error_from_rpc, status_code
+from .rpc import CHANNEL_OPTIONS, Session, Stub, connection_lost, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 
 # Calls whose values (per server) take at most this many bytes use the Session stream.
@@ -74,6 +75,7 @@ class ServerConn:
         self.lease_lost = None  # why the server no longer renews the lease (set by lease.Heartbeat)
         self.server_id = None  # Info.server_id when this worker registered
         self._if_exists = kvstore_pb2.IF_EXISTS_FAIL
+        self._request_id = _request_id()  # of the next registration, kept while it is sent again
         self._transport = "auto"
         self._sequences = itertools.count(1)
         self._pull_sequences = itertools.count(1)  # numbered apart: see PullRequest.pull_sequence
@@ -112,9 +114,14 @@ class ServerConn:
     def register(self, rank, if_exists, server_id, previous=None, timeout=None):
         """Join the job as ``rank`` (None: the server assigns one) on the server whose Info
         said ``server_id``, in the place of the registration ``previous`` (see
-        RegisterRequest.previous_incarnation); the RegisterResponse."""
-        request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous)
-        response = self._rpc("register", self.stub.Register, request, timeout)
+        RegisterRequest.previous_incarnation); the RegisterResponse. A connection reset is
+        tried again (:meth:`_through_resets`), with the same RegisterRequest.request_id until
+        the registration is answered, so that the server makes it once."""
+        request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous,
+                                              request_id=self._request_id)
+        response = self._through_resets("register", self.stub.Register, request,
+                                        self.timeout if timeout is None else timeout)
+        self._request_id = _request_id()
         self.rank, self.incarnation = response.rank, response.incarnation
         self.lease_ttl = response.lease_ttl_ms / 1000
         self.lease_lost = None
@@ -301,8 +308,8 @@ class ServerConn:
 
     def set_updater(self, optimizer, key_states, kind):
         """Install ``optimizer`` with this server's ``key_states``; ``kind`` names the call in errors."""
-        request = states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states)
-        self._call(kind, self._unary_once, kind, "SetUpdater", request)
+        messages = list(states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states))
+        self._call(kind, self._unary_once, kind, "SetUpdater", messages)
 
     def set_learning_rate(self, learning_rate):
         request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)
@@ -320,7 +327,10 @@ class ServerConn:
         self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
 
     def _unary_once(self, timeout, kind, method, request):
-        """The answer of the stub's ``method`` to ``request`` (a stream of answers as a list)."""
+        """The answer of the stub's ``method`` to ``request`` (a list of messages for a stream
+        of them, sent whole by each attempt); a stream of answers as a list."""
+        if isinstance(request, list):
+            request = iter(request)
         return self._rpc(kind, lambda r, timeout: _whole(getattr(self.stub, method)(r, timeout=timeout)), request,
                          timeout)
 
@@ -342,15 +352,17 @@ class ServerConn:
     def _through_resets(self, kind, method, request, timeout):
         """:meth:`_rpc`, made again after RETRY_FIRST to RETRY_MAX seconds while its connection
         is reset (the server, or something between, accepted it and tore it down:
-        rpc.connection_reset) until ``timeout`` has passed; a refused connection (nothing
-        listens) and every other error are raised at once. Only for calls that may be made twice."""
+        rpc.connection_lost, where the server does not refuse this client's credentials) until
+        ``timeout`` has passed; a refused connection (nothing listens) and every other error
+        are raised at once. Only for calls that may be made twice."""
         deadline = time.monotonic() + timeout
         delay = RETRY_FIRST
         while True:
             try:
                 return method(request, timeout=_left(deadline))
             except grpc.RpcError as error:
-                if not connection_reset(error) or time.monotonic() + delay >= deadline:
+                again = time.monotonic() + delay < deadline and connection_lost(error)
+                if not again or self._security.diagnose(self.address) is not None:
                     raise error_from_rpc(error, self.address, kind) from None
                 log.info("server %s: the connection was reset during the %s; trying again in %g s",
                          self.address, kind, delay)
@@ -455,6 +467,11 @@ def _pulled_nbytes(item):
     if item.two_bit is None:
         return item.array.nbytes
     return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
+
+
+def _request_id():
+    """A new RegisterRequest.request_id: random, never 0."""
+    return secrets.randbits(63) + 1
 
 
 def _left(deadline):

@@ -114,6 +114,7 @@ class Membership:
         self._applied = {}  # rank -> _Applied sequence numbers of its registration (and those it took over)
         self._failures = {}  # rank -> {(kind, number): the error that call failed with}, the last FAILURES_KEPT
         self._restored = {}  # rank -> (incarnation, _Applied) saved in the snapshot this server restored
+        self._request_ids = {}  # rank -> RegisterRequest.request_id of its registration
         self._on_expired = on_expired
 
     @property
@@ -126,14 +127,21 @@ class Membership:
         """Whether a run is going on: some rank is registered."""
         return bool(self.incarnations)
 
-    def register(self, rank=None, if_exists=FAIL, previous=None):
+    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0):
         """(rank, incarnation, whether it started a new run) of a new registration of
         ``rank``, or of the lowest free rank; FailedPreconditionError if it is taken, or if
         ``if_exists`` is not that of the run going on. With ``previous``, the incarnation
         that held ``rank`` before the caller's connection broke: the new registration takes
-        its place when it still holds the rank; FailedPreconditionError if its lease expired."""
+        its place when it still holds the rank; FailedPreconditionError if its lease expired.
+        A ``request_id`` (not 0) whose registration still holds its rank gets that
+        registration again (RegisterRequest.request_id)."""
+        if request_id:
+            made = next((held for held, made_by in self._request_ids.items() if made_by == request_id), None)
+            if made is not None and rank in (None, made):
+                return made, self.incarnations[made], False
         if previous is not None and rank is not None:
             if self.incarnations.get(rank) == previous:
+                self._request_ids[rank] = request_id
                 return rank, self._take_over(rank, previous), False
             if self._expired.get(rank) == previous:
                 self.check(rank, previous)  # raises: that lease expired
@@ -157,6 +165,7 @@ class Membership:
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
         self._grant(rank, incarnation)
+        self._request_ids[rank] = request_id
         restored = self._restored.pop(rank, None)
         if restored is not None and previous is not None and restored[0] == previous:
             self._applied[rank] = restored[1]  # the same worker, after this server restarted
@@ -268,6 +277,7 @@ class Membership:
         del self.incarnations[rank]
         self._leases.pop(rank).timer.cancel()
         self._applied.pop(rank, None)
+        self._request_ids.pop(rank, None)
         self._failures.pop(rank, None)
         log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:

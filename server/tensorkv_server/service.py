@@ -175,7 +175,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             raise InvalidArgumentError(f"unknown if_exists value {request.if_exists}")
         rank, incarnation = self.coordinator.register(
             request.rank if request.HasField("rank") else None, if_exists,
-            request.previous_incarnation if request.HasField("previous_incarnation") else None)
+            request.previous_incarnation if request.HasField("previous_incarnation") else None, request.request_id)
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation,
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
