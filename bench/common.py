@@ -43,14 +43,25 @@ def tail(path, lines=30):
 
 def median_time(fn, repeats, warmup=1):
     """Call fn warmup+repeats times; the median seconds per call."""
+    return statistics.median(times(fn, repeats, warmup))
+
+
+def times(fn, repeats, warmup=1):
+    """Call fn warmup+repeats times; the seconds of each timed call."""
     for _ in range(warmup):
         fn()
-    times = []
+    seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def p99(seconds):
+    """The 99th percentile of ``seconds`` (the nearest rank)."""
+    ordered = sorted(seconds)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def gbps(nbytes, seconds):

@@ -117,6 +117,16 @@ def test_a_server_s_limits_are_checked_before_anything_is_allocated():
         decode([frame(tensor(data=b"\0" * 8), tensor(data=b"\0" * 8))], max_call_bytes=12)
 
 
+def test_values_on_the_data_channel_count_against_max_call_bytes_even_unused():
+    """An Init that only waits uses no values, but those its entries announce on the data channel
+    are received all the same: they count (before the fix they did not, and a server allocated
+    and read whatever such entries announced)."""
+    entry = tensor_pb2.Entry(key=tensor_pb2.Key(int_key=1), tensor=tensor(shape=(4,), data=b""),
+                             channel=tensor_pb2.DataChannelRef(length=16))
+    with pytest.raises(ResourceExhaustedError, match=r"to 16 bytes; this server's limit is 12 bytes per call"):
+        decode([tensor_pb2.TensorFrame(entries=[entry])], with_data=False, channel=True, max_call_bytes=12)
+
+
 def test_malformed_streams_are_rejected():
     with pytest.raises(InvalidTensorError, match="stream ended after 4 of 8 bytes"):
         decode([frame(tensor(data=b"\0" * 4))])

@@ -15,6 +15,7 @@ import tensorkv
 from tensorkv.codec import get_key
 from tensorkv.ctl import Server
 from tensorkv.security import Security
+from tensorkv.v1 import kvstore_pb2
 
 from cluster import Cluster, check_workers, free_port, stop, wait_until
 from faultproxy import FaultProxy
@@ -101,6 +102,153 @@ def test_a_push_whose_acknowledgement_was_lost_is_not_applied_twice(metered):
             assert _pushes(port) == 1
             kv.push("w", np.full(4, -1, np.float32))
             np.testing.assert_array_equal(kv.pull("w"), [6] * 4)
+
+
+def _aborted(port):
+    """The server's count of aborted rounds."""
+    return scrape(port)[1][("tensorkv_rounds_total", (("outcome", "aborted"),))]
+
+
+@pytest.mark.parametrize("call", ["pull", "pushpull"])
+def test_an_aborted_round_whose_answer_was_lost_is_reported_when_the_call_is_sent_again(tmp_path, call):
+    """Rank 0 waits in a round that rank 1 never joins; the server's RoundAbortedError answer
+    is lost with the connection. The call sent again gets the same error, not the stale value."""
+    port = free_port()
+    with Cluster(num_workers=2, round_timeout=1.0, tmp_path=tmp_path, server_args=("--metrics-port", str(port))) \
+            as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        with tensorkv.create("dist_sync", servers=proxy.address, rank=0, timeout=TIMEOUT) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+            kv0.init("w", np.zeros(4, np.int32))
+            kv1.init("w", np.zeros(4, np.int32))
+            if call == "pull":
+                kv0.push("w", np.ones(4, np.int32))
+            proxy.hold_replies()
+            result = _in_thread(lambda: kv0.pull("w") if call == "pull" else _pushpull(kv0, 1))
+            wait_until(lambda: _aborted(port) == 1, "the round aborted")  # and its answer swallowed
+            proxy.reset()
+            proxy.hold_replies(False)
+            with pytest.raises(tensorkv.RoundAbortedError, match="key 'w': round 1 aborted after 1 s; missing ranks \\[1\\]"):
+                result()
+            assert proxy.connections >= 2  # it was sent again
+            np.testing.assert_array_equal(kv0.pull("w"), [0] * 4)  # a new pull: the round was discarded
+            np.testing.assert_array_equal(kv1.pull("w"), [0] * 4)
+
+
+def test_a_push_in_a_snapshot_is_not_applied_again_by_the_restarted_server(tmp_path):
+    """A push's answer is lost; the server, which applied it, writes a snapshot and is killed
+    with -9. Restarted on its state dir, it gets the push again with its sequence number: the
+    numbers applied came back with the snapshot, so it is acknowledged, not applied twice."""
+    state = str(tmp_path / "state")
+    with Cluster(tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) as cluster, \
+            FaultProxy(cluster.addresses[0]) as proxy:
+        server = Server(cluster.addresses[0], Security(), 10.0)
+        with tensorkv.create("dist_sync", servers=proxy.address, timeout=TIMEOUT) as kv:
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))  # each push adds -gradient
+            kv.init("w", np.zeros(4, np.float32))
+            proxy.hold_replies()
+            result = _in_thread(lambda: kv.push("w", np.full(4, -5, np.float32)))
+            wait_until(lambda: server.keys()[0].updates == 1, "the push applied")  # its answer never arrives
+            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+            cluster.restart()  # SIGKILL, then a new server on the state dir
+            proxy.reset()
+            proxy.hold_replies(False)
+            result()
+            np.testing.assert_array_equal(kv.pull("w"), [5] * 4)
+            kv.push("w", np.full(4, -1, np.float32))
+            np.testing.assert_array_equal(kv.pull("w"), [6] * 4)
+
+
+def test_a_push_of_a_round_open_at_the_snapshot_is_applied_by_the_restarted_server(tmp_path):
+    """As above, with 2 workers: rank 0's push waits in an open round when the snapshot is
+    taken, so the snapshot holds neither it nor its number, and the push sent again counts."""
+    state, port = str(tmp_path / "state"), free_port()
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0",
+                                                                "--metrics-port", str(port))) \
+            as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        server = Server(cluster.addresses[0], Security(), 10.0)
+        with tensorkv.create("dist_sync", servers=proxy.address, rank=0, timeout=TIMEOUT) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+            kv0.init("w", np.zeros(4, np.int32))
+            kv1.init("w", np.zeros(4, np.int32))
+            proxy.hold_replies()
+            result = _in_thread(lambda: kv0.push("w", np.full(4, 1, np.int32)))
+            wait_until(lambda: _pushes(port) == 1, "rank 0's push in an open round")
+            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+            cluster.restart()
+            proxy.reset()
+            proxy.hold_replies(False)
+            result()
+            kv1.push("w", np.full(4, 2, np.int32))
+            np.testing.assert_array_equal(kv1.pull("w"), [3] * 4)
+            np.testing.assert_array_equal(kv0.pull("w"), [3] * 4)
+
+
+def test_a_row_sparse_push_of_a_round_open_at_a_restart_is_sent_again(tmp_path):
+    """Rank 0's row-sparse push waits in an open round when the server is killed with -9 and
+    restarted on its state dir, whose snapshot holds the round without that push: rank 0 sends
+    it again, as it would a dense push, so that the round completes with rank 1's push and both
+    pull the same exact value (SGD, learning rate 1: each row gets -gradient)."""
+    state = str(tmp_path / "state")
+    with Cluster(num_workers=2, round_timeout=5.0, tmp_path=tmp_path,
+                 server_args=("--state-dir", state, "--snapshot-interval", "0")) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, timeout=TIMEOUT) as kv0, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, rank=1, timeout=TIMEOUT) as kv1:
+        for kv in (kv0, kv1):
+            kv.init("w", np.zeros((4, 2), np.float32))
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
+        kv0.push("w", tensorkv.row_sparse(np.full((1, 2), -1, np.float32), [1], (4, 2)))  # waits for rank 1
+        Server(cluster.addresses[0], Security(), 10.0).kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+        cluster.restart()
+        kv1.push("w", tensorkv.row_sparse(np.full((1, 2), -2, np.float32), [2], (4, 2)))
+        expected = [[0, 0], [1, 1], [2, 2], [0, 0]]
+        np.testing.assert_array_equal(kv0.pull("w"), expected)
+        np.testing.assert_array_equal(kv1.row_sparse_pull("w", row_ids=[2, 1]), [[2, 2], [1, 1]])
+        assert not kv0._conns[0]._unconfirmed and not kv1._conns[0]._unconfirmed  # the pulls saw the round complete
+
+
+def test_a_round_in_the_snapshot_is_not_applied_again_when_the_workers_line_up(tmp_path):
+    """Both ranks push and the round completes; the server writes a snapshot and is killed
+    with -9 before either pulls. Restarted, it gets each rank's last push again, with its
+    sequence number: the round is in the snapshot, so it is not applied a second time."""
+    state = str(tmp_path / "state")
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) \
+            as cluster:
+        server = Server(cluster.addresses[0], Security(), 10.0)
+        with tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=0, timeout=TIMEOUT) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+            kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))  # each round adds -(sum of gradients)
+            kv0.init("w", np.zeros(4, np.float32))
+            kv1.init("w", np.zeros(4, np.float32))
+            kv0.push("w", np.full(4, 1, np.float32))
+            kv1.push("w", np.full(4, 2, np.float32))
+            wait_until(lambda: server.keys()[0].updates == 1, "the round applied")
+            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+            cluster.restart()
+            pulled = _in_thread(lambda: kv0.pull("w"))
+            np.testing.assert_array_equal(kv1.pull("w"), [-3] * 4)
+            np.testing.assert_array_equal(pulled(), [-3] * 4)
+            assert server.keys()[0].updates == 1
+            # and the rounds go on in step
+            kv0.push("w", np.full(4, 1, np.float32))
+            kv1.push("w", np.full(4, 1, np.float32))
+            np.testing.assert_array_equal(kv0.pull("w"), [-5] * 4)
+
+
+def test_a_connection_reset_while_create_asks_for_info_is_tried_again_within_connect_timeout(tmp_path):
+    """The first connection is reset before the server's answer comes (the proxy swallows the
+    HTTP/2 handshake): create connects again and joins, where a refused connection fails at
+    once (tests/test_addresses.py)."""
+    with Cluster(tmp_path=tmp_path) as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        proxy.hold_replies()
+        result = _in_thread(lambda: tensorkv.create("dist_sync", servers=proxy.address, connect_timeout=TIMEOUT))
+        wait_until(lambda: proxy.connections >= 1, "create's first connection")
+        time.sleep(0.2)
+        proxy.reset()
+        proxy.hold_replies(False)
+        with result() as kv:
+            kv.init("w", np.ones(4, np.int32))
+            np.testing.assert_array_equal(kv.pull("w"), [1] * 4)
+        assert proxy.connections >= 2
 
 
 def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tmp_path):

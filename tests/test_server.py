@@ -94,6 +94,16 @@ def test_a_worker_that_never_pushes_aborts_the_round(tmp_path):
     assert "barrier: barrier 1 aborted after 2 s; missing ranks [1]" in rank0
 
 
+def test_a_list_push_whose_rounds_partly_complete(tmp_path):
+    """The rounds one list push opens share one abort timer: those the other worker joins
+    complete, the others abort, each naming its key, and later rounds are left alone."""
+    with Cluster(num_workers=2, round_timeout=2, tmp_path=tmp_path) as cluster:
+        outs = check_workers(cluster.run_workers("list_abort"))
+    rank0 = next(out for out in outs if out.endswith("ok 0\n"))
+    assert "aborted: key 'b': round 1 aborted after 2 s; missing ranks [1]" in rank0
+    assert "(and 1 more key)" in rank0
+
+
 def test_health_and_reflection(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster:
         address = cluster.addresses[0]

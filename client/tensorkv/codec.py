@@ -405,7 +405,9 @@ class FrameDecoder:
         ``call_bytes`` before it; ResourceExhaustedError over max_keys or max_call_bytes."""
         if index >= self.max_keys:
             raise too_many_keys(header.key, self.max_keys)
-        if header.ref is not None or not self.with_data:
+        # Values in shared memory are not received; those on the data channel are, even in a
+        # request whose values go unused (an Init that only waits).
+        if header.ref is not None or (not self.with_data and header.follows is None):
             return call_bytes
         call_bytes += header.nbytes
         if call_bytes > self.max_call_bytes:

@@ -62,7 +62,8 @@ class Engine:
     def __init__(self, xp=np):
         self.xp = xp
         # The GPU the values live on: calls run there whatever device is current in the caller.
-        self._device = xp.cuda.Device() if xp is not np else None
+        # The context of on_device(): the GPU, or on NumPy one reusable context that does nothing.
+        self._device = xp.cuda.Device() if xp is not np else contextlib.nullcontext()
         self.updater = None
         self._values = {}
         self._key_type = None  # int or str, fixed by the first key stored
@@ -138,7 +139,7 @@ class Engine:
 
     def on_device(self):
         """A context that makes the engine's GPU current (nothing on NumPy)."""
-        return self._device if self._device is not None else contextlib.nullcontext()
+        return self._device
 
     def _copy(self, value, dtype):
         """A new array of this namespace holding ``value`` converted to ``dtype``."""
@@ -301,6 +302,8 @@ class Engine:
     def sum(self, values):
         """The sum of ``values`` in their own dtype (accumulated as :meth:`merge` does)."""
         merged = self.merge(values)
+        if merged is values[0]:  # one value, passed through
+            return merged
         dtype = shape_dtype(values[0])[1]
         if merged.dtype == dtype:
             return merged

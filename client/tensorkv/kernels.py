@@ -411,8 +411,23 @@ def sum_into(total, values, accumulate=False):
     value when ``accumulate``; one pass per :data:`MAX_SUMMED` values, computed in
     ``accumulator_dtype(total.dtype)``. One value is a copy, converted to ``total``'s dtype."""
     compute = accumulator_dtype(total.dtype)
+    if len(values) == 1 and _host_writable(total) and type(values[0]) is np.ndarray \
+            and values[0].size == total.size:
+        # The kernel's own NumPy calls without its per-call setup, which a list of many
+        # small keys pays once per key.
+        flat, value = total.reshape(-1), values[0].reshape(-1)
+        if not accumulate:
+            np.copyto(flat, value, casting="unsafe")
+            return
+        if total.dtype == compute:
+            np.add(flat, value, out=flat, dtype=compute)
+            return
     for start in range(0, len(values), MAX_SUMMED):
         batch = values[start:start + MAX_SUMMED]
         arrays = {f"x{i}": value for i, value in enumerate(batch)}
         arrays["total"] = total
         _SUMS[len(batch), accumulate or start > 0](arrays, {}, compute)
+
+
+def _host_writable(array):
+    return type(array) is np.ndarray and array.flags.c_contiguous and array.flags.writeable

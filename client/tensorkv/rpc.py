@@ -149,6 +149,7 @@ READ_ONLY_CALLS = frozenset({"info", "pull", "barrier", "save_optimizer_states"}
 # The transport's words for a connection it could not make, and what they mean.
 _CONNECT_FAILURES = (
     ("Connection refused", "the connection was refused (nothing listens on that port)"),
+    ("Connection reset by peer", "the connection was reset (by the server, or by something between)"),
     ("HTTP/2", "something else answers there: not a tensorkv (gRPC) server"),
     ("http1", "something else answers there: an HTTP/1 server, not a tensorkv (gRPC) server"),
     ("Socket closed", "the peer closed the connection before answering: not a tensorkv (gRPC) server, "
@@ -171,6 +172,15 @@ def transport_error(details, address, kind):
     effect = f"the {kind} changed nothing" if kind in READ_ONLY_CALLS else f"the {kind} may have been applied"
     return ServerUnavailableError(f"server {address} closed the connection during the {kind} "
                                   f"(it may have crashed or been killed); {effect}")
+
+
+def connection_reset(error):
+    """Whether the ``grpc.RpcError`` ``error`` is a connection that was made, then reset
+    (ECONNRESET: a server, or something between, accepted it and tore it down, before or
+    after the HTTP/2 handshake), not refused (ECONNREFUSED: nothing listens). Both arrive as
+    UNAVAILABLE; only the transport's words tell them apart. A peer that closes the connection
+    ("Socket closed") is not taken for a reset: a TLS server does so to a plaintext client."""
+    return error.code() == grpc.StatusCode.UNAVAILABLE and "Connection reset by peer" in (error.details() or "")
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -22,7 +22,7 @@ from google.protobuf import message
 from . import rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import FailedPreconditionError, InternalError, ServerUnavailableError
-from .rpc import CHANNEL_OPTIONS, Session, Stub, error_from_code, error_from_rpc, status_code
+from .rpc import CHANNEL_OPTIONS, Session, Stub, connection_reset, error_from_code, error_from_rpc, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 
 # Calls whose values (per server) take at most this many bytes use the Session stream.
@@ -51,13 +51,16 @@ class ServerConn:
     backoff from RETRY_FIRST to RETRY_MAX seconds, until its timeout has passed; then it
     raises ServerUnavailableError saying what happened to the call first and why
     reconnecting failed. Every call that changes values carries a sequence number that
-    stays the same when it is sent again, so the server applies it once (PushRequest.sequence).
+    stays the same when it is sent again, so the server applies it once (PushRequest.sequence);
+    every pull carries one too, so that a round's abort is not lost with the answer that
+    reported it (PullRequest.pull_sequence).
 
     A server that restarted (its Info.server_id changed) lost this worker's registration and
     the rounds since its snapshot: this worker registers afresh, logs one warning, and, where
-    the server writes snapshots (Info.snapshots), sends again its last push of each key whose
-    round it has not seen complete (a pull of the key since), so that the workers' pushes
-    line up in the rounds of the restored server."""
+    the server writes snapshots (Info.snapshots), sends again its last push (dense or
+    row-sparse) of each key whose round it has not seen complete (a pull of the key since,
+    or a row_sparse_pull), so that the workers' pushes line up in the rounds of the restored
+    server."""
 
     def __init__(self, address, security, timeout, session=True):
         self.address = address
@@ -73,9 +76,12 @@ class ServerConn:
         self._if_exists = kvstore_pb2.IF_EXISTS_FAIL
         self._transport = "auto"
         self._sequences = itertools.count(1)
+        self._pull_sequences = itertools.count(1)  # numbered apart: see PullRequest.pull_sequence
         self._lock = threading.Lock()  # one reconnect at a time
         self._realign = False  # whether a restart needs the last pushes again (sync, several workers, snapshots)
-        self._unconfirmed = {}  # key -> a copy of the Item last pushed, until a pull of the key
+        # key -> a copy of what was last pushed to it (an Item, or row-sparse (key, shape, row ids,
+        # rows)), until a pull of the key
+        self._unconfirmed = {}  # key -> (sequence number, a copy of its last push), until a pull of the key
 
     def _connect(self):
         """A new channel, stub and Session stream (its shared-memory region and data channel
@@ -88,7 +94,9 @@ class ServerConn:
     # ---- registration -----------------------------------------------------------------
 
     def info(self, timeout):
-        return self._rpc("info", self.stub.Info, kvstore_pb2.InfoRequest(), timeout)
+        """The InfoResponse, asked again while the connection is reset, until ``timeout`` has
+        passed; a refused connection fails at once (:meth:`_through_resets`)."""
+        return self._through_resets("info", self.stub.Info, kvstore_pb2.InfoRequest(), timeout)
 
     def offer(self, info, transport):
         """Let calls use what the server offers (``info``) and ``transport`` allows: shared
@@ -173,9 +181,8 @@ class ServerConn:
             if_exists = self._if_exists
             if restarted and if_exists == kvstore_pb2.IF_EXISTS_REPLACE:
                 if_exists = kvstore_pb2.IF_EXISTS_RESUME  # what it restored is this run's
-            previous = None if restarted else self.incarnation
             try:
-                self.register(self.rank, if_exists, info.server_id, previous, _left(deadline))
+                self.register(self.rank, if_exists, info.server_id, self.incarnation, _left(deadline))
             except FailedPreconditionError as error:
                 why = "it restarted" if restarted else "the connection broke"
                 raise FailedPreconditionError(
@@ -192,11 +199,17 @@ class ServerConn:
                 self._push_unconfirmed(deadline)
 
     def _push_unconfirmed(self, deadline):
-        """Send again the last push of each key whose round this worker has not seen complete."""
-        items = list(self._unconfirmed.values())
-        if items:
-            part = list(enumerate(items))
-            self._push_once(_left(deadline), part, next(self._sequences))
+        """Send again the last push of each key whose round this worker has not seen complete,
+        with the sequence number it had: the restarted server skips a push that its snapshot
+        holds (RegisterRequest.previous_incarnation), and applies the others."""
+        calls = {}
+        for sequence, value in self._unconfirmed.values():
+            calls.setdefault(sequence, []).append(value)
+        for sequence, values in sorted(calls.items()):
+            if isinstance(values[0], Item):
+                self._push_once(_left(deadline), list(enumerate(values)), sequence)
+            else:
+                self._row_sparse_push_once(_left(deadline), values, sequence)
 
     # ---- the data path ----------------------------------------------------------------
 
@@ -210,10 +223,11 @@ class ServerConn:
                                                                sequence=sequence), timeout)
 
     def push(self, part):
-        self._call("push", self._push_once, part, next(self._sequences))
+        sequence = next(self._sequences)
+        self._call("push", self._push_once, part, sequence)
         if self._realign:
-            self._unconfirmed.update((item.key, Item(item.key, item.array.copy(), item.shape, item.slice,
-                                                     two_bit=item.two_bit)) for _, item in part)
+            self._unconfirmed.update((item.key, (sequence, Item(item.key, item.array.copy(), item.shape, item.slice,
+                                                                two_bit=item.two_bit))) for _, item in part)
 
     def _push_once(self, timeout, part, sequence):
         if self._session("push", part, timeout, sequence=sequence) is None:
@@ -224,7 +238,7 @@ class ServerConn:
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
         items = self._call("pushpull", self._pushpull_once, part, outs, next(self._sequences))
-        self._confirm(items)
+        self._confirm(item.key for item in items)
         return items
 
     def _pushpull_once(self, timeout, part, outs, sequence):
@@ -237,15 +251,15 @@ class ServerConn:
 
     def pull(self, part, outs, sizes):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None."""
-        items = self._call("pull", self._pull_once, part, outs, sizes)
-        self._confirm(items)
+        items = self._call("pull", self._pull_once, part, outs, sizes, next(self._pull_sequences))
+        self._confirm(item.key for item in items)
         return items
 
-    def _pull_once(self, timeout, part, outs, sizes):
+    def _pull_once(self, timeout, part, outs, sizes, pull_sequence):
         keys = [key for _, key in part]
-        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes)
+        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes, pull_sequence=pull_sequence)
         if items is None:
-            request = kvstore_pb2.PullRequest(**self._caller())
+            request = kvstore_pb2.PullRequest(pull_sequence=pull_sequence, **self._caller())
             for key in keys:
                 set_key(request.keys.add(), key)
             items = self._rpc("pull", lambda r, timeout: decode(
@@ -254,7 +268,11 @@ class ServerConn:
 
     def row_sparse_push(self, values):
         """RowSparsePush of ``values`` [(key, full shape, row ids, rows)] (rows only, in plain messages)."""
-        self._call("push", self._row_sparse_push_once, values, next(self._sequences))
+        sequence = next(self._sequences)
+        self._call("push", self._row_sparse_push_once, values, sequence)
+        if self._realign:
+            self._unconfirmed.update((key, (sequence, (key, shape, row_ids.copy(), rows.copy())))
+                                     for key, shape, row_ids, rows in values)
 
     def _row_sparse_push_once(self, timeout, values, sequence):
         request = kvstore_pb2.RowSparsePushRequest(sequence=sequence, **self._caller())
@@ -264,18 +282,20 @@ class ServerConn:
 
     def row_sparse_pull(self, part):
         """The RowSparsePullResponse to ``part`` [(key, row ids)]."""
-        return self._call("row_sparse_pull", self._row_sparse_pull_once, part)
+        answer = self._call("row_sparse_pull", self._row_sparse_pull_once, part, next(self._pull_sequences))
+        self._confirm(key for key, _ in part)
+        return answer
 
-    def _row_sparse_pull_once(self, timeout, part):
-        request = kvstore_pb2.RowSparsePullRequest(**self._caller())
+    def _row_sparse_pull_once(self, timeout, part, pull_sequence):
+        request = kvstore_pb2.RowSparsePullRequest(pull_sequence=pull_sequence, **self._caller())
         for key, row_ids in part:
             rowsparse_wire.set_row_ids(request.keys.add(), key, row_ids)
         return self._rpc("row_sparse_pull", self.stub.RowSparsePull, request, timeout)
 
-    def _confirm(self, items):
-        """Forget the pushes of the keys of ``items``: their rounds completed (a sync pull waits for them)."""
-        for item in items:
-            self._unconfirmed.pop(item.key, None)
+    def _confirm(self, keys):
+        """Forget the pushes of ``keys``: their rounds completed (a sync pull waits for them)."""
+        for key in keys:
+            self._unconfirmed.pop(key, None)
 
     # ---- the rest ---------------------------------------------------------------------
 
@@ -319,12 +339,31 @@ class ServerConn:
         except grpc.RpcError as error:
             raise error_from_rpc(error, self.address, kind) from None
 
+    def _through_resets(self, kind, method, request, timeout):
+        """:meth:`_rpc`, made again after RETRY_FIRST to RETRY_MAX seconds while its connection
+        is reset (the server, or something between, accepted it and tore it down:
+        rpc.connection_reset) until ``timeout`` has passed; a refused connection (nothing
+        listens) and every other error are raised at once. Only for calls that may be made twice."""
+        deadline = time.monotonic() + timeout
+        delay = RETRY_FIRST
+        while True:
+            try:
+                return method(request, timeout=_left(deadline))
+            except grpc.RpcError as error:
+                if not connection_reset(error) or time.monotonic() + delay >= deadline:
+                    raise error_from_rpc(error, self.address, kind) from None
+                log.info("server %s: the connection was reset during the %s; trying again in %g s",
+                         self.address, kind, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX)
+
     def _frames(self, message_type, items, **fields):
         """The serialized request messages that carry ``items``."""
         return encode_stream(message_type, items, dict(self._caller(), **fields),
                              with_data=not fields.get("wait_only", False))
 
-    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0):
+    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0,
+                 pull_sequence=0):
         """Make the ``kind`` call on the Session stream: the items (or keys) it returns; None
         when the call is not for a session (too large without shared memory, sessions off,
         or the session busy with another thread's call), for the caller to make a plain RPC.
@@ -370,7 +409,8 @@ class ServerConn:
         shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
 
         def build(call_id, timeout_ms, region, channel):
-            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, **self._caller())
+            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, pull_sequence=pull_sequence,
+                          **self._caller())
             if wait_only:
                 fields["wait_only"] = True
             if region is not None and use_output:

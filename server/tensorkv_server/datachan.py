@@ -80,7 +80,8 @@ class DataPort:
             await link.sendall(ACK)
             log.info("data channel from %s bound", peer)
         except (OSError, EOFError, asyncio.TimeoutError) as error:  # ssl.SSLError is an OSError
-            log.warning("data channel connection from %s refused: %s", peer, error or type(error).__name__)
+            reason = f"no token within {HANDSHAKE_TIMEOUT:g} s" if isinstance(error, asyncio.TimeoutError) else error
+            log.warning("data channel connection from %s refused: %s", peer, reason)
             conn.close()
         except asyncio.CancelledError:  # the server is stopping
             conn.close()

@@ -19,7 +19,9 @@ the rank is still held by it, the new registration takes its place (a new incarn
 old one is refused from then on) and keeps what the rank did, in the rounds and in the
 *sequence numbers* it applied. Every call that changes values carries a sequence number,
 and :meth:`Membership.applied` tells whether the rank's call of that number was applied
-already, so that a call sent again after a broken connection is never applied twice.
+already, so that a call sent again after a broken connection is never applied twice. A
+call that failed because a round it waited for was aborted is answered the same error when
+it is sent again (:meth:`Membership.failure`): the answer that carried it may be what broke.
 
 A *run* is the set of workers registered together: it starts with a registration while no
 rank is registered, and ends when all of its ranks have been given back or have lost their
@@ -40,6 +42,9 @@ FAIL, RESUME, REPLACE = "fail", "resume", "replace"
 # A number left out of a rank's sequence (a call refused before it changed anything) counts
 # as applied once this many later numbers have been.
 SEQUENCE_WINDOW = 256
+# Errors of a rank's failed calls (a round they waited for was aborted) kept for the same
+# call sent again after a broken connection: the last this many.
+FAILURES_KEPT = 16
 
 
 class Run:
@@ -77,6 +82,12 @@ class _Applied:
     def __contains__(self, sequence):
         return sequence <= self.through or sequence in self.beyond
 
+    def saved(self, excluded):
+        """(through, beyond) of these numbers without those in ``excluded``."""
+        through = min([self.through, *(number - 1 for number in excluded)])
+        beyond = (set(range(through + 1, self.through + 1)) | self.beyond) - set(excluded)
+        return through, sorted(beyond)
+
     def add(self, sequence):
         self.beyond.add(sequence)
         if len(self.beyond) > SEQUENCE_WINDOW:
@@ -101,6 +112,8 @@ class Membership:
         self._leases = {}  # rank -> _Lease of its registration
         self._expired = {}  # rank -> the incarnation whose lease expired last
         self._applied = {}  # rank -> _Applied sequence numbers of its registration (and those it took over)
+        self._failures = {}  # rank -> {(kind, number): the error that call failed with}, the last FAILURES_KEPT
+        self._restored = {}  # rank -> (incarnation, _Applied) saved in the snapshot this server restored
         self._on_expired = on_expired
 
     @property
@@ -144,6 +157,9 @@ class Membership:
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
         self._grant(rank, incarnation)
+        restored = self._restored.pop(rank, None)
+        if restored is not None and previous is not None and restored[0] == previous:
+            self._applied[rank] = restored[1]  # the same worker, after this server restarted
         log.info("worker registered with rank %d, incarnation %d (%d of %d)",
                  rank, incarnation, len(self.incarnations), self.num_workers,
                  extra={"event": "worker_registered", "rank": rank})
@@ -167,6 +183,37 @@ class Membership:
         """Remember that the call of ``rank`` numbered ``sequence`` was applied."""
         if sequence > 0:
             self._applied.setdefault(rank, _Applied()).add(sequence)
+
+    def saved_sequences(self, excluded):
+        """The sequence numbers each registered rank applied, for a snapshot: without
+        ``excluded`` {rank: numbers} (pushes of open rounds, which a snapshot does not hold)."""
+        saved = []
+        for rank, incarnation in sorted(self.incarnations.items()):
+            if rank in self._applied:
+                through, beyond = self._applied[rank].saved(excluded.get(rank, ()))
+                saved.append({"rank": rank, "incarnation": incarnation, "through": through, "beyond": beyond})
+        return saved
+
+    def restore_sequences(self, saved):
+        """Keep the numbers of :meth:`saved_sequences` for each rank's worker, which gets them
+        back when it registers again naming the incarnation it held (RegisterRequest.previous_incarnation)."""
+        for entry in saved:
+            applied = _Applied()
+            applied.through, applied.beyond = int(entry["through"]), {int(number) for number in entry["beyond"]}
+            self._restored[int(entry["rank"])] = (int(entry["incarnation"]), applied)
+
+    def failure(self, rank, call):
+        """The error that ``rank``'s call ``call`` ((kind, number); number 0: not numbered)
+        failed with, if it did lately; else None."""
+        return self._failures.get(rank, {}).get(call) if call[1] else None
+
+    def failed(self, rank, call, error):
+        """Remember that ``rank``'s call ``call`` failed with ``error``."""
+        if call[1]:
+            failures = self._failures.setdefault(rank, {})
+            failures[call] = error
+            if len(failures) > FAILURES_KEPT:
+                del failures[next(iter(failures))]
 
     def unregister(self, rank, incarnation):
         """Give ``rank`` back (only its current holder may); whether that ended the run."""
@@ -221,6 +268,7 @@ class Membership:
         del self.incarnations[rank]
         self._leases.pop(rank).timer.cancel()
         self._applied.pop(rank, None)
+        self._failures.pop(rank, None)
         log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:
             log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})

@@ -22,6 +22,9 @@ Init, push and pushpull apply each of a rank's sequence numbers at most once (se
 :mod:`.membership`): a call whose number was applied is acknowledged again without being
 applied, and the check is made again right where a call changes state, so that a call
 sent again while the first is still waiting on the server is applied by one of them only.
+A call (pulls numbered apart) that failed with RoundAbortedError fails with it again when
+it is sent again: the aborted round is reported to a rank once, and that answer may be
+what a broken connection lost.
 """
 import asyncio
 import logging
@@ -52,11 +55,12 @@ class _Wait:
     """Something workers wait on (one round of one key, or one barrier): the ranks that
     arrived, a future done when all have, and the timer that aborts it."""
 
-    __slots__ = ("number", "ranks", "total", "_done", "timer", "opened", "latest")
+    __slots__ = ("number", "ranks", "sequences", "total", "_done", "timer", "opened", "latest")
 
     def __init__(self, number):
         self.number = number
         self.ranks = set()
+        self.sequences = {}  # a round's rank -> the sequence number of the push it merged
         self.total = None  # a round's running sum of pushes
         self._done = None  # created when first needed: most rounds of one worker never wait
         self.timer = None
@@ -78,6 +82,24 @@ def _fail(future, error):
 def _host_copy(array):
     """A NumPy copy of a NumPy or CuPy array, which later updates cannot change."""
     return array.copy() if isinstance(array, np.ndarray) else to_host(array)
+
+
+class _SharedTimer:
+    """The one abort timer of the rounds that one push opened (one per key of a list, which
+    would otherwise each arm a timer of their own): cancelled once every one of them has
+    completed or aborted."""
+
+    __slots__ = ("handle", "open")
+
+    def __init__(self, handle, count):
+        self.handle = handle
+        self.open = count
+
+    def cancel(self):
+        """One of the rounds no longer waits."""
+        self.open -= 1
+        if self.open == 0:
+            self.handle.cancel()
 
 
 class _KeyRounds:
@@ -268,9 +290,9 @@ class Coordinator:
             items = [compression.decompressed(item, self.engine.xp) for item in items]
         check_updater = getattr(self.engine.updater, "check", None)
         for item in items:
-            self.engine.check_value(item.key, item.array, item.shape, item.slice)
+            stored = self.engine.check_value(item.key, item.array, item.shape, item.slice)
             if check_updater is not None:
-                check_updater(item.key, self.engine.get(item.key).array)
+                check_updater(item.key, stored.array)
         if self.mode == ASYNC:
             self.members.record(rank, sequence)
             for item in items:
@@ -287,30 +309,37 @@ class Coordinator:
             metrics.COUNTS.rounds_completed += len(items)
             return
         # A rank that already pushed a key in its current round joins the next round.
-        while await self._settle(rank, [item.key for item in items]):
+        while await self._settled(rank, [item.key for item in items], ("push", sequence)):
             pass
         self.members.check(rank, incarnation)
         if self.members.applied(rank, sequence):
             return
         self.members.record(rank, sequence)
         metrics.COUNTS.pushes += len(items)
-        for item in items:
-            self._add_to_round(rank, item)
+        opened = [opened for opened in (self._add_to_round(rank, item, sequence) for item in items) if opened]
+        if opened:
+            handle = asyncio.get_running_loop().call_later(self.round_timeout, self._abort_rounds, opened)
+            timer = _SharedTimer(handle, len(opened))
+            for _, round_ in opened:
+                round_.timer = timer
 
-    async def pull(self, rank, incarnation, keys):
+    async def pull(self, rank, incarnation, keys, pull_sequence=0):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
         until the caller next awaits), after the current round of each key this rank has
-        pushed to (sync mode)."""
+        pushed to (sync mode). ``pull_sequence``: see PullRequest.pull_sequence."""
+        return await self._pull(rank, incarnation, keys, ("pull", pull_sequence))
+
+    async def _pull(self, rank, incarnation, keys, call):
         self.members.check(rank, incarnation)
         keys = self.engine.check_keys(keys)
         for key in keys:
             self.engine.get(key)
-        if self.mode == SYNC and await self._settle(rank, keys):
+        if self.mode == SYNC and await self._settled(rank, keys, call):
             self.members.check(rank, incarnation)
         metrics.COUNTS.pulls += len(keys)
         return [self._snapshot(key) for key in keys]
 
-    async def pull_rows(self, rank, incarnation, requests):
+    async def pull_rows(self, rank, incarnation, requests, pull_sequence=0):
         """[(full shape, new array of the rows)] of ``requests`` [(key, row ids)], after the
         current round of each key this rank has pushed to (sync mode); every id is checked
         before anything is waited for."""
@@ -319,19 +348,22 @@ class Coordinator:
         for key, (_, ids) in zip(keys, requests):
             shape = self.engine.get(key).shape
             check_row_ids(key, ids, shape[0] if shape else 0)
-        if self.mode == SYNC and await self._settle(rank, keys):
+        if self.mode == SYNC and await self._settled(rank, keys, ("pull", pull_sequence)):
             self.members.check(rank, incarnation)
         metrics.COUNTS.pulls += len(keys)
         return [self.engine.pull_rows(key, ids) for key, (_, ids) in zip(keys, requests)]
 
     async def pushpull(self, rank, incarnation, items, sequence=0):
         await self.push(rank, incarnation, items, sequence)
-        return await self.pull(rank, incarnation, [item.key for item in items])
+        return await self._pull(rank, incarnation, [item.key for item in items], ("pushpull", sequence))
 
-    def _add_to_round(self, rank, item):
+    def _add_to_round(self, rank, item, sequence):
+        """Add ``item`` to its key's current round, applied if that completes it; (key, round)
+        when this push opened the round, for the caller to arm its abort timer."""
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
         current = rounds.current
         current.ranks.add(rank)
+        current.sequences[rank] = sequence
         complete = len(current.ranks) == self.num_workers
         now = time.monotonic()
         if complete and current.total is None:
@@ -348,16 +380,31 @@ class Coordinator:
             rounds.current = _Wait(current.number + 1)
             if current._done is not None:
                 current._done.set_result(None)
-            return
+            return None
         current.latest = now
         if len(current.ranks) == 1:
             current.opened = now
-            loop = asyncio.get_running_loop()
-            current.timer = loop.call_later(self.round_timeout, self._abort_round, item.key, current)
+            return item.key, current
+        return None
+
+    def open_sequences(self):
+        """{rank: the sequence numbers of its pushes in rounds still open}: applied, but in
+        no value yet."""
+        numbers = {}
+        for rounds in self._rounds.values():
+            for rank, sequence in rounds.current.sequences.items():
+                numbers.setdefault(rank, set()).add(sequence)
+        return numbers
 
     def _apply(self, key, merged):
         self.engine.apply(key, merged)
         self._updates[key] = self._updates.get(key, 0) + 1
+
+    def _abort_rounds(self, opened):
+        """Abort the rounds of ``opened`` [(key, round)] that are still waiting."""
+        for key, round_ in opened:
+            if key in self._rounds and self._rounds[key].current is round_:
+                self._abort_round(key, round_)
 
     def _abort_round(self, key, round_, why=None, error_class=RoundAbortedError):
         rounds = self._rounds[key]
@@ -375,6 +422,18 @@ class Coordinator:
         for rank in round_.ranks:
             rounds.aborted[rank] = error
         _fail(round_.done, error)
+
+    async def _settled(self, rank, keys, call):
+        """:meth:`_settle` for ``rank``'s call ``call`` ((kind, sequence number)): the error
+        that the call, sent before, failed with is raised again (Membership.failure)."""
+        error = self.members.failure(rank, call)
+        if error is not None:
+            raise type(error)(str(error))
+        try:
+            return await self._settle(rank, keys)
+        except RoundAbortedError as error:
+            self.members.failed(rank, call, error)
+            raise
 
     async def _settle(self, rank, keys):
         """Report to ``rank`` the aborted rounds of ``keys`` it pushed to, and wait for the

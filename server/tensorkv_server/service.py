@@ -21,6 +21,7 @@ from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, Inva
 from tensorkv.rowsparse import RowSparse
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tensorkv.words import plural
 
 from . import datachan, logs, metrics, shm
 from .limits import Limits
@@ -38,6 +39,8 @@ RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
+_OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
+                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL}
 
 
 if hasattr(asyncio, "timeout"):  # Python 3.11+
@@ -213,7 +216,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return kvstore_pb2.PushResponse()
 
     async def Pull(self, request, context):
-        items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
+        items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request),
+                                            request.pull_sequence)
         for message in _responses(self._host(items)):
             yield message
 
@@ -224,7 +228,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             codec.check_key_bytes(key, self.limits.max_key_bytes)
             requests.append((key, np.array(entry.row_ids, np.int64)))
         codec.check_key_count([key for key, _ in requests], self.limits.max_keys_per_call)
-        results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests)
+        results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests,
+                                                    request.pull_sequence)
         response = kvstore_pb2.RowSparsePullResponse()
         for (key, row_ids), (shape, rows) in zip(requests, results):
             rowsparse_wire.set_value(response.values.add(), key, shape, row_ids, rows)
@@ -278,6 +283,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             call_id = request.id
             incoming = decoder.frames.incoming
             uses_channel = bool(incoming or request.data_channel_min_bytes)
+            if request.op in _OPS_WITHOUT_VALUES and items:  # bytes it announced would stay unread on the channel
+                raise InvalidArgumentError(f"session op {kvstore_pb2.SessionOp.Name(request.op)} takes no values; the "
+                                           f"request carries {plural(len(items), 'value')}")
             if request.op in (kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION):
                 return self._region_call(request, regions), None
             if request.op == kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL:
@@ -347,7 +355,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
             return []
         if request.op == kvstore_pb2.SESSION_OP_PULL:
-            return await self.coordinator.pull(request.rank, request.incarnation, self._keys(request))
+            return await self.coordinator.pull(request.rank, request.incarnation, self._keys(request),
+                                               request.pull_sequence)
         if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
             return await self.coordinator.pushpull(request.rank, request.incarnation, items, request.sequence)
         if request.op == kvstore_pb2.SESSION_OP_INIT:

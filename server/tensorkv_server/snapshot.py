@@ -75,6 +75,7 @@ def capture(coordinator, buffers):
               "optimizer": optimizer and states_file.optimizer_header(optimizer), "states": state_keys,
               "run": run and {"number": run.number, "if_exists": run.if_exists},
               "next_incarnation": coordinator.members._next_incarnation,
+              "sequences": coordinator.members.saved_sequences(coordinator.open_sequences()),
               "barriers_done": coordinator._barriers_done}
     return header, arrays
 
@@ -265,6 +266,7 @@ def restore(coordinator, header, arrays):
     if header["run"] is not None:
         members.run = Run(header["run"]["number"], header["run"]["if_exists"])
     members._next_incarnation = max(members._next_incarnation, header["next_incarnation"])
+    members.restore_sequences(header.get("sequences", []))
     coordinator._barriers_done = header["barriers_done"]
 
 
@@ -282,6 +284,8 @@ def _parse(header, arrays):
             int(entry[field])
     for field in ("next_incarnation", "barriers_done"):
         int(header[field])
+    for entry in header.get("sequences", []):
+        int(entry["rank"]), int(entry["incarnation"]), int(entry["through"]), [int(number) for number in entry["beyond"]]
     if header["run"] is not None:
         int(header["run"]["number"]), header["run"]["if_exists"]
     if header["optimizer"] is None:
