@@ -59,9 +59,10 @@ class ServerConn:
     A server that restarted (its Info.server_id changed) lost this worker's registration and
     the rounds since its snapshot: this worker registers afresh, logs one warning, and, where
     the server writes snapshots (Info.snapshots), sends again its last push (dense or
-    row-sparse) of each key whose round it has not seen complete (a pull of the key since,
-    or a row_sparse_pull), so that the workers' pushes line up in the rounds of the restored
-    server."""
+    row-sparse) of every key with the sequence number it had: the restored server skips those
+    its snapshot holds and applies the others, so that the workers' pushes line up in its
+    rounds whether or not each worker saw its last round complete. (Where it realigns, a
+    worker keeps a copy of its last push of each key.)"""
 
     def __init__(self, address, security, timeout, session=True):
         self.address = address
@@ -83,7 +84,7 @@ class ServerConn:
         self._realign = False  # whether a restart needs the last pushes again (sync, several workers, snapshots)
         # key -> a copy of what was last pushed to it (an Item, or row-sparse (key, shape, row ids,
         # rows)), until a pull of the key
-        self._unconfirmed = {}  # key -> (sequence number, a copy of its last push), until a pull of the key
+        self._last_pushes = {}  # key -> (sequence number, a copy of its last push), where it realigns
 
     def _connect(self):
         """A new channel, stub and Session stream (its shared-memory region and data channel
@@ -203,14 +204,14 @@ class ServerConn:
                 else:
                     log.warning("server %s restarted without a snapshot (no --state-dir, or none written yet): "
                                 "rank %d registered again; every key it held is lost", self.address, self.rank)
-                self._push_unconfirmed(deadline)
+                self._push_last(deadline)
 
-    def _push_unconfirmed(self, deadline):
-        """Send again the last push of each key whose round this worker has not seen complete,
-        with the sequence number it had: the restarted server skips a push that its snapshot
-        holds (RegisterRequest.previous_incarnation), and applies the others."""
+    def _push_last(self, deadline):
+        """Send again the last push of each key, with the sequence number it had: the restarted
+        server skips a push that its snapshot holds (RegisterRequest.previous_incarnation), and
+        applies the others."""
         calls = {}
-        for sequence, value in self._unconfirmed.values():
+        for sequence, value in self._last_pushes.values():
             calls.setdefault(sequence, []).append(value)
         for sequence, values in sorted(calls.items()):
             if isinstance(values[0], Item):
@@ -232,9 +233,14 @@ class ServerConn:
     def push(self, part):
         sequence = next(self._sequences)
         self._call("push", self._push_once, part, sequence)
-        if self._realign:
-            self._unconfirmed.update((item.key, (sequence, Item(item.key, item.array.copy(), item.shape, item.slice,
-                                                                two_bit=item.two_bit))) for _, item in part)
+        self._last_pushes.update(self._copies(part, sequence))
+
+    def _copies(self, part, sequence):
+        """{key: (sequence, a copy of its Item)} of ``part`` to keep where this worker realigns."""
+        if not self._realign:
+            return {}
+        return {item.key: (sequence, Item(item.key, item.array.copy(), item.shape, item.slice, two_bit=item.two_bit))
+                for _, item in part}
 
     def _push_once(self, timeout, part, sequence):
         if self._session("push", part, timeout, sequence=sequence) is None:
@@ -244,8 +250,10 @@ class ServerConn:
 
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
-        items = self._call("pushpull", self._pushpull_once, part, outs, next(self._sequences))
-        self._confirm(item.key for item in items)
+        sequence = next(self._sequences)
+        copies = self._copies(part, sequence)  # before the pull writes into arrays that may be the pushed ones
+        items = self._call("pushpull", self._pushpull_once, part, outs, sequence)
+        self._last_pushes.update(copies)
         return items
 
     def _pushpull_once(self, timeout, part, outs, sequence):
@@ -258,9 +266,7 @@ class ServerConn:
 
     def pull(self, part, outs, sizes):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None."""
-        items = self._call("pull", self._pull_once, part, outs, sizes, next(self._pull_sequences))
-        self._confirm(item.key for item in items)
-        return items
+        return self._call("pull", self._pull_once, part, outs, sizes, next(self._pull_sequences))
 
     def _pull_once(self, timeout, part, outs, sizes, pull_sequence):
         keys = [key for _, key in part]
@@ -278,7 +284,7 @@ class ServerConn:
         sequence = next(self._sequences)
         self._call("push", self._row_sparse_push_once, values, sequence)
         if self._realign:
-            self._unconfirmed.update((key, (sequence, (key, shape, row_ids.copy(), rows.copy())))
+            self._last_pushes.update((key, (sequence, (key, shape, row_ids.copy(), rows.copy())))
                                      for key, shape, row_ids, rows in values)
 
     def _row_sparse_push_once(self, timeout, values, sequence):
@@ -289,20 +295,13 @@ class ServerConn:
 
     def row_sparse_pull(self, part):
         """The RowSparsePullResponse to ``part`` [(key, row ids)]."""
-        answer = self._call("row_sparse_pull", self._row_sparse_pull_once, part, next(self._pull_sequences))
-        self._confirm(key for key, _ in part)
-        return answer
+        return self._call("row_sparse_pull", self._row_sparse_pull_once, part, next(self._pull_sequences))
 
     def _row_sparse_pull_once(self, timeout, part, pull_sequence):
         request = kvstore_pb2.RowSparsePullRequest(pull_sequence=pull_sequence, **self._caller())
         for key, row_ids in part:
             rowsparse_wire.set_row_ids(request.keys.add(), key, row_ids)
         return self._rpc("row_sparse_pull", self.stub.RowSparsePull, request, timeout)
-
-    def _confirm(self, keys):
-        """Forget the pushes of ``keys``: their rounds completed (a sync pull waits for them)."""
-        for key in keys:
-            self._unconfirmed.pop(key, None)
 
     # ---- the rest ---------------------------------------------------------------------
 
