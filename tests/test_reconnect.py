@@ -4,6 +4,7 @@ call again, and the server applies it once; a server killed with -9 and restarte
 state dir is rejoined without an error; a server that stays down fails the call once its
 timeout has passed. Real servers on 127.0.0.1, connections broken by tests/faultproxy.py;
 integer-valued data, so every sum is exact."""
+import contextlib
 import json
 import threading
 import time
@@ -205,32 +206,39 @@ def test_a_row_sparse_push_of_a_round_open_at_a_restart_is_sent_again(tmp_path):
         np.testing.assert_array_equal(kv1.row_sparse_pull("w", row_ids=[2, 1]), [[2, 2], [1, 1]])
 
 
+@contextlib.contextmanager
+def _sgd_pair(tmp_path):
+    """(cluster, Server, rank 0's store, rank 1's store) of one server with a state dir (snapshots
+    on request), SGD with learning rate 1 (each round adds -(sum of gradients)) and "w" = 0."""
+    state = str(tmp_path / "state")
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) \
+            as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=0, timeout=TIMEOUT) as kv0, \
+            tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+        kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
+        kv0.init("w", np.zeros(4, np.float32))
+        kv1.init("w", np.zeros(4, np.float32))
+        yield cluster, Server(cluster.addresses[0], Security(), 10.0), kv0, kv1
+
+
 def test_a_round_in_the_snapshot_is_not_applied_again_when_the_workers_line_up(tmp_path):
     """Both ranks push and the round completes; the server writes a snapshot and is killed
     with -9 before either pulls. Restarted, it gets each rank's last push again, with its
     sequence number: the round is in the snapshot, so it is not applied a second time."""
-    state = str(tmp_path / "state")
-    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) \
-            as cluster:
-        server = Server(cluster.addresses[0], Security(), 10.0)
-        with tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=0, timeout=TIMEOUT) as kv0, \
-                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
-            kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))  # each round adds -(sum of gradients)
-            kv0.init("w", np.zeros(4, np.float32))
-            kv1.init("w", np.zeros(4, np.float32))
-            kv0.push("w", np.full(4, 1, np.float32))
-            kv1.push("w", np.full(4, 2, np.float32))
-            wait_until(lambda: server.keys()[0].updates == 1, "the round applied")
-            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
-            cluster.restart()
-            pulled = _in_thread(lambda: kv0.pull("w"))
-            np.testing.assert_array_equal(kv1.pull("w"), [-3] * 4)
-            np.testing.assert_array_equal(pulled(), [-3] * 4)
-            assert server.keys()[0].updates == 1
-            # and the rounds go on in step
-            kv0.push("w", np.full(4, 1, np.float32))
-            kv1.push("w", np.full(4, 1, np.float32))
-            np.testing.assert_array_equal(kv0.pull("w"), [-5] * 4)
+    with _sgd_pair(tmp_path) as (cluster, server, kv0, kv1):
+        kv0.push("w", np.full(4, 1, np.float32))
+        kv1.push("w", np.full(4, 2, np.float32))
+        wait_until(lambda: server.keys()[0].updates == 1, "the round applied")
+        server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+        cluster.restart()
+        pulled = _in_thread(lambda: kv0.pull("w"))
+        np.testing.assert_array_equal(kv1.pull("w"), [-3] * 4)
+        np.testing.assert_array_equal(pulled(), [-3] * 4)
+        assert server.keys()[0].updates == 1
+        # and the rounds go on in step
+        kv0.push("w", np.full(4, 1, np.float32))
+        kv1.push("w", np.full(4, 1, np.float32))
+        np.testing.assert_array_equal(kv0.pull("w"), [-5] * 4)
 
 
 def test_a_worker_that_saw_the_round_complete_lines_up_too_after_a_restart(tmp_path):
@@ -239,26 +247,18 @@ def test_a_worker_that_saw_the_round_complete_lines_up_too_after_a_restart(tmp_p
     Both ranks send their last push again with its number, so the round is done again and
     the next one lines up (before: rank 0, having seen its round complete, sent nothing, and
     its next push joined rank 1's old one)."""
-    state = str(tmp_path / "state")
-    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) \
-            as cluster:
-        server = Server(cluster.addresses[0], Security(), 10.0)
-        with tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=0, timeout=TIMEOUT) as kv0, \
-                tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
-            kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))  # each round adds -(sum of gradients)
-            kv0.init("w", np.zeros(4, np.float32))
-            kv1.init("w", np.zeros(4, np.float32))
-            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
-            kv0.push("w", np.full(4, 1, np.float32))
-            kv1.push("w", np.full(4, 2, np.float32))
-            np.testing.assert_array_equal(kv0.pull("w"), [-3] * 4)
-            cluster.restart()
-            pulled = _in_thread(lambda: kv1.pull("w"))
-            kv0.push("w", np.full(4, 10, np.float32))
-            np.testing.assert_array_equal(pulled(), [-3] * 4)
-            kv1.push("w", np.full(4, 20, np.float32))
-            np.testing.assert_array_equal(kv0.pull("w"), [-33] * 4)
-            np.testing.assert_array_equal(kv1.pull("w"), [-33] * 4)
+    with _sgd_pair(tmp_path) as (cluster, server, kv0, kv1):
+        server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+        kv0.push("w", np.full(4, 1, np.float32))
+        kv1.push("w", np.full(4, 2, np.float32))
+        np.testing.assert_array_equal(kv0.pull("w"), [-3] * 4)
+        cluster.restart()
+        pulled = _in_thread(lambda: kv1.pull("w"))
+        kv0.push("w", np.full(4, 10, np.float32))
+        np.testing.assert_array_equal(pulled(), [-3] * 4)
+        kv1.push("w", np.full(4, 20, np.float32))
+        np.testing.assert_array_equal(kv0.pull("w"), [-33] * 4)
+        np.testing.assert_array_equal(kv1.pull("w"), [-33] * 4)
 
 
 def test_a_connection_reset_while_create_asks_for_info_is_tried_again_within_connect_timeout(tmp_path):
