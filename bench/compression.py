@@ -7,8 +7,8 @@ server process of its own (on 127.0.0.2): one store plain, one with
 ``kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})``. Each link gets a pair
 of stores whose pushes alternate in the same run:
 
-  * loopback: the stores connect to the servers straight over the loopback device (about
-    3 GB/s here, faster than the links 2-bit compression is for);
+  * loopback: the stores connect to the servers straight over the loopback device (faster
+    than the links 2-bit compression is for);
   * proxy, unpaced: through bench/paced_proxy.py relaying as fast as it can (the proxy's
     own cost, part of the paced rows too);
   * 10 Gbit/s and 1 Gbit/s: through the proxy pacing both directions to that rate (a link

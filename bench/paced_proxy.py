@@ -3,17 +3,21 @@ a bench on one host can time calls as over a link between hosts (bench/compressi
 
 ``PacedProxy(host, routes, rate)`` listens on ``host`` at each port of ``routes`` {port:
 (target host, target port)} and relays each connection to its target, each direction in a
-thread. The proxy is one full-duplex link: every connection's bytes towards the targets
-share one :class:`Link`, the bytes back share another. A chunk read from a socket (at most
-CHUNK bytes) is sent on once the link has had the time to carry it: bytes * 8 / rate
-seconds after the link finished the chunk before, or after the chunk was there to send
-when that is later (when it was read, or for bytes waiting in the socket already, when the
-chunk before was read: the earliest they can have come, so the proxy errs towards a faster
-link); so a call's last byte arrives no later than a link of that rate would deliver it
-(with no propagation delay), and the link never carries more than ``rate`` over time. A
-rate of None relays as fast as the proxy can, which measures the proxy's own cost.
-:attr:`Link.bytes` counts what each direction carried.
+thread, the bytes through a pipe (splice(2): no copy through Python). The proxy is one
+full-duplex link: every connection's bytes towards the targets share one :class:`Link`,
+the bytes back share another. A chunk read from a socket (at most CHUNK bytes) is sent on
+once the link has had the time to carry it: bytes * 8 / rate seconds after the link
+finished the chunk before, or after the chunk was there to send when that is later (when
+it was read, or for bytes waiting in the socket already, when the chunk before was read:
+the earliest they can have come, so the pacing errs towards a faster link). So the pacing
+holds a call's last byte until a link of that rate, with no propagation delay, would
+deliver it, and the link never carries more than ``rate`` over time; the relay's own cost
+(and the time a sleep oversleeps) come on top. A rate of None relays as fast as the proxy
+can, which measures that cost. :attr:`Link.bytes` counts what each direction carried.
 """
+import fcntl
+import os
+import select
 import socket
 import threading
 import time
@@ -84,22 +88,29 @@ class PacedProxy:
 
 
 def _pump(source, sink, link):
-    """Relay ``source`` to ``sink`` over ``link`` until either ends; an end of ``source`` is passed on."""
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
+    """Relay ``source`` to ``sink`` over ``link`` until either ends; an end of ``source`` is
+    passed on."""
+    pipe_out, pipe_in = os.pipe()
+    fcntl.fcntl(pipe_in, fcntl.F_SETPIPE_SZ, CHUNK)
     last_read = 0.0
-    while True:
-        try:
-            try:  # bytes waiting already are taken to have been there at the read before
-                count, ready = source.recv_into(buffer, CHUNK, socket.MSG_DONTWAIT), last_read
-            except BlockingIOError:
-                count = source.recv_into(buffer)
+    try:
+        while True:
+            # bytes waiting already are taken to have been there at the read before
+            if select.select([source], [], [], 0)[0]:
+                ready = last_read
+            else:
+                select.select([source], [], [])
                 ready = time.monotonic()
+            count = os.splice(source.fileno(), pipe_in, CHUNK)
             last_read = time.monotonic()
             if not count:
                 sink.shutdown(socket.SHUT_WR)
                 return
             link.carry(count, ready)
-            sink.sendall(view[:count])
-        except OSError:  # reset, or closed
-            return
+            while count:
+                count -= os.splice(pipe_out, sink.fileno(), count)
+    except (OSError, ValueError):  # reset, or closed
+        return
+    finally:
+        os.close(pipe_out)
+        os.close(pipe_in)
