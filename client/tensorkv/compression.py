@@ -69,8 +69,8 @@ def check_float32(key, dtype):
 
 def quantize(value, residual, threshold):
     """The 2-bit codes (uint8, one per element, ``value``'s shape) of float32 ``value`` with
-    ``residual`` (float32, same shape), which takes ``value`` in and gives the codes out, in
-    place."""
+    ``residual`` (float32, same shape, C-contiguous), which takes ``value`` in and gives the
+    codes out, in place."""
     residual += value
     return _take_codes(residual, threshold)
 
@@ -150,11 +150,12 @@ class Compressor:
         slot = key if slot is None else slot
         before = self.residuals.get(slot)
         if before is None or before.shape != value.shape:
-            residual = value.astype(xp.float32)
+            residual = value.astype(xp.float32, order="C")
         else:
             spare = self._spares.pop(slot, None)
-            fits = spare is not None and spare.shape == value.shape and array_module(spare) is xp
-            residual = xp.add(before, value, out=spare) if fits else before + value
+            if spare is None or spare.shape != value.shape or array_module(spare) is not xp:
+                spare = xp.empty(value.shape, xp.float32)
+            residual = xp.add(before, value, out=spare)
         return _take_codes(residual, self.threshold), residual
 
     def keep(self, residuals):

@@ -190,7 +190,7 @@ class Rows:
         xp = array_module(self.flat)
         whole, cut = self._split(ids)
         if whole.all() and dtype in (None, self.flat.dtype):  # one pass, into a new array
-            return self.whole.take(xp.asarray(ids - self.first), axis=0).reshape((len(ids),) + self.shape[1:])
+            return self.whole[xp.asarray(ids - self.first)].reshape((len(ids),) + self.shape[1:])
         rows = xp.zeros((len(ids), self.width), dtype or self.flat.dtype)
         rows[xp.asarray(whole)] = self.whole[xp.asarray(ids[whole] - self.first)]
         for i, lo, hi in cut:
