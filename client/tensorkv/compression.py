@@ -122,9 +122,7 @@ def dequantize(packed, count, threshold):
     # code -> value: 0b00 and 0b01 -> 0 (as MXNet's dequantize_2bit reads them), 0b10 ->
     # -threshold, 0b11 -> +threshold; then byte -> the values of its 4 codes
     table = xp.asarray(np.array([0, 0, -value, value], np.float32)[_UNPACKED])
-    values = xp.empty((packed.size, 4), xp.float32)
-    xp.take(table, packed, axis=0, out=values, mode="clip")  # 'clip': no check, no buffered copy (bytes < 256)
-    return values.reshape(-1)[:count]
+    return xp.take(table, packed, axis=0).reshape(-1)[:count]
 
 
 _UNPACKED = np.array([[(byte >> shift) & 0b11 for shift in (6, 4, 2, 0)] for byte in range(256)], np.uint8)
