@@ -1,16 +1,27 @@
-"""The gradient compression rows of `make bench`: a 2-bit compressed push next to a plain one.
+"""The gradient compression rows of `make bench`: a 2-bit compressed push next to a plain one,
+on loopback and through links of 10 Gbit/s and 1 Gbit/s.
 
 One float32 key of 4 MiB (1,048,576 floats) on 'dist_sync' with one worker (this process),
 over the TCP-only path (transport='tcp', as a client on another host), each store on a real
-server process of its own: one store plain, one with
-``kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})``. Pushes of the two
-stores alternate in the same run; rows are median ms per push and the effective rate,
-4 MiB / push time (the compressed push moves 256 KiB of codes, plus the worker's
-quantization and the server's dequantization). The goal (issue 18): the compressed push's
-effective rate >= 3x the plain one's. After the clock stops, the compressed store's value is
-checked against the quantization formula (a residual replayed here, push by push): a
-mismatch fails the bench with exit status 2. Writes <out-dir>/compression.{json,md}
-(compression-quick.* with --quick: 5 repeats in place of 30).
+server process of its own (on 127.0.0.2): one store plain, one with
+``kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})``. Each link gets a pair
+of stores whose pushes alternate in the same run:
+
+  * loopback: the stores connect to the servers straight over the loopback device (faster
+    than the links 2-bit compression is for);
+  * proxy, unpaced: through bench/paced_proxy.py relaying as fast as it can (the proxy's
+    own cost, part of the paced rows too);
+  * 10 Gbit/s and 1 Gbit/s: through the proxy pacing both directions to that rate (a link
+    between hosts, without its propagation delay).
+
+Rows are median ms per push, the effective rate (4 MiB / push time) and, through the proxy,
+the bytes it carried per push (both directions: the compressed push moves 256 KiB of codes,
+plus the worker's quantization and the server's dequantization). The goal (issue 18): the
+compressed push's effective rate >= 3x the plain one's, reported for each link. After the
+clock stops, each compressed store's value is checked against the quantization formula (a
+residual replayed here, push by push): a mismatch fails the bench with exit status 2.
+Writes <out-dir>/compression.{json,md} (compression-quick.* with --quick: 5 repeats in
+place of 30).
 """
 import contextlib
 import os
@@ -24,59 +35,106 @@ import tensorkv
 from tensorkv import compression
 
 import common
+from paced_proxy import PacedProxy
 from run import server
 
 GOAL = 3.0  # compressed effective rate / plain effective rate
 SIZE = 1 << 20  # float32 elements: 4 MiB
 THRESHOLD = 0.5
+SERVER_HOST, PROXY_HOST = "127.0.0.2", "127.0.0.3"
+LINKS = {"loopback": None, "proxy, unpaced": "unpaced", "10 Gbit/s": 10e9, "1 Gbit/s": 1e9}  # None: no proxy
+MODES = ("plain push", "2-bit push")
+CARRIED = {}  # row -> median bytes through the proxy per push, of the last measure()
 
 
 def measure(repeats, logdir):
-    """({row: median seconds per push}, whether the compressed value checked out)."""
+    """({row: median seconds per push}, whether every compressed value checked out); rows are
+    '<mode>, <link>'. Fills CARRIED."""
     rng = np.random.default_rng(0)
     gradients = [rng.standard_normal(SIZE, dtype=np.float32) for _ in range(2)]
+    medians, ok = {}, True
+    CARRIED.clear()
     with contextlib.ExitStack() as stack:
+        servers = {}  # mode -> (address, data port)
+        for mode in MODES:
+            data_port = common.free_port()
+            address = stack.enter_context(server(1, dict(os.environ), logdir, ("--data-port", str(data_port)),
+                                                 host=SERVER_HOST))
+            servers[mode] = address, data_port
+        for link, rate in LINKS.items():
+            times, carried, link_ok = _measure_link(link, rate, servers, gradients, repeats)
+            ok = ok and link_ok
+            for mode in MODES:
+                medians[f"{mode}, {link}"] = statistics.median(times[mode][1:])
+                if rate is not None:
+                    CARRIED[f"{mode}, {link}"] = statistics.median(carried[mode][1:])
+    return medians, ok
+
+
+def _measure_link(link, rate, servers, gradients, repeats):
+    """({mode: [seconds per push]}, {mode: [bytes through the proxy per push]}, values ok) of
+    one link: a fresh pair of stores on key ``link``, through a proxy unless ``rate`` is None."""
+    with contextlib.ExitStack() as stack:
+        proxy, addresses = None, {mode: address for mode, (address, _) in servers.items()}
+        if rate is not None:
+            routes = {}
+            for mode, (address, data_port) in servers.items():
+                port = common.free_port()
+                routes[port] = (SERVER_HOST, int(address.rsplit(":", 1)[1]))
+                routes[data_port] = (SERVER_HOST, data_port)  # the port the server's Info names
+                addresses[mode] = f"{PROXY_HOST}:{port}"
+            proxy = stack.enter_context(PacedProxy(PROXY_HOST, routes, None if rate == "unpaced" else rate))
         stores = {}
-        for name in ("plain push", "2-bit push"):
-            address = stack.enter_context(server(1, dict(os.environ), logdir))
-            kv = stores[name] = stack.enter_context(tensorkv.create(
-                "dist_sync", servers=address, rank=0, num_workers=1, transport="tcp"))
-            kv.init("g", np.zeros(SIZE, np.float32))
+        for mode in MODES:
+            kv = stores[mode] = stack.enter_context(tensorkv.create(
+                "dist_sync", servers=addresses[mode], rank=0, num_workers=1, transport="tcp"))
+            kv.init(link, np.zeros(SIZE, np.float32))
         stores["2-bit push"].set_gradient_compression({"type": "2bit", "threshold": THRESHOLD})
         residual = np.zeros(SIZE, np.float32)
-        times = {name: [] for name in stores}
+        times, carried = {mode: [] for mode in MODES}, {mode: [] for mode in MODES}
         for i in range(repeats + 1):  # the first round warms up
             gradient = gradients[i % 2]
-            for name, kv in stores.items():
+            for mode, kv in stores.items():
+                before = _carried(proxy)
                 start = time.perf_counter()
-                kv.push("g", gradient)
-                times[name].append(time.perf_counter() - start)
+                kv.push(link, gradient)
+                times[mode].append(time.perf_counter() - start)
+                carried[mode].append(_carried(proxy) - before)
             codes = compression.quantize(gradient, residual, THRESHOLD)
         expected = compression.dequantize(compression.pack(codes), SIZE, THRESHOLD)
-        ok = np.array_equal(stores["2-bit push"].pull("g"), expected) and \
-            np.array_equal(stores["plain push"].pull("g"), gradient)
-    return {name: statistics.median(values[1:]) for name, values in times.items()}, ok
+        ok = np.array_equal(stores["2-bit push"].pull(link), expected) and \
+            np.array_equal(stores["plain push"].pull(link), gradient)
+    return times, carried, ok
 
 
-def speedup(medians):
-    """The 2-bit push's effective rate over the plain push's."""
-    return medians["plain push"] / medians["2-bit push"]
+def _carried(proxy):
+    return 0 if proxy is None else proxy.to_targets.bytes + proxy.from_targets.bytes
+
+
+def speedups(medians):
+    """{link: the 2-bit push's effective rate over the plain push's}."""
+    return {link: medians[f"plain push, {link}"] / medians[f"2-bit push, {link}"] for link in LINKS}
 
 
 def markdown(medians, command):
-    ratio = speedup(medians)
+    ratios = speedups(medians)
     lines = [f"`{command}`: one 4 MiB float32 key, dist_sync over TCP (transport='tcp'), 1 worker, medians; "
-             f"goal: 2-bit effective rate >= {GOAL:.0f}x plain.", "",
-             "| row | ms | effective GB/s |", "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {seconds * 1e3:.2f} | {SIZE * 4 / seconds / 1e9:.2f} |" for name, seconds in medians.items()]
-    lines += ["", f"2-bit / plain effective rate: **{ratio:.2f}x** (goal {GOAL:.0f}x)"]
+             f"goal: 2-bit effective rate >= {GOAL:.0f}x plain. 'loopback' rows connect straight over the loopback "
+             "device; the others go through bench/paced_proxy.py, unpaced or paced to 10 or 1 Gbit/s each way.", "",
+             "| row | ms | effective GB/s | MB through the proxy per push |", "| --- | ---: | ---: | ---: |"]
+    for row, seconds in medians.items():
+        carried = CARRIED.get(row)
+        lines.append(f"| {row} | {seconds * 1e3:.2f} | {SIZE * 4 / seconds / 1e9:.2f} | "
+                     f"{'-' if carried is None else f'{carried / 1e6:.3f}'} |")
+    lines += ["", "2-bit / plain effective rate: " + ", ".join(
+        f"{link} **{ratio:.2f}x**" for link, ratio in ratios.items()) + f" (goal {GOAL:.0f}x)"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     return common.run_ratio_bench(
         __doc__, argv, "compression", measure, (5, 30), "a pulled value differs from the quantization formula",
-        markdown, speedup, GOAL, lambda ratio: ratio >= GOAL)
+        markdown, speedups, GOAL, lambda ratios: {link: ratio >= GOAL for link, ratio in ratios.items()})
 
 
 if __name__ == "__main__":

@@ -231,14 +231,14 @@ def _spawn(cmd, env, log_path):
 
 
 @contextlib.contextmanager
-def server(num_workers, env, logdir, args=()):
-    """Runs `python -m tensorkv_server` in sync mode on a free port of
-    127.0.0.1 (with `args` added); yields "127.0.0.1:PORT" once it accepts
-    connections."""
+def server(num_workers, env, logdir, args=(), host="127.0.0.1"):
+    """Runs `python -m tensorkv_server` in sync mode on a free port of `host`
+    (a loopback address; with `args` added); yields "HOST:PORT" once it
+    accepts connections."""
     port = common.free_port()
     log = os.path.join(logdir, f"server-{port}.log")
     proc = _spawn([sys.executable, "-m", "tensorkv_server", "--host",
-                   "127.0.0.1", "--port", str(port), "--num-workers",
+                   host, "--port", str(port), "--num-workers",
                    str(num_workers), "--mode", "sync", *args], env, log)
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT
@@ -247,7 +247,7 @@ def server(num_workers, env, logdir, args=()):
                 raise RuntimeError(f"tensorkv server (pid {proc.pid}) exited "
                                    f"with {proc.returncode}\n{common.tail(log)}")
             with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", port), 1.0).close()
+                socket.create_connection((host, port), 1.0).close()
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -255,7 +255,7 @@ def server(num_workers, env, logdir, args=()):
                     f"connections on port {port} within "
                     f"{SERVER_START_TIMEOUT:.0f}s\n{common.tail(log)}")
             time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
+        yield f"{host}:{port}"
     finally:
         common.stop(proc)
 

@@ -60,6 +60,22 @@ def test_codes_and_packing_are_mxnets(size):
         assert np.array_equal(compression.dequantize(packed, size, 0.5), sent)
 
 
+def test_a_compressor_quantizes_values_of_any_layout_over_rounds():
+    """Fortran-ordered and strided pushes are quantized element by element as C-ordered ones,
+    with the residual (kept in reused buffers) carried over the rounds."""
+    rng = np.random.default_rng(7)
+    compressor = compression.Compressor(0.5)
+    expected_residual = np.zeros(12, np.float32)
+    for round_ in range(4):
+        value = (rng.integers(-6, 7, (3, 8)) * 0.25).astype(np.float32)[:, ::2]  # strided
+        pushed = np.asfortranarray(value) if round_ % 2 == 0 else value
+        sent = quantize_by_hand(value.reshape(-1), expected_residual, np.float32(0.5))
+        codes, residual = compressor.codes("w", pushed)
+        compressor.keep({"w": residual})
+        assert np.array_equal(compressor.values(codes).reshape(-1), sent)
+        assert np.array_equal(residual.reshape(-1), expected_residual)
+
+
 def expected_rounds(num_workers, size, key, threshold):
     """The value pulled after each round: the sum over workers of what each sent."""
     residuals = [np.zeros(size, np.float32) for _ in range(num_workers)]

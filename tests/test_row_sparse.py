@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tensorkv
+from tensorkv.codec import Item, StreamDecoder, encode_stream
 from tensorkv.rowsparse_wire import set_row_ids, set_value
 from tensorkv.rpc import Stub
 from tensorkv.v1 import kvstore_pb2
@@ -83,6 +84,34 @@ def test_bad_row_ids_sent_by_a_raw_stub_are_refused_and_change_nothing(tmp_path)
             stub.RowSparsePush(short, timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         np.testing.assert_array_equal(kv.pull("w"), value)
+
+
+def test_row_sparse_pulls_on_a_raw_session_stream(tmp_path):
+    """SESSION_OP_ROW_SPARSE_PULL answers the rows in the order asked (many rows on the data
+    channel); a bad row id, or an entry that is a slice, is answered with INVALID_ARGUMENT
+    naming the key (and the id)."""
+    value = np.arange(70, dtype=np.float32).reshape(10, 7)
+    with Cluster(tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv, \
+            grpc.insecure_channel(cluster.addresses[0]) as channel:
+        kv.init("w", value)
+        fields = dict(op=kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL, rank=kv.rank, incarnation=kv._registered[0])
+        entries = [Item("w", np.array([4, 0, 4])), Item("w", np.array([3, 10])), Item("w", np.arange(1), (9,), (0, 1))]
+        stream = channel.stream_stream("/tensorkv.v1.KVStoreService/Session")
+        answers = list(stream(iter([encode_stream(kvstore_pb2.SessionRequest, [entry], dict(id=i, **fields),
+                                                  chunk_bytes=1 << 62)[0] for i, entry in enumerate(entries)]),
+                              timeout=10))
+        decoder = StreamDecoder(kvstore_pb2.SessionResponse, "frame")
+        decoder.feed(answers[0])
+        np.testing.assert_array_equal(decoder.finish()[0].array, value[[4, 0, 4]])
+        refused = [kvstore_pb2.SessionResponse.FromString(answer) for answer in answers[1:]]
+        assert [answer.code for answer in refused] == [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2
+        assert "key 'w': row id 10 is out of range for a value of 10 rows" in refused[0].message
+        assert "key 'w': a row-sparse pull's entry carries row ids, not a slice" in refused[1].message
+        ids = np.random.default_rng(0).integers(0, 10, 5000)  # 140 KB of rows: on the data channel
+        out = np.zeros((5000, 7), np.float32)
+        kv.row_sparse_pull("w", out=out, row_ids=ids)
+        np.testing.assert_array_equal(out, value[ids])
 
 
 @pytest.mark.parametrize("store", ["local", "dist_sync"])

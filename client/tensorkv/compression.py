@@ -31,6 +31,7 @@ DEFAULT_THRESHOLD = 0.5  # MXNet's, when compression_params gives only the type
 # b0 << 6 | b1 << 4 | b2 << 2 | b3 in its top byte: the other products land in bits the
 # shift drops, without carries (each code is 2 bits wide).
 _SPREAD = np.uint32((1 << 30) | (1 << 20) | (1 << 10) | 1)
+_BLOCK = 1 << 17  # elements quantized at a time on the host
 
 
 def parse(params):
@@ -68,8 +69,8 @@ def check_float32(key, dtype):
 
 def quantize(value, residual, threshold):
     """The 2-bit codes (uint8, one per element, ``value``'s shape) of float32 ``value`` with
-    ``residual`` (float32, same shape), which takes ``value`` in and gives the codes out, in
-    place."""
+    ``residual`` (float32, same shape, C-contiguous), which takes ``value`` in and gives the
+    codes out, in place."""
     residual += value
     return _take_codes(residual, threshold)
 
@@ -77,14 +78,28 @@ def quantize(value, residual, threshold):
 def _take_codes(residual, threshold):
     """The codes of ``residual`` (which holds the pushed value already), taken off it."""
     xp = array_module(residual)
-    positive = (residual >= xp.float32(threshold)).view(xp.uint8)
-    negative = (residual <= -xp.float32(threshold)).view(xp.uint8)
-    codes = positive + positive  # 0b11 or 0b10 by additions, NumPy's fastest uint8 arithmetic
-    codes += positive
-    codes += negative
-    codes += negative
-    residual -= dequantize(pack(codes), codes.size, threshold).reshape(codes.shape)  # +-threshold or 0: exact
-    return codes
+    flat = residual.reshape(-1)
+    codes = xp.empty(flat.size, xp.uint8)
+    # On the host, block by block: the scratch arrays stay in the cache and are reused.
+    block = min(_BLOCK if xp is np else flat.size, max(flat.size, 1))
+    up, down = xp.empty(block, xp.bool_), xp.empty(block, xp.bool_)
+    steps, sent = xp.empty(block, xp.int8), xp.empty(block, xp.float32)
+    value = xp.float32(threshold)
+    for start in range(0, flat.size, block):
+        part = flat[start:start + block]
+        size = part.size
+        xp.greater_equal(part, value, out=up[:size])
+        xp.less_equal(part, -value, out=down[:size])
+        # 0b11 up, 0b10 down, 0b00 elsewhere
+        code = xp.multiply(up[:size].view(xp.uint8), xp.uint8(3), out=codes[start:start + size])
+        code += down[:size].view(xp.uint8)
+        code += down[:size].view(xp.uint8)
+        # what is sent, +-threshold or 0 (exact: 1 or -1 times threshold), is taken off
+        xp.subtract(up[:size].view(xp.int8), down[:size].view(xp.int8), out=steps[:size])
+        sent[:size] = steps[:size]
+        sent[:size] *= value
+        part -= sent[:size]
+    return codes.reshape(residual.shape)
 
 
 def pack(codes):
@@ -116,11 +131,13 @@ _UNPACKED = np.array([[(byte >> shift) & 0b11 for shift in (6, 4, 2, 0)] for byt
 class Compressor:
     """A store's '2bit' compression: the threshold and the residuals (float32, each of its
     value's shape, in the namespace of the pushed values): one per key on a dist worker, one
-    per key and device on a 'device' store."""
+    per key and device on a 'device' store. Each residual has a spare of its size, which the
+    next push writes its residual into, so that a push allocates no array of the value's size."""
 
     def __init__(self, threshold):
         self.threshold = threshold
         self.residuals = {}
+        self._spares = {}
 
     def codes(self, key, value, slot=None):
         """(codes of ``value`` pushed to ``key``, the residual after them), with the residual
@@ -128,13 +145,24 @@ class Compressor:
         push leaves it unchanged)."""
         check_float32(key, value.dtype)
         xp = array_module(value)
-        before = self.residuals.get(key if slot is None else slot)
-        residual = value.astype(xp.float32) if before is None or before.shape != value.shape else before + value
+        slot = key if slot is None else slot
+        before = self.residuals.get(slot)
+        if before is None or before.shape != value.shape:
+            residual = value.astype(xp.float32, order="C")
+        else:
+            spare = self._spares.pop(slot, None)
+            if spare is None or spare.shape != value.shape or array_module(spare) is not xp:
+                spare = xp.empty(value.shape, xp.float32)
+            residual = xp.add(before, value, out=spare)
         return _take_codes(residual, self.threshold), residual
 
     def keep(self, residuals):
         """Make {slot: residual} the residuals, once the push that produced them succeeded."""
-        self.residuals.update(residuals)
+        for slot, residual in residuals.items():
+            before = self.residuals.get(slot)
+            self.residuals[slot] = residual
+            if before is not None and before is not residual:
+                self._spares[slot] = before
 
     def values(self, codes):
         """The float32 values ``codes`` stand for (what a receiver of their packed bytes reads)."""

@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, compression, rowsparse_wire, states_file
+from . import allocator, compression, states_file
 from .backend import on_gpu, shape_dtype, to_host
 from .codec import Item
 from .engine import Engine, dtype_mismatch
 from .errors import (
-    DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, ServerUnavailableError,
+    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, ServerUnavailableError,
     ShapeMismatchError, key_repr,
 )
 from .kvstore import KVStore
@@ -492,44 +492,58 @@ class DistStore(KVStore):
                 requests.setdefault(index, []).append((key, value.shape, value.indices[sent], data[sent]))
         self._fanout(ServerConn.row_sparse_push, {index: (values,) for index, values in requests.items()})
 
-    def _row_sparse_pull(self, requests):
-        """[(full shape, rows)] of ``requests`` [(key, row ids)]: each server is asked for the
-        distinct rows that touch what it holds, all servers at once."""
+    def _row_sparse_pull(self, requests, outs=None):
+        """[(full shape, rows)] of ``requests`` [(key, row ids)], all servers at once: a server
+        holding a key whole is asked for the rows as asked, which go straight into
+        ``outs[position]`` where that array fits them; the servers of a sliced key are asked
+        for the distinct rows that touch what they hold."""
         _MERGE.check_keys([key for key, _ in requests])
         self._learn_shapes({key for key, _ in requests if key not in self._meta})
-        plan, results = {}, []
+        plan, results, row_bytes = {}, [], []
         for position, (key, ids) in enumerate(requests):
             shape, dtype = self._meta[key]
             if not shape:
                 raise InvalidArgumentError(f"key {key_repr(key)}: a scalar value has no rows to pull")
-            unique, inverse = np.unique(check_row_ids(key, ids, shape[0]), return_inverse=True)
+            ids = check_row_ids(key, ids, shape[0])
+            row_bytes.append(math.prod(shape[1:]) * np.dtype(dtype).itemsize)
+            placement = self._placement(key, math.prod(shape))
+            if placement[0][1] is None:
+                results.append((shape, None, None))
+                plan.setdefault(placement[0][0], []).append((position, None, None, ids))
+                continue
+            unique, inverse = np.unique(ids, return_inverse=True)
             results.append((shape, np.empty((len(unique),) + shape[1:], dtype), inverse))
-            for index, where in self._placement(key, math.prod(shape)):
-                mask = np.ones(len(unique), bool) if where is None else touching(unique, math.prod(shape[1:]), where)
+            for index, where in placement:
+                mask = touching(unique, math.prod(shape[1:]), where)
                 if mask.any():
                     plan.setdefault(index, []).append((position, where, np.flatnonzero(mask), unique[mask]))
-        answers = self._fanout(ServerConn.row_sparse_pull, {
-            index: ([(requests[position][0], ids) for position, _, _, ids in part],) for index, part in plan.items()})
+        outs = outs or {}
+        answers = self._fanout(ServerConn.row_sparse_pull, {index: (
+            [(requests[position][0], ids) for position, _, _, ids in part],
+            [len(ids) * row_bytes[position] for position, _, _, ids in part],
+            [[outs.get(position)] for position, _, _, _ in part]) for index, part in plan.items()})
         for index, answer in answers.items():
-            for (position, where, positions, ids), value in zip(plan[index], answer.values):
-                rows = rowsparse_wire.get_value(value)[3]
-                shape, _, inverse = results[position]
-                if where is None and len(ids) == len(inverse) and bool((ids == requests[position][1]).all()):
-                    results[position] = (shape, rows, None)  # distinct ascending ids from one server: as received
+            for (position, where, positions, ids), rows in zip(plan[index], answer):
+                key, (shape, dtype) = requests[position][0], self._meta[requests[position][0]]
+                if rows.shape != (len(ids),) + shape[1:] or rows.dtype != dtype:
+                    raise InternalError(f"key {key_repr(key)}: server {self._conns[index].address} answered rows "
+                                        f"{rows.shape} {rows.dtype} for {len(ids)} rows of {shape} {dtype}")
+                if where is None:
+                    target = outs.get(position)
+                    received = _receivable(target, dtype, rows.shape) and np.may_share_memory(target, rows)
+                    results[position] = (shape, target if received else rows, None)
                 else:
                     place(results[position][1], positions, ids, rows, where)
         return [(shape, rows if inverse is None else rows[inverse]) for shape, rows, inverse in results]
 
     def _learn_shapes(self, keys):
-        """Ask each key's home server for none of its rows, which tells its shape and dtype."""
+        """Ask each key's home server for its shape and dtype."""
         homes = {}
         for key in keys:
-            homes.setdefault(home(key, len(self._conns)), []).append((key, ()))
-        answers = self._fanout(ServerConn.row_sparse_pull, {index: (part,) for index, part in homes.items()})
-        for answer in answers.values():
-            for value in answer.values:
-                key, shape, _, rows = rowsparse_wire.get_value(value)
-                self._meta[key] = (shape, rows.dtype)
+            homes.setdefault(home(key, len(self._conns)), []).append(key)
+        answers = self._fanout(ServerConn.row_sparse_shapes, {index: (part,) for index, part in homes.items()})
+        for shapes in answers.values():
+            self._meta.update(shapes)
 
     # ---- optimizer --------------------------------------------------------------------
 

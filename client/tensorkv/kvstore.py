@@ -149,7 +149,8 @@ class KVStore:
         """
         self._check_open()
         requests, deliveries = self._row_sparse_targets(key, out, row_ids)
-        results = self._row_sparse_pull(requests)
+        # The first out array of each request may receive its rows straight from the wire.
+        results = self._row_sparse_pull(requests, {} if deliveries is None else dict(reversed(deliveries)))
         if deliveries is None:
             rows = [to_host(rows) if getattr(rows, "flags", None) is None or rows.flags.writeable else rows.copy()
                     for _, rows in results]
@@ -168,7 +169,8 @@ class KVStore:
             writes.append((target, None if target_shape == tuple(rows.shape) else ids, rows))
         for target, ids, rows in writes:
             if ids is None:
-                write_into(target, rows)
+                if rows is not target:  # else pulled straight into it
+                    write_into(target, rows)
             else:
                 _write_rows(target, ids, rows)
         return None

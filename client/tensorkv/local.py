@@ -61,7 +61,7 @@ class LocalStore(KVStore):
     def _push_rows(self, pairs):
         self._push(pairs)  # the engine merges RowSparse values as it merges arrays
 
-    def _row_sparse_pull(self, requests):
+    def _row_sparse_pull(self, requests, outs=None):
         with self._lock:
             return [self._engine.pull_rows(key, ids) for key, ids in requests]
 

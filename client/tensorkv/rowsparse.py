@@ -188,12 +188,11 @@ class Rows:
         """A new array ``(len(ids),) + shape[1:]`` of rows ``ids`` (they touch the slice): the
         elements outside the slice are zero."""
         xp = array_module(self.flat)
-        rows = xp.zeros((len(ids), self.width), dtype or self.flat.dtype)
         whole, cut = self._split(ids)
-        if whole.all():
-            rows[...] = self.whole[xp.asarray(ids - self.first)]
-        else:
-            rows[xp.asarray(whole)] = self.whole[xp.asarray(ids[whole] - self.first)]
+        if whole.all() and dtype in (None, self.flat.dtype):  # one pass, into a new array
+            return self.whole[xp.asarray(ids - self.first)].reshape((len(ids),) + self.shape[1:])
+        rows = xp.zeros((len(ids), self.width), dtype or self.flat.dtype)
+        rows[xp.asarray(whole)] = self.whole[xp.asarray(ids[whole] - self.first)]
         for i, lo, hi in cut:
             rows[i, lo:hi] = self._at(int(ids[i]), lo, hi)
         return rows.reshape((len(ids),) + self.shape[1:])

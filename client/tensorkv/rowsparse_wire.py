@@ -1,5 +1,8 @@
 """Row-sparse values on the wire: RowSparseValue, RowIds and the RowSparsePull and
-RowSparsePush messages (plain protobuf messages: rows are few, so no stream of frames)."""
+RowSparsePush messages (plain protobuf messages: rows are few, so no stream of frames). A
+worker's row_sparse_pull travels on its Session stream where it can
+(SESSION_OP_ROW_SPARSE_PULL: the row ids and the rows as entries, large rows on the data
+channel), else in these messages."""
 import numpy as np
 
 from . import codec

@@ -38,7 +38,9 @@ RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
 # The Session op of each kind of call that may travel on a Session stream.
 _SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
-                "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL}
+                "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL,
+                "row_sparse_pull": kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL}
+_PULLS = (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL, kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL)
 log = logging.getLogger(__name__)
 
 
@@ -293,11 +295,26 @@ class ServerConn:
             rowsparse_wire.set_value(request.values.add(), key, shape, row_ids, rows)
         self._rpc("push", self.stub.RowSparsePush, request, timeout)
 
-    def row_sparse_pull(self, part):
-        """The RowSparsePullResponse to ``part`` [(key, row ids)]."""
-        return self._call("row_sparse_pull", self._row_sparse_pull_once, part, next(self._pull_sequences))
+    def row_sparse_pull(self, part, sizes, outs):
+        """The rows (NumPy arrays) of each (key, row ids) of ``part``, in order; ``sizes``: their
+        bytes; ``outs``: as for :meth:`pull`, by index into ``part``. On the Session stream
+        (large rows on its data channel) when the call fits it, else a RowSparsePull."""
+        return self._call("row_sparse_pull", self._row_sparse_pull_once, part, sizes, outs, next(self._pull_sequences))
 
-    def _row_sparse_pull_once(self, timeout, part, pull_sequence):
+    def _row_sparse_pull_once(self, timeout, part, sizes, outs, pull_sequence):
+        items = [(position, Item(key, row_ids)) for position, (key, row_ids) in enumerate(part)]
+        pulled = self._session("row_sparse_pull", items, timeout, outs=outs, sizes=sizes, pull_sequence=pull_sequence)
+        if pulled is not None:
+            return [item.array for item in pulled]
+        values = self._row_sparse_values(timeout, part, pull_sequence).values
+        return [rowsparse_wire.get_value(value)[3] for value in values]
+
+    def row_sparse_shapes(self, keys):
+        """{key: (full shape, dtype)} of ``keys``, from a RowSparsePull of none of their rows."""
+        response = self._call("row_sparse_pull", self._row_sparse_values, [(key, ()) for key in keys])
+        return {key: (shape, rows.dtype) for key, shape, _, rows in map(rowsparse_wire.get_value, response.values)}
+
+    def _row_sparse_values(self, timeout, part, pull_sequence=0):
         request = kvstore_pb2.RowSparsePullRequest(pull_sequence=pull_sequence, **self._caller())
         for key, row_ids in part:
             rowsparse_wire.set_row_ids(request.keys.add(), key, row_ids)
@@ -383,7 +400,9 @@ class ServerConn:
         region and only their references travel; a pull names the region as its output area,
         and the values the server writes there are copied into ``outs`` (or new arrays).
         Without it, values of DATACHAN_MIN_BYTES or more travel on the session's data channel
-        when there is one, pulled ones straight into ``outs`` where they fit."""
+        when there is one, pulled ones straight into ``outs`` where they fit. ``sizes``: the
+        bytes of the values pulled, for a pull of ``keys`` when all are known, and for a call
+        whose items are not the values it pulls (row ids)."""
         session = self.session
         if session is None:
             return None
@@ -392,7 +411,7 @@ class ServerConn:
         min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
         offload = use_shm or use_channel  # large values leave the messages
         op = _SESSION_OPS[kind]
-        pulls = op in (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL)
+        pulls = op in _PULLS
         in_bytes = out_bytes = 0
         if keys is None:
             items = [item for _, item in part]
@@ -405,8 +424,12 @@ class ServerConn:
                     inline += nbytes
             if inline > SESSION_MAX_BYTES:
                 return None
-            if pulls and any(_pulled_nbytes(item) >= min_bytes for item in items):
-                out_bytes = sum(aligned(_pulled_nbytes(item)) for item in items)
+            if pulls:
+                pulled = [_pulled_nbytes(item) for item in items] if sizes is None else sizes
+                if sum(pulled) > SESSION_MAX_BYTES and not offload:
+                    return None
+                if max(pulled, default=0) >= min_bytes:
+                    out_bytes = sum(aligned(nbytes) for nbytes in pulled)
         else:
             if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
                 return None

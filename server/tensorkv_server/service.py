@@ -17,7 +17,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from tensorkv import __version__, codec, rowsparse_wire, states_wire
 from tensorkv.backend import on_gpu
-from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError
+from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, key_repr
 from tensorkv.rowsparse import RowSparse
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -57,6 +57,14 @@ else:
 
 def _ms(seconds):
     return round(seconds * 1000)
+
+
+def _row_ids(item):
+    """The row ids that an entry of a SESSION_OP_ROW_SPARSE_PULL call carries."""
+    if item.slice is not None or item.two_bit is not None:
+        raise InvalidArgumentError(f"key {key_repr(item.key)}: a row-sparse pull's entry carries row ids, not a "
+                                   f"slice or 2-bit codes")
+    return item.array
 
 
 def _responses(items):
@@ -362,6 +370,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if request.op == kvstore_pb2.SESSION_OP_INIT:
             await self.coordinator.init(request.rank, request.incarnation, items, request.wait_only, request.sequence)
             return []
+        if request.op == kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL:
+            requests = [(item.key, _row_ids(item)) for item in items]
+            results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests,
+                                                        request.pull_sequence)
+            return [codec.Item(key, rows) for (key, _), (_, rows) in zip(requests, results)]
         raise InvalidArgumentError(f"unknown session op {request.op}")
 
     async def SetUpdater(self, request_iterator, context):
