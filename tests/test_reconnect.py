@@ -135,10 +135,13 @@ def test_an_aborted_round_whose_answer_was_lost_is_reported_when_the_call_is_sen
             np.testing.assert_array_equal(kv1.pull("w"), [0] * 4)
 
 
-def test_a_push_in_a_snapshot_is_not_applied_again_by_the_restarted_server(tmp_path):
+@pytest.mark.parametrize("restarts", [1, 2])
+def test_a_push_in_a_snapshot_is_not_applied_again_by_the_restarted_server(tmp_path, restarts):
     """A push's answer is lost; the server, which applied it, writes a snapshot and is killed
     with -9. Restarted on its state dir, it gets the push again with its sequence number: the
-    numbers applied came back with the snapshot, so it is acknowledged, not applied twice."""
+    numbers applied came back with the snapshot, so it is acknowledged, not applied twice.
+    With 2 restarts the restored server writes a snapshot and is killed again before the
+    worker gets through (the proxy stalled): that snapshot keeps the numbers too."""
     state = str(tmp_path / "state")
     with Cluster(tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) as cluster, \
             FaultProxy(cluster.addresses[0]) as proxy:
@@ -149,8 +152,11 @@ def test_a_push_in_a_snapshot_is_not_applied_again_by_the_restarted_server(tmp_p
             proxy.hold_replies()
             result = _in_thread(lambda: kv.push("w", np.full(4, -5, np.float32)))
             wait_until(lambda: server.keys()[0].updates == 1, "the push applied")  # its answer never arrives
-            server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
-            cluster.restart()  # SIGKILL, then a new server on the state dir
+            proxy.stall(60)  # nothing of the worker's reaches a server until the last restart
+            for _ in range(restarts):
+                server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+                cluster.restart()  # SIGKILL, then a new server on the state dir
+            proxy.stall(0)
             proxy.reset()
             proxy.hold_replies(False)
             result()

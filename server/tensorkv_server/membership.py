@@ -195,12 +195,17 @@ class Membership:
 
     def saved_sequences(self, excluded):
         """The sequence numbers each registered rank applied, for a snapshot: without
-        ``excluded`` {rank: numbers} (pushes of open rounds, which a snapshot does not hold)."""
+        ``excluded`` {rank: numbers} (pushes of open rounds, which a snapshot does not hold);
+        and those restored for a worker that has not registered again yet."""
         saved = []
         for rank, incarnation in sorted(self.incarnations.items()):
             if rank in self._applied:
                 through, beyond = self._applied[rank].saved(excluded.get(rank, ()))
                 saved.append({"rank": rank, "incarnation": incarnation, "through": through, "beyond": beyond})
+        for rank, (incarnation, applied) in sorted(self._restored.items()):
+            if rank not in self.incarnations:
+                saved.append({"rank": rank, "incarnation": incarnation, "through": applied.through,
+                              "beyond": sorted(applied.beyond)})
         return saved
 
     def restore_sequences(self, saved):
