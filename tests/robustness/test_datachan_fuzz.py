@@ -459,6 +459,8 @@ class Bound:
         for key in keys:
             request.keys.add(str_key=key)
         answer = self.stream.call(request)
+        if stop and _code(answer) == grpc.StatusCode.DEADLINE_EXCEEDED:  # a server too busy to pull within STALL_MS
+            return self._closed_by_server()
         assert answer.code == 0, answer
         following_bytes = sum(entry.channel.length for entry in answer.frame.entries if entry.HasField("channel"))
         if stop and following_bytes:
