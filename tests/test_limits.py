@@ -317,8 +317,14 @@ def test_more_keys_than_max_keys_per_call_are_refused_and_change_nothing(tmp_pat
                 kv.pull("k0")  # all or none
             kv.init(keys[:3], [_floats(2, 10 * i) for i in range(3)])
             kv.init(keys[3], _floats(2, 30))
-            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
-                kv.push(keys, [np.ones(2, np.float32)] * 4)
+            # every key is known here: the push is sent without waiting, and the server's refusal,
+            # which only it can see, is raised by the next call, naming the push
+            kv.push(keys, [np.ones(2, np.float32)] * 4)
+            with pytest.raises(tensorkv.ResourceExhaustedError,
+                               match=re.escape("an earlier push of 4 keys ('k0', 'k1', 'k2', 'k3'), sent without "
+                                               "waiting for its answer, failed and changed nothing: ") + ".*"
+                               + re.escape(words)):
+                kv.pull("k0")
             with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):
                 kv.pull(keys)
         with _Raw(cluster.addresses[0]) as raw:

@@ -73,7 +73,8 @@ def test_counts_of_plain_rpcs(tmp_path):
 @pytest.mark.parametrize("transport, counted", [("auto", "shm"), ("tcp", "datachan")])
 def test_bytes_by_transport(tmp_path, transport, counted):
     """A 4 MiB init, push and pull by a worker on the server's host: 8 MiB in and 4 MiB out
-    in shared memory, or on the data channel with transport='tcp'."""
+    in shared memory, or on the data channel with transport='tcp' (with the calls, which go
+    framed on the channel: a few hundred bytes)."""
     port, cluster = metrics_cluster(tmp_path)
     with cluster:
         kv = tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport)
@@ -83,8 +84,9 @@ def test_bytes_by_transport(tmp_path, transport, counted):
         kv.close()
         _, samples = scrape(port)
     moved = {labels: value for (name, labels), value in samples.items() if name == "tensorkv_transport_bytes_total"}
-    assert moved[("direction", "in"), ("transport", counted)] == 8 << 20
-    assert moved[("direction", "out"), ("transport", counted)] == 4 << 20
+    calls = 1024 if counted == "datachan" else 1
+    assert 8 << 20 <= moved[("direction", "in"), ("transport", counted)] < (8 << 20) + calls
+    assert 4 << 20 <= moved[("direction", "out"), ("transport", counted)] < (4 << 20) + calls
     assert sum(moved.values()) < (12 << 20) + 1024  # the rest: a few small gRPC messages
 
 

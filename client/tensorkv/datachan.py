@@ -14,9 +14,10 @@ import socket
 import ssl
 import time
 
-from .errors import DeadlineExceededError, ServerUnavailableError
+from .errors import DeadlineExceededError, KVStoreError, ServerUnavailableError
 
 ACK = b"\x01"
+FRAME_HEADER = 4  # bytes of the little-endian length before each call and answer framed on the channel
 # Seconds to connect and be bound at most: a port that a firewall drops must not hold the
 # call that negotiates for its whole timeout.
 CONNECT_TIMEOUT = 10.0
@@ -34,6 +35,8 @@ class Channel:
     """A data channel to server ``address`` (its gRPC address) on ``port``, bound with ``token``
     within ``timeout`` seconds (CONNECT_TIMEOUT at most), over TLS with the ssl.SSLContext
     ``tls`` unless it is None; OSError when the server refuses or cannot be reached."""
+
+    takes_calls = False  # whether the server takes the session's calls on this channel (SessionResponse.calls_on_channel)
 
     def __init__(self, address, port, token, timeout, tls=None):
         self.address = address
@@ -55,6 +58,59 @@ class Channel:
     def closed(self):
         return self._sock is None
 
+    def send_call(self, request, arrays):
+        """Write one call framed on the channel (SessionResponse.calls_on_channel): the length of
+        the serialized SessionRequest ``request``, ``request``, then the bytes of ``arrays``.
+        None; or, when the server closed the channel before it took every byte (it refused the
+        call without reading them), the answer it sent before closing (the channel is closed)."""
+        self._check_open()
+        try:
+            self._sock.settimeout(self._remaining())
+            self._sock.sendall(len(request).to_bytes(FRAME_HEADER, "little") + request)
+            for array in arrays:
+                self._sock.settimeout(self._remaining())
+                self._sock.sendall(memoryview(array.reshape(-1).view("u1")))
+        except OSError as error:
+            try:
+                answer = self.read_answer() if arrays else None
+            except KVStoreError:
+                answer = None
+            if answer is None:
+                raise self._broken(error) from None
+            self.close()
+            return answer
+        return None
+
+    def read_answer(self):
+        """The serialized SessionResponse framed next on the channel (the bytes its entries
+        announce follow it: :meth:`receive`)."""
+        header = bytearray(FRAME_HEADER)
+        self.receive([header])
+        answer = bytearray(int.from_bytes(header, "little"))
+        self.receive([answer])
+        return bytes(answer)
+
+    def peer_closed(self):
+        """Whether the server closed the channel (it does after a call it could not read); the
+        channel is then closed here too. Bytes waiting unasked break it."""
+        if self._sock is None:
+            return True
+        tls = isinstance(self._sock, TlsSocket)
+        raw = self._sock.raw if tls else self._sock
+        try:
+            raw.settimeout(0)  # a socket with a timeout would wait for bytes first
+            waiting = raw.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            waiting = b""
+        if waiting:
+            if tls:  # e.g. a TLS 1.3 session ticket, which the next read takes in
+                return False
+            raise self._broken(ConnectionError("the server sent bytes that no call asked for"))
+        self.close()
+        return True
+
     def send(self, arrays):
         """Write the bytes of ``arrays`` (C-contiguous, little-endian), in order."""
         self._check_open()
@@ -66,7 +122,7 @@ class Channel:
             raise self._broken(error) from None
 
     def receive(self, buffers):
-        """Fill the uint8 arrays ``buffers``, in order."""
+        """Fill the uint8 arrays (or bytearrays) ``buffers``, in order."""
         self._check_open()
         try:
             for buffer in buffers:
@@ -111,7 +167,7 @@ class TlsSocket:
     record)."""
 
     def __init__(self, sock, context, host):
-        self._sock = sock
+        self.raw = self._sock = sock
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
         self._received = memoryview(bytearray(TLS_RECV_BYTES))  # the socket's bytes, on their way in

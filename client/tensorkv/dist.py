@@ -384,7 +384,10 @@ class DistStore(KVStore):
     def _push(self, pairs):
         merged = self._merged(pairs)
         plan, residuals = self._push_plan((key, key, value) for key, value in merged.items())
-        self._fanout(ServerConn.push, {index: (part,) for index, part in plan.items()})
+        # Checked here against what this worker knows of every key, the push need not wait for
+        # the servers' answers (ServerConn.push).
+        known = all(key in self._meta for key in merged)
+        self._fanout(ServerConn.push, {index: (part, known) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
@@ -591,6 +594,7 @@ class DistStore(KVStore):
     # ---- the rest ---------------------------------------------------------------------
 
     def _barrier(self):
+        self._fanout(ServerConn.settle, {index: () for index in range(len(self._conns))})
         self._conns[0].barrier()
 
     def close(self):

@@ -5,6 +5,7 @@ which wraps every handler as it is registered, sends its ``code`` as the status,
 as the details and its class name in the trailing metadata entry ``tensorkv-error``. A
 client turns a ``grpc.RpcError`` back into the same class with :func:`error_from_rpc`.
 """
+import collections
 import functools
 import inspect
 import itertools
@@ -267,7 +268,7 @@ class Session:
     than the stream. ``data_tls``: the ssl.SSLContext of the data channel of a TLS server.
     """
 
-    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None):
+    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None, calls_on_channel=False):
         self._method = channel.stream_stream(Stub._PATH + "Session")
         self._address = address
         self._lock = threading.Lock()
@@ -282,8 +283,13 @@ class Session:
         self.data_port = data_port
         self.data_tls = data_tls
         self.data_channel = None
+        # Whether calls go framed on the data channel once one is bound (every call then
+        # negotiates one), and the deferred calls sent there whose answers are not read yet.
+        self.calls_on_channel = calls_on_channel
+        self._unread = collections.deque()  # Deferred
 
-    def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call"):
+    def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call", defer=None,
+             read_only=False):
         """``decode(id, serialized SessionResponse, region, channel)`` (default: (id, response))
         for the request that ``build(id, timeout_ms, region, channel)`` returns with the arrays
         whose bytes follow on the data channel, as (serialized SessionRequest, arrays); both
@@ -291,7 +297,13 @@ class Session:
         ``shm_bytes`` > 0, ``channel`` the data channel for a call with ``data_channel`` (each
         None when there is none); ``decode`` receives what the response says follows on the
         channel. ``kind`` names the call in errors ('push', 'pull', ...). None when the session
-        is busy or closed."""
+        is busy or closed.
+
+        On a channel that takes calls (:attr:`calls_on_channel`), a call with ``defer`` (a
+        :class:`Deferred`) is sent and not waited for: it returns ``defer``, whose answer a later
+        call reads. A later call first reads those answers, except one that is ``read_only``,
+        which is sent before them; the first deferred call that failed then raises its error
+        (``Deferred.failed``), after every answer sent for was read."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -300,34 +312,136 @@ class Session:
             if self._call is None:
                 self._open()
             region = self._ensure_region(shm_bytes, timeout, kind) if shm_bytes > 0 else None
-            channel = self._ensure_channel(timeout, kind) if data_channel and region is None else None
-            call_id = next(self._ids)
-            if channel is not None:
-                channel.deadline = time.monotonic() + timeout
-            request, arrays = build(call_id, max(1, int(timeout * 1000)), region, channel)
-            failed = []
-            try:
-                data = self._roundtrip(request, timeout, kind,
-                                       lambda: self._send(channel, arrays, failed) if arrays else None)
-            except BaseException:  # e.g. interrupted mid-send: this call's answer must not be the next's
-                self._reset()
-                raise
-            try:
-                result = (decode or (lambda i, d, r, c: (i, d)))(call_id, data, region, channel)
-                if failed:  # a value did not reach the server: the call cannot have succeeded
-                    raise failed[0]
-                return result
-            except BaseException:
-                if channel is not None:  # the server closes it on failing a call that uses it
-                    channel.close()
-                raise
-            finally:
-                if self._expired:  # the watchdog fired just as the answer came: start afresh
-                    self._reset()
-                elif self.data_channel is not None and self.data_channel.closed:
-                    self.data_channel = None
+            channel = self._calls_channel(timeout, kind)
+            if channel is None:
+                channel = self._ensure_channel(timeout, kind) if data_channel and region is None else None
+                return self._grpc_call(build, timeout, decode, region, channel, kind)
+            if not read_only:
+                self._read_unread()
+            bytes_channel = channel if data_channel and region is None else None
+            return self._channel_call(channel, build, timeout, decode, region, bytes_channel, kind, defer)
         finally:
             self._lock.release()
+
+    def settle(self):
+        """Read the answers of the deferred calls; the error of the first that failed (see :meth:`call`)."""
+        with self._lock:
+            self._read_unread()
+
+    @property
+    def unread(self):
+        return bool(self._unread)
+
+    def _grpc_call(self, build, timeout, decode, region, channel, kind):
+        call_id = next(self._ids)
+        if channel is not None:
+            channel.deadline = time.monotonic() + timeout
+        request, arrays = build(call_id, max(1, int(timeout * 1000)), region, channel)
+        failed = []
+        try:
+            data = self._roundtrip(request, timeout, kind,
+                                   lambda: self._send(channel, arrays, failed) if arrays else None)
+        except BaseException:  # e.g. interrupted mid-send: this call's answer must not be the next's
+            self._reset()
+            raise
+        try:
+            result = (decode or (lambda i, d, r, c: (i, d)))(call_id, data, region, channel)
+            if failed:  # a value did not reach the server: the call cannot have succeeded
+                raise failed[0]
+            return result
+        except BaseException:
+            if channel is not None:  # the server closes it on failing a call that uses it
+                channel.close()
+            raise
+        finally:
+            if self._expired:  # the watchdog fired just as the answer came: start afresh
+                self._reset()
+            elif self.data_channel is not None and self.data_channel.closed:
+                self.data_channel = None
+
+    def _channel_call(self, channel, build, timeout, decode, region, bytes_channel, kind, defer):
+        """The call framed on ``channel``; earlier deferred answers read after it is sent."""
+        call_id = next(self._ids)
+        channel.deadline = time.monotonic() + timeout + SESSION_GRACE
+        request, arrays = build(call_id, max(1, int(timeout * 1000)), region, bytes_channel)
+        decode = decode or (lambda i, d, r, c: (i, d))
+        try:
+            refused = channel.send_call(request, arrays)
+            if refused is not None:  # the answer says why the server did not take the bytes
+                decode(call_id, refused, region, None)
+                raise ServerUnavailableError(f"server {self._address}: the data channel closed during the {kind}")
+            if defer is not None:
+                defer.answer = (call_id, decode, region, kind, timeout)
+                self._unread.append(defer)
+                return defer
+            earlier = None
+            try:
+                self._read_unread()
+            except KVStoreError as error:
+                if self.data_channel is None:  # broken: this call's answer is lost too
+                    raise
+                earlier = error
+            channel.deadline = time.monotonic() + timeout + SESSION_GRACE
+            try:
+                result = decode(call_id, channel.read_answer(), region, bytes_channel)
+            except (ServerUnavailableError, DeadlineExceededError):
+                if earlier is None:
+                    raise
+                self._reset()  # the server closed the channel after the failed deferred call: report that
+                raise earlier from None
+            if earlier is not None:
+                raise earlier
+            return result
+        except DeadlineExceededError:  # the channel timed out: so did every call on it
+            self._reset()
+            raise
+        except ServerUnavailableError:  # the channel broke: so did every call on it
+            self._reset()
+            raise transport_error("", self._address, kind) from None
+        except KVStoreError:
+            raise
+        except BaseException:  # e.g. interrupted mid-call: the channel is out of step
+            self._reset()
+            raise
+        finally:
+            if self.data_channel is not None and self.data_channel.closed:
+                self.data_channel = None
+
+    def _read_unread(self):
+        """Read the answers of the deferred calls; raise the first one's error (Deferred.failed)."""
+        first = None
+        channel = self.data_channel
+        while self._unread:
+            deferred = self._unread[0]
+            call_id, decode, region, kind, timeout = deferred.answer
+            try:
+                channel.deadline = time.monotonic() + timeout + SESSION_GRACE  # the server bounds the call itself
+                decode(call_id, channel.read_answer(), region, None)
+            except DeadlineExceededError:
+                self._reset()
+                raise
+            except ServerUnavailableError:
+                self._reset()
+                raise transport_error("", self._address, kind) from None
+            except KVStoreError as error:
+                first = first or deferred.failed(error)
+            else:
+                deferred.answered()
+            self._unread.popleft()
+        if first is not None:
+            raise first
+
+    def _calls_channel(self, timeout, kind):
+        """The data channel that takes this session's calls (negotiated if needed); None when
+        calls go on the stream."""
+        if not self.calls_on_channel:
+            return None
+        channel = self.data_channel
+        if channel is not None and not self._unread and channel.peer_closed():  # after a call it could not read
+            self.data_channel = channel = None
+        if channel is None:
+            channel = self._ensure_channel(timeout, kind)
+        return channel if channel is not None and channel.takes_calls else None
 
     @staticmethod
     def _send(channel, arrays, failed):
@@ -339,8 +453,8 @@ class Session:
             failed.append(error)
 
     def _roundtrip(self, request, timeout, kind, then=None):
-        """Send one serialized request of a ``kind`` call, run ``then()`` and return the
-        serialized response."""
+        """Send one serialized request of a ``kind`` call on the stream, run ``then()`` and
+        return the serialized response."""
         self._expired = False
         self._deadline = time.monotonic() + timeout + SESSION_GRACE
         self._queue.put(request)
@@ -414,13 +528,15 @@ class Session:
         if self.data_channel is not None or not self.data_port:
             return self.data_channel
         request = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
-                                             timeout_ms=max(1, int(timeout * 1000)))
+                                             timeout_ms=max(1, int(timeout * 1000)),
+                                             calls_on_channel=self.calls_on_channel)
         response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout, kind))
         try:
             if response.code:
                 raise ConnectionRefusedError(response.message)
             self.data_channel = datachan.Channel(self._address, self.data_port, response.data_token, timeout,
                                                  self.data_tls)
+            self.data_channel.takes_calls = response.calls_on_channel
         except OSError as error:
             self.data_port = 0
             log.info("no data channel to server %s (%s): values travel in the gRPC messages", self._address, error)
@@ -449,6 +565,7 @@ class Session:
                 call.cancel()
 
     def _reset(self):
+        self._unread.clear()  # their answers are lost with the channel: Deferred.answered never runs
         if self._call is not None:
             self._queue.put(None)
             self._call.cancel()
@@ -466,3 +583,14 @@ class Session:
             self._reset()
         if self._watchdog is not None:
             self._watchdog.join(1.0)
+
+
+class Deferred:
+    """A call sent on a Session's data channel without waiting for its answer (Session.call's
+    ``defer``): ``answered()`` runs when its answer says it succeeded, ``failed(error)`` gives
+    the error to raise when it says it failed."""
+
+    answer = None  # what reading its answer needs, set by Session
+
+    def __init__(self, answered, failed):
+        self.answered, self.failed = answered, failed

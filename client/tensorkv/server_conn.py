@@ -22,8 +22,14 @@ from google.protobuf import message
 
 from . import rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
-from .errors import FailedPreconditionError, InternalError, ServerUnavailableError
-from .rpc import CHANNEL_OPTIONS, Session, Stub, connection_lost, error_from_code, error_from_rpc, status_code
+from .errors import (
+    DeadlineExceededError, FailedPreconditionError, InternalError, KVStoreError, ServerUnavailableError, key_repr,
+)
+from .rpc import (
+    CHANNEL_OPTIONS, READ_ONLY_CALLS, Deferred, Session, Stub, connection_lost, error_from_code, error_from_rpc,
+    status_code,
+)
+from .words import plural
 from .v1 import kvstore_pb2, tensor_pb2
 
 # Calls whose values (per server) take at most this many bytes use the Session stream.
@@ -32,6 +38,9 @@ SESSION_MAX_BYTES = CHUNK_BYTES
 SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
 # With a data channel, values of at least this many bytes travel on it.
 DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10))
+# A push of at most this many bytes (per server) may be sent without waiting for its answer (a
+# copy is kept until the answer comes).
+DEFER_MAX_BYTES = 1 << 20
 _ONE_MESSAGE = 1 << 62
 # Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
 RETRY_FIRST = 0.05
@@ -87,6 +96,8 @@ class ServerConn:
         # key -> a copy of what was last pushed to it (an Item, or row-sparse (key, shape, row ids,
         # rows)), until a pull of the key
         self._last_pushes = {}  # key -> (sequence number, a copy of its last push), where it realigns
+        # sequence number -> a copy of the part of a push sent without waiting, until its answer came
+        self._unacked = {}
 
     def _connect(self):
         """A new channel, stub and Session stream (its shared-memory region and data channel
@@ -113,6 +124,7 @@ class ServerConn:
         if self.session is not None:
             self.session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
             self.session.data_port = info.data_port if transport != "grpc" else 0
+            self.session.calls_on_channel = self.session.data_port > 0
 
     def register(self, rank, if_exists, server_id, previous=None, timeout=None):
         """Join the job as ``rank`` (None: the server assigns one) on the server whose Info
@@ -136,6 +148,10 @@ class ServerConn:
         as it is)."""
         if self.incarnation is None:
             return
+        try:
+            self.settle()
+        except KVStoreError as error:  # the store is closing: nothing is left to raise it
+            log.warning("server %s: %s", self.address, error)
         try:
             self.stub.Unregister(kvstore_pb2.UnregisterRequest(**self._caller()), timeout=timeout)
         except grpc.RpcError as error:
@@ -162,6 +178,9 @@ class ServerConn:
                 if self.lease_lost is not None:
                     raise FailedPreconditionError(self.lease_lost)
                 return attempt(_left(deadline), *args)
+            except DeadlineExceededError:
+                self._unacked.clear()  # whether they were applied is unknown, as for the call that timed out
+                raise
             except ServerUnavailableError as error:
                 first = first or error
                 if time.monotonic() + delay >= deadline:
@@ -206,15 +225,19 @@ class ServerConn:
                 else:
                     log.warning("server %s restarted without a snapshot (no --state-dir, or none written yet): "
                                 "rank %d registered again; every key it held is lost", self.address, self.rank)
-                self._push_last(deadline)
+            self._push_again(deadline, restarted)
 
-    def _push_last(self, deadline):
-        """Send again the last push of each key, with the sequence number it had: the restarted
-        server skips a push that its snapshot holds (RegisterRequest.previous_incarnation), and
-        applies the others."""
+    def _push_again(self, deadline, restarted):
+        """Send again the pushes sent without waiting whose answers did not come, and after a
+        restart the last push of each key, each with the sequence number it had: the server
+        skips a push it applied (after a restart, one its snapshot holds:
+        RegisterRequest.previous_incarnation) and applies the others."""
         calls = {}
-        for sequence, value in self._last_pushes.values():
-            calls.setdefault(sequence, []).append(value)
+        if restarted:
+            for sequence, value in self._last_pushes.values():
+                calls.setdefault(sequence, []).append(value)
+        calls.update(self._unacked)
+        self._unacked = {}
         for sequence, values in sorted(calls.items()):
             if isinstance(values[0], Item):
                 self._push_once(_left(deadline), list(enumerate(values)), sequence)
@@ -232,23 +255,47 @@ class ServerConn:
             self._rpc("init", self.stub.init_raw, self._frames(kvstore_pb2.InitRequest, items, wait_only=wait_only,
                                                                sequence=sequence), timeout)
 
-    def push(self, part):
+    def push(self, part, defer=False):
+        """Push ``part``. With ``defer`` (the caller checked every key against what it knows of it),
+        a push of at most DEFER_MAX_BYTES on a session whose calls go on the data channel is
+        sent without waiting for the server's answer (one round trip less for a push then a
+        pull): an error that only the server can see (a round aborted, a lease lost) is then
+        raised by the next call to this server, naming the push, and the push changed nothing;
+        until the answer comes, a copy of the values is kept to send again on a new connection."""
         sequence = next(self._sequences)
-        self._call("push", self._push_once, part, sequence)
+        deferred = None
+        if defer and sum(item.array.nbytes for _, item in part) <= DEFER_MAX_BYTES:
+            deferred = Deferred(lambda: self._unacked.pop(sequence, None), lambda error: self._failed(sequence, error))
+        if self._call("push", self._push_once, part, sequence, deferred) is deferred and deferred is not None:
+            self._unacked[sequence] = [item for _, item in self._copies(part, sequence, always=True).values()]
         self._last_pushes.update(self._copies(part, sequence))
 
-    def _copies(self, part, sequence):
-        """{key: (sequence, a copy of its Item)} of ``part`` to keep where this worker realigns."""
-        if not self._realign:
+    def _failed(self, sequence, error):
+        """The error to raise for the push ``sequence`` sent without waiting, which failed with ``error``."""
+        items = self._unacked.pop(sequence, ())
+        keys = ", ".join(key_repr(item.key) for item in items[:5]) + (", ..." if len(items) > 5 else "")
+        return type(error)(f"an earlier push of {plural(len(items), 'key')} ({keys}), sent without waiting for its "
+                           f"answer, failed and changed nothing: {error}")
+
+    def _copies(self, part, sequence, always=False):
+        """{key: (sequence, a copy of its Item)} of ``part`` to keep where this worker realigns (or ``always``)."""
+        if not (self._realign or always):
             return {}
         return {item.key: (sequence, Item(item.key, item.array.copy(), item.shape, item.slice, two_bit=item.two_bit))
                 for _, item in part}
 
-    def _push_once(self, timeout, part, sequence):
-        if self._session("push", part, timeout, sequence=sequence) is None:
+    def settle(self):
+        """Wait for the answers of the pushes sent without waiting; raise the first one's error."""
+        if self._unacked and self.session is not None:
+            self._call("push", lambda timeout: self.session.settle())
+
+    def _push_once(self, timeout, part, sequence, deferred=None):
+        result = self._session("push", part, timeout, sequence=sequence, defer=deferred)
+        if result is None:
             items = [item for _, item in part]
             self._rpc("push", self.stub.push_raw, self._frames(kvstore_pb2.PushRequest, items, sequence=sequence),
                       timeout)
+        return result
 
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
@@ -359,7 +406,10 @@ class ServerConn:
 
     def _rpc(self, kind, method, request, timeout=None):
         """``method(request, timeout=...)``, with gRPC errors raised as KVStoreError; ``kind``
-        names the call in them ('push', 'pull', ...: see rpc.transport_error)."""
+        names the call in them ('push', 'pull', ...: see rpc.transport_error). The answers of
+        pushes sent without waiting are read first: the RPC must not overtake them."""
+        if self.session is not None and self.session.unread:
+            self.session.settle()
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as error:
@@ -391,7 +441,7 @@ class ServerConn:
                              with_data=not fields.get("wait_only", False))
 
     def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0,
-                 pull_sequence=0):
+                 pull_sequence=0, defer=None):
         """Make the ``kind`` call on the Session stream: the items (or keys) it returns; None
         when the call is not for a session (too large without shared memory, sessions off,
         or the session busy with another thread's call), for the caller to make a plain RPC.
@@ -479,8 +529,8 @@ class ServerConn:
             decoder.remember()
             return items
 
-        return session.call(build, timeout, decode_response, shm_bytes,
-                            use_channel and (in_bytes > 0 or use_output), kind)
+        return session.call(build, timeout, decode_response, shm_bytes, use_channel and (in_bytes > 0 or use_output),
+                            kind, defer=defer if shm_bytes == 0 else None, read_only=kind in READ_ONLY_CALLS)
 
 
 def _pulled_nbytes(item):

@@ -47,6 +47,10 @@ def parse_args(argv=None):
     parser.add_argument("--data-port", type=int, default=0,
                         help="port of the raw-TCP data channel for large values (default: any free one; "
                              "fix it to publish it from a container)")
+    parser.add_argument("--advertise-data-port", type=int, default=0, metavar="PORT",
+                        help="the data port that clients are told to connect to, where something between maps it "
+                             "to --data-port (a container's published port, a proxy) (default: the port the data "
+                             "channel listens on)")
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages "
                              "(default: data channel on)")
@@ -129,7 +133,7 @@ def _serve(args, reexec):
         raise SystemExit(f"tensorkv-server: --metrics-port {args.metrics_port}: {error}") from None
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
                       args.data_port if args.data_channel else None, request_limits, args.security,
-                      interceptors, snapshots, args.snapshot_interval))
+                      interceptors, snapshots, args.snapshot_interval, args.advertise_data_port))
 
 
 if __name__ == "__main__":

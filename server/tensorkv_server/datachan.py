@@ -17,7 +17,7 @@ import traceback
 
 import numpy as np
 
-from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, ServerUnavailableError
+from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, KVStoreError, ServerUnavailableError
 
 from . import datalink
 
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
 ACK = b"\x01"
+FRAME_HEADER = 4  # bytes of the little-endian length before each call and answer framed on a channel
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection gets for the TLS handshake and its token
 MAX_PENDING = 64  # connections that may wait for their handshake and token at once
 
@@ -36,14 +37,16 @@ def bare_host(host):
 
 class DataPort:
     """The listening socket on ``host``:``port`` (0: any free port) and the tokens handed out;
-    ``tls_context()`` (None: plaintext) gives the ssl.SSLContext for each new connection."""
+    ``tls_context()`` (None: plaintext) gives the ssl.SSLContext for each new connection.
+    ``advertised``: the port clients are told to connect to (0: ``port``)."""
 
-    def __init__(self, host, port=0, tls_context=None):
+    def __init__(self, host, port=0, tls_context=None, advertised=0):
         ipv6 = ":" in host  # then both families, as gRPC serves them
         self._listener = socket.create_server((bare_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
                                               dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
+        self.advertised = advertised or self.port
         self._tls_context = tls_context
         self._pending = {}  # token -> future of the bound link
         self._tasks = set()
@@ -113,17 +116,57 @@ class DataPort:
 
 
 class StreamChannel:
-    """The data channel of one Session stream: none, offered (a token is out), or bound."""
+    """The data channel of one Session stream: none, offered (a token is out), or bound; and,
+    where the client asked for it, the task that serves the stream's calls on it."""
 
     def __init__(self, port, peer):
         self._port, self.peer = port, peer
         self._token = self._waiter = None
+        self._calls = None  # the task of serve_calls
 
     def open(self):
         """A token for a new channel (the previous one is closed)."""
         self.close()
         self._token, self._waiter = self._port.offer()
         return self._token
+
+    @property
+    def takes_calls(self):
+        """Whether this stream's calls come on the channel (serve_calls)."""
+        return self._calls is not None
+
+    def serve_calls(self, handle, max_bytes):
+        """Once the channel is bound, serve the calls framed on it (SessionResponse.calls_on_channel):
+        ``await handle(request bytes)`` gives (the serialized SessionResponse, None or (uint8
+        buffer that follows it, seconds to send it in), whether to close the channel after it).
+        A request longer than ``max_bytes`` closes the channel; so does the end of the connection."""
+        self._calls = asyncio.get_running_loop().create_task(self._serve_calls(self._waiter, handle, max_bytes))
+        self._calls.add_done_callback(_log_failure)
+
+    async def _serve_calls(self, waiter, handle, max_bytes):
+        link = await waiter
+        header = bytearray(FRAME_HEADER)
+        try:
+            while True:
+                await link.read_into(memoryview(header))
+                size = int.from_bytes(header, "little")
+                if size > max_bytes:
+                    log.warning("data channel of %s closed: a call of %d bytes (at most %d)", self.peer, size,
+                                max_bytes)
+                    return
+                request = bytearray(size)
+                await link.read_into(memoryview(request))
+                response, outgoing, close = await handle(bytes(request))
+                await link.sendall(len(response).to_bytes(FRAME_HEADER, "little") + response)
+                if outgoing is not None:
+                    await self.send(*outgoing)
+                if close:
+                    return
+        except (OSError, EOFError, KVStoreError) as error:  # the connection is gone, or failed a send
+            log.info("data channel of %s: %s", self.peer, error)
+        finally:
+            if self._waiter is waiter:
+                self.close()
 
     @property
     def bound(self):
@@ -167,6 +210,9 @@ class StreamChannel:
             raise ServerUnavailableError(f"the data channel broke: {error}") from None
 
     def close(self):
+        calls, self._calls = self._calls, None
+        if calls is not None and calls is not asyncio.current_task():
+            calls.cancel()
         if self._token is not None:
             self._port.withdraw(self._token)
         waiter = self._waiter
@@ -177,6 +223,11 @@ class StreamChannel:
             else:
                 waiter.cancel()
         self._token = self._waiter = None
+
+
+def _log_failure(task):
+    if not task.cancelled() and task.exception() is not None:
+        log.error("serving calls on a data channel failed", exc_info=task.exception())
 
 
 def snapshot(arrays):

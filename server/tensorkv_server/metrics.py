@@ -99,8 +99,8 @@ class _CountsCollector:
         yield rounds
         moved = CounterMetricFamily(
             "tensorkv_transport_bytes", "Bytes received (in) and sent (out): grpc counts the messages of Init, "
-            "Push, Pull, PushPull and Session; shm and datachan the values that travel in shared memory and on "
-            "the data channel.", labels=["direction", "transport"])
+            "Push, Pull, PushPull and Session; shm the values that travel in shared memory; datachan the bytes on "
+            "the data channel (values, and the Session calls and answers framed there).", labels=["direction", "transport"])
         for direction, by_transport in (("in", counts.bytes_in), ("out", counts.bytes_out)):
             for transport in TRANSPORTS:
                 moved.add_metric([direction, transport], by_transport[transport])

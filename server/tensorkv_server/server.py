@@ -71,7 +71,7 @@ async def _every(seconds, take):
 
 
 async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, limits=Limits(), security=None,
-                interceptors=(), snapshots=None, snapshot_interval=0):
+                interceptors=(), snapshots=None, snapshot_interval=0, advertised_data_port=0):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
     fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests are held to
@@ -79,14 +79,15 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
     interceptors, which run before the token check (so that refused calls are counted too).
     ``snapshots``: a snapshot.Snapshots, taken every ``snapshot_interval`` seconds (0: never)
-    and once more after the calls in flight at stop have finished."""
+    and once more after the calls in flight at stop have finished. ``advertised_data_port``: the
+    data port that Info names, when not the one listened on (0)."""
     security = security or ServerSecurity()
     server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT,
                              interceptors=[*interceptors, *security.interceptors()])
     address = f"{host}:{port}"
     if data_port is not None:
         try:
-            data_port = DataPort(host, data_port, security.data_channel_context)
+            data_port = DataPort(host, data_port, security.data_channel_context, advertised_data_port)
         except OSError as error:
             raise _listen_error("--data-port", host, data_port, error) from None
     servicer = KVStoreService(coordinator, shared_memory, data_port, limits, snapshots)

@@ -203,7 +203,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                    for rank, incarnation, since in info.pop("leases")]
         return kvstore_pb2.InfoResponse(
             mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
-            data_port=self.data_port.port if self.data_port else 0,
+            data_port=self.data_port.advertised if self.data_port else 0,
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, server_id=self.server_id,
             restored_from=self.snapshots.restored_from if self.snapshots else "",
@@ -268,7 +268,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         try:
             async for data in request_iterator:
                 metrics.received("grpc", len(data))
-                response, outgoing = await self._session_call(data, regions, channel)
+                response, outgoing, close = await self._session_call(data, regions, channel)
+                if close:
+                    channel.close()
                 metrics.sent("grpc", len(response))
                 yield response
                 if outgoing is not None:
@@ -278,12 +280,15 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if channel is not None:
                 channel.close()
 
-    async def _session_call(self, data, regions, channel):
+    async def _session_call(self, data, regions, channel, on_channel=False):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
-        to send on the data channel after it, seconds to send it in))."""
+        to send on the data channel after it, seconds to send it in), whether the data channel
+        is out of step and must close once the response is sent). ``on_channel``: the request
+        came framed on the data channel (datachan.StreamChannel.serve_calls)."""
         decoder = self._decoder(kvstore_pb2.SessionRequest, resolve=metrics.counting_shm(regions.resolve),
                                 with_data=lambda first: not first.wait_only, channel=channel is not None)
         call_id, uses_channel = 0, True  # until the request says otherwise
+        in_step = False  # whether the bytes the request announced on the channel were all read
         try:
             decoder.feed(data)
             items = decoder.finish()
@@ -291,20 +296,30 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             call_id = request.id
             incoming = decoder.frames.incoming
             uses_channel = bool(incoming or request.data_channel_min_bytes)
+            in_step = not incoming
             if request.op in _OPS_WITHOUT_VALUES and items:  # bytes it announced would stay unread on the channel
                 raise InvalidArgumentError(f"session op {kvstore_pb2.SessionOp.Name(request.op)} takes no values; the "
                                            f"request carries {plural(len(items), 'value')}")
+            if uses_channel and not on_channel and channel is not None and channel.takes_calls:
+                raise FailedPreconditionError("this stream's calls that move bytes on the data channel must come on "
+                                              "the channel (SessionResponse.calls_on_channel)")
             if request.op in (kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION):
-                return self._region_call(request, regions), None
+                return self._region_call(request, regions), None, False
             if request.op == kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL:
-                return self._open_channel(request, channel), None
+                if on_channel:
+                    raise FailedPreconditionError("a data channel is opened on the Session stream, not on a channel")
+                return self._open_channel(request, regions, channel), None, False
             # Checked before anything changes; written after the work, before any other await.
             output = regions.placement(request.output) if request.HasField("output") else None
             if request.data_channel_min_bytes and (channel is None or not channel.bound):
                 raise FailedPreconditionError("data_channel_min_bytes asks for values on the data channel, but no "
                                               "data channel is bound to this stream (open one, connect with its token)")
             timeout = request.timeout_ms / 1000 if request.timeout_ms else None
-            work = self._session_work(request, items, channel, incoming, timeout)
+            if incoming:  # the bytes first, so that the channel stays in step whatever the work does
+                await channel.receive(incoming, timeout)
+                metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
+                in_step = True
+            work = self._session_work(request, items)
             if timeout is not None:
                 try:
                     items = await _within(work, timeout)
@@ -323,13 +338,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 outgoing = (datachan.snapshot(arrays), timeout) if arrays else None
             response = codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
                                            chunk_bytes=_ONE_MESSAGE)[0]
-            return response, outgoing
+            return response, outgoing, False
         except Exception as error:
-            if uses_channel and channel is not None:  # the stream of bytes may be out of step: start afresh
-                channel.close()
+            # The stream of bytes may be out of step: start afresh. Calls framed on the channel
+            # keep it when every byte the request announced was read (no answer bytes follow an error).
+            close = uses_channel and channel is not None and not (on_channel and in_step)
             code, message, error_class = error_status(error)
             return kvstore_pb2.SessionResponse(
-                id=call_id, code=code, message=message, error_class=error_class).SerializeToString(), None
+                id=call_id, code=code, message=message, error_class=error_class).SerializeToString(), None, close
 
     @staticmethod
     async def _send_after(channel, buffer, timeout):
@@ -341,10 +357,21 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         except KVStoreError as error:
             log.warning("data channel of %s: %s", channel.peer, error)
 
-    def _open_channel(self, request, channel):
+    def _open_channel(self, request, regions, channel):
         if channel is None:
             raise FailedPreconditionError("this server has no data channel (--no-data-channel)")
-        return kvstore_pb2.SessionResponse(id=request.id, data_token=channel.open()).SerializeToString()
+        token = channel.open()
+        if request.calls_on_channel:
+            channel.serve_calls(lambda data: self._channel_call(data, regions, channel),
+                                self.limits.max_inflight_bytes or _ONE_MESSAGE)
+        return kvstore_pb2.SessionResponse(id=request.id, data_token=token,
+                                           calls_on_channel=request.calls_on_channel).SerializeToString()
+
+    async def _channel_call(self, data, regions, channel):
+        metrics.received("datachan", len(data))
+        response, outgoing, close = await self._session_call(data, regions, channel, on_channel=True)
+        metrics.sent("datachan", len(response) + (outgoing[0].nbytes if outgoing is not None else 0))
+        return response, outgoing, close
 
     def _region_call(self, request, regions):
         if request.op == kvstore_pb2.SESSION_OP_UNREGISTER_REGION:
@@ -355,10 +382,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         region_id = regions.register(request.region)
         return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id).SerializeToString()
 
-    async def _session_work(self, request, items, channel=None, incoming=(), timeout=None):
-        if incoming:  # the bytes first, so that the channel stays in step whatever the work does
-            await channel.receive(incoming, timeout)
-            metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
+    async def _session_work(self, request, items):
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
             await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
             return []
