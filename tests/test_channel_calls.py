@@ -2,6 +2,8 @@
 without waiting for their answers (ServerConn.push): real servers and workers on 127.0.0.1,
 faults made by TCP proxies in front of the gRPC port and of the data port (the server
 advertises the proxy's port with --advertise-data-port)."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -108,3 +110,41 @@ def test_a_push_lost_before_the_server_read_it_is_sent_again(tmp_path):
             data_proxy.stall(0)
             np.testing.assert_array_equal(kv.pull("w"), np.full(4, 2, np.float32))
             assert _pushes(port) == 1
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd"])
+def test_a_value_changed_while_its_pull_is_on_the_wire_arrives_whole(tmp_path, optimizer):
+    """The server sends a pulled value on the data channel from the stored array itself (no
+    copy): pushes applied meanwhile (assigned, or updated in place by an optimizer) must not
+    reach the bytes in flight. Rank 1 pushes uniform values as fast as it can while rank 0 pulls
+    32 MiB: every pulled value is uniform, one of the values stored, never a mix."""
+    size = 8 << 20  # float32: 32 MiB
+    with Cluster(num_workers=2, mode="async", tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_async", servers=cluster.addresses, rank=0, timeout=TIMEOUT, transport="tcp") as kv0, \
+                tensorkv.create("dist_async", servers=cluster.addresses, rank=1, timeout=TIMEOUT, transport="tcp") as kv1:
+            if optimizer:
+                kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))  # each push adds -gradient
+            kv0.init("w", np.zeros(size, np.float32))
+            kv1.init("w", np.zeros(size, np.float32))
+            stop, pushed = threading.Event(), []
+
+            def push():
+                step = 0
+                while not stop.is_set():
+                    step += 1
+                    kv1.push("w", np.full(size, -1.0 if optimizer else step, np.float32))
+                    kv1.pull("w", out=np.empty(size, np.float32))  # waits for the push's answer too
+                    pushed.append(step)
+            pusher = threading.Thread(target=push, daemon=True)
+            pusher.start()
+            out = np.empty(size, np.float32)
+            try:
+                for _ in range(20):
+                    kv0.pull("w", out=out)
+                    assert out.min() == out.max(), (out.min(), out.max())
+            finally:
+                stop.set()
+                pusher.join(TIMEOUT)
+            assert not pusher.is_alive() and len(pushed) > 1
+            kv0.pull("w", out=out)
+            np.testing.assert_array_equal(out, np.full(size, pushed[-1], np.float32))

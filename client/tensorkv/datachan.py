@@ -147,11 +147,15 @@ class Channel:
         return remaining
 
     def _broken(self, error):
-        """Close the channel; the error to raise for ``error``."""
+        """Close the channel; the error to raise for ``error``, marked ``channel_lost`` (what a
+        server answered is never so marked)."""
         self.close()
         if isinstance(error, socket.timeout):
-            return DeadlineExceededError(f"server {self.address}: the data channel timed out")
-        return ServerUnavailableError(f"server {self.address}: the data channel broke ({error})")
+            lost = DeadlineExceededError(f"server {self.address}: the data channel timed out")
+        else:
+            lost = ServerUnavailableError(f"server {self.address}: the data channel broke ({error})")
+        lost.channel_lost = True
+        return lost
 
     def close(self):
         if self._sock is not None:

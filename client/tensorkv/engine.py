@@ -66,6 +66,7 @@ class Engine:
         self._device = xp.cuda.Device() if xp is not np else contextlib.nullcontext()
         self.updater = None
         self._values = {}
+        self._lent = {}  # data address of a lent array -> times lent (see lend)
         self._key_type = None  # int or str, fixed by the first key stored
         # Bytes of the stored values, and of one optimizer state array for each of them (see
         # optimizer.state_array_bytes): what a server counts against its --max-memory.
@@ -218,14 +219,21 @@ class Engine:
             Rows(dense, stored.shape, stored.slice).scatter(value.indices, to_namespace(value.data, self.xp))
         return dense
 
-    def apply(self, key, merged):
+    def apply(self, key, merged, owned=False):
         """Merge ``merged`` (a value or a sum from :meth:`merge`) into ``key`` through the
-        updater, or assign it when there is none."""
+        updater, or assign it when there is none. Assigned, an ``owned`` value (an array nobody
+        else holds) of the stored dtype and layout becomes the stored array itself."""
         if isinstance(merged, RowSparse):
             self._apply_rows(key, canonical(merged))
             return
-        stored = self.get(key).array
+        value = self.get(key)
         with self.on_device():
+            if self.updater is None and owned and type(merged) is type(value.array) \
+                    and merged.dtype == value.array.dtype and merged.shape == value.array.shape \
+                    and merged.flags.c_contiguous:
+                value.array = merged
+                return
+            stored = self._writable(value)
             if self.updater is None:
                 kernels.sum_into(stored, [merged])
             elif isinstance(self.updater, Updater):
@@ -241,6 +249,7 @@ class Engine:
         stored = self.get(key)
         with self.on_device():
             data = to_namespace(value.data, self.xp)
+            self._writable(stored)
             if self.updater is None:
                 stored.array[...] = 0
                 Rows(stored.array, stored.shape, stored.slice).scatter(value.indices, data)
@@ -248,6 +257,28 @@ class Engine:
                 self.updater.update_rows(key, stored.array, stored.shape, stored.slice, value.indices, data)
             else:
                 self._call_user_updater(key, self._dense(key, value), stored.array)
+
+    def lend(self, arrays):
+        """Mark the host arrays ``arrays`` (stored ones, or views of them) as read by someone
+        until :meth:`give_back` (a server's answer on its way out): until then a change to the
+        value they hold is written into a new array, so they stay as they are."""
+        for array in arrays:
+            address = array.ctypes.data
+            self._lent[address] = self._lent.get(address, 0) + 1
+
+    def give_back(self, arrays):
+        for array in arrays:
+            address = array.ctypes.data
+            count = self._lent.pop(address) - 1
+            if count:
+                self._lent[address] = count
+
+    def _writable(self, value):
+        """The array of Stored ``value``, to change in place: a copy (which replaces it) when it is lent."""
+        array = value.array
+        if self._lent and type(array) is np.ndarray and array.ctypes.data in self._lent:
+            value.array = array = array.copy()
+        return array
 
     def _call_user_updater(self, key, merged, stored):
         """``updater(key, merged, stored)`` with both in the stored dtype; a bfloat16 value on

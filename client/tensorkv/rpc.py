@@ -369,37 +369,38 @@ class Session:
             refused = channel.send_call(request, arrays)
             if refused is not None:  # the answer says why the server did not take the bytes
                 decode(call_id, refused, region, None)
-                raise ServerUnavailableError(f"server {self._address}: the data channel closed during the {kind}")
+                lost = ServerUnavailableError(f"server {self._address}: the data channel closed during the {kind}")
+                lost.channel_lost = True
+                raise lost
             if defer is not None:
-                defer.answer = (call_id, decode, region, kind, timeout)
+                defer.request, defer.answer = request, (call_id, decode, region, kind, timeout)
                 self._unread.append(defer)
                 return defer
             earlier = None
             try:
                 self._read_unread()
             except KVStoreError as error:
-                if self.data_channel is None:  # broken: this call's answer is lost too
+                if _channel_lost(error):  # this call's answer is lost too
                     raise
                 earlier = error
             channel.deadline = time.monotonic() + timeout + SESSION_GRACE
             try:
                 result = decode(call_id, channel.read_answer(), region, bytes_channel)
-            except (ServerUnavailableError, DeadlineExceededError):
-                if earlier is None:
+            except KVStoreError as error:
+                if earlier is None or not _channel_lost(error):
                     raise
                 self._reset()  # the server closed the channel after the failed deferred call: report that
                 raise earlier from None
             if earlier is not None:
                 raise earlier
             return result
-        except DeadlineExceededError:  # the channel timed out: so did every call on it
-            self._reset()
-            raise
-        except ServerUnavailableError:  # the channel broke: so did every call on it
-            self._reset()
+        except KVStoreError as error:
+            if not _channel_lost(error):  # the server's answer
+                raise
+            self._reset()  # every call on the channel lost its answer
+            if isinstance(error, DeadlineExceededError):
+                raise
             raise transport_error("", self._address, kind) from None
-        except KVStoreError:
-            raise
         except BaseException:  # e.g. interrupted mid-call: the channel is out of step
             self._reset()
             raise
@@ -417,13 +418,14 @@ class Session:
             try:
                 channel.deadline = time.monotonic() + timeout + SESSION_GRACE  # the server bounds the call itself
                 decode(call_id, channel.read_answer(), region, None)
-            except DeadlineExceededError:
-                self._reset()
-                raise
-            except ServerUnavailableError:
-                self._reset()
-                raise transport_error("", self._address, kind) from None
             except KVStoreError as error:
+                if _channel_lost(error):
+                    self._reset()
+                    if isinstance(error, DeadlineExceededError):
+                        raise
+                    lost = transport_error("", self._address, kind)
+                    lost.channel_lost = True
+                    raise lost from None
                 first = first or deferred.failed(error)
             else:
                 deferred.answered()
@@ -585,12 +587,18 @@ class Session:
             self._watchdog.join(1.0)
 
 
+def _channel_lost(error):
+    """Whether ``error`` says the data channel broke or timed out (tensorkv.datachan.Channel),
+    not what a server answered."""
+    return getattr(error, "channel_lost", False)
+
+
 class Deferred:
     """A call sent on a Session's data channel without waiting for its answer (Session.call's
     ``defer``): ``answered()`` runs when its answer says it succeeded, ``failed(error)`` gives
     the error to raise when it says it failed."""
 
-    answer = None  # what reading its answer needs, set by Session
+    request = answer = None  # the serialized request, and what reading its answer needs: set by Session
 
     def __init__(self, answered, failed):
         self.answered, self.failed = answered, failed

@@ -236,7 +236,7 @@ class ServerConn:
         if restarted:
             for sequence, value in self._last_pushes.values():
                 calls.setdefault(sequence, []).append(value)
-        calls.update(self._unacked)
+        calls.update((sequence, _pushed_items(request)) for sequence, request in self._unacked.items())
         self._unacked = {}
         for sequence, values in sorted(calls.items()):
             if isinstance(values[0], Item):
@@ -257,29 +257,31 @@ class ServerConn:
 
     def push(self, part, defer=False):
         """Push ``part``. With ``defer`` (the caller checked every key against what it knows of it),
-        a push of at most DEFER_MAX_BYTES on a session whose calls go on the data channel is
-        sent without waiting for the server's answer (one round trip less for a push then a
-        pull): an error that only the server can see (a round aborted, a lease lost) is then
-        raised by the next call to this server, naming the push, and the push changed nothing;
-        until the answer comes, a copy of the values is kept to send again on a new connection."""
+        a push whose values all travel in its request (DEFER_MAX_BYTES at most) on a session whose
+        calls go on the data channel is sent without waiting for the server's answer (one round
+        trip less for a push then a pull): an error that only the server can see (a round
+        aborted, a lease lost) is then raised by the next call to this server, naming the push,
+        and the push changed nothing. Until the answer comes, the request is kept (it holds the
+        values) to send again on a new connection."""
         sequence = next(self._sequences)
         deferred = None
         if defer and sum(item.array.nbytes for _, item in part) <= DEFER_MAX_BYTES:
-            deferred = Deferred(lambda: self._unacked.pop(sequence, None), lambda error: self._failed(sequence, error))
+            deferred = Deferred(lambda: self._unacked.pop(sequence, None),
+                                lambda error: self._failed(sequence, part, error))
         if self._call("push", self._push_once, part, sequence, deferred) is deferred and deferred is not None:
-            self._unacked[sequence] = [item for _, item in self._copies(part, sequence, always=True).values()]
+            self._unacked[sequence] = deferred.request
         self._last_pushes.update(self._copies(part, sequence))
 
-    def _failed(self, sequence, error):
-        """The error to raise for the push ``sequence`` sent without waiting, which failed with ``error``."""
-        items = self._unacked.pop(sequence, ())
-        keys = ", ".join(key_repr(item.key) for item in items[:5]) + (", ..." if len(items) > 5 else "")
-        return type(error)(f"an earlier push of {plural(len(items), 'key')} ({keys}), sent without waiting for its "
+    def _failed(self, sequence, part, error):
+        """The error to raise for the push ``sequence`` of ``part``, sent without waiting, which failed with ``error``."""
+        self._unacked.pop(sequence, None)
+        keys = ", ".join(key_repr(item.key) for _, item in part[:5]) + (", ..." if len(part) > 5 else "")
+        return type(error)(f"an earlier push of {plural(len(part), 'key')} ({keys}), sent without waiting for its "
                            f"answer, failed and changed nothing: {error}")
 
-    def _copies(self, part, sequence, always=False):
-        """{key: (sequence, a copy of its Item)} of ``part`` to keep where this worker realigns (or ``always``)."""
-        if not (self._realign or always):
+    def _copies(self, part, sequence):
+        """{key: (sequence, a copy of its Item)} of ``part`` to keep where this worker realigns."""
+        if not self._realign:
             return {}
         return {item.key: (sequence, Item(item.key, item.array.copy(), item.shape, item.slice, two_bit=item.two_bit))
                 for _, item in part}
@@ -530,7 +532,7 @@ class ServerConn:
             return items
 
         return session.call(build, timeout, decode_response, shm_bytes, use_channel and (in_bytes > 0 or use_output),
-                            kind, defer=defer if shm_bytes == 0 else None, read_only=kind in READ_ONLY_CALLS)
+                            kind, defer=defer if in_bytes == 0 else None, read_only=kind in READ_ONLY_CALLS)
 
 
 def _pulled_nbytes(item):
@@ -539,6 +541,13 @@ def _pulled_nbytes(item):
     if item.two_bit is None:
         return item.array.nbytes
     return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
+
+
+def _pushed_items(request):
+    """The Items of the serialized SessionRequest ``request`` of a push whose values all travel in it."""
+    decoder = StreamDecoder(kvstore_pb2.SessionRequest, "frame", two_bit=True)
+    decoder.feed(request)
+    return decoder.finish()
 
 
 def _request_id():

@@ -135,15 +135,17 @@ class StreamChannel:
         """Whether this stream's calls come on the channel (serve_calls)."""
         return self._calls is not None
 
-    def serve_calls(self, handle, max_bytes):
+    def serve_calls(self, handle, send_after, max_bytes):
         """Once the channel is bound, serve the calls framed on it (SessionResponse.calls_on_channel):
-        ``await handle(request bytes)`` gives (the serialized SessionResponse, None or (uint8
-        buffer that follows it, seconds to send it in), whether to close the channel after it).
-        A request longer than ``max_bytes`` closes the channel; so does the end of the connection."""
-        self._calls = asyncio.get_running_loop().create_task(self._serve_calls(self._waiter, handle, max_bytes))
+        ``await handle(request bytes)`` gives (the serialized SessionResponse, None or the values
+        that follow it (with a ``release()`` for when they are not sent), whether to close the
+        channel after it); ``await send_after(values)`` sends those. A request longer than ``max_bytes`` closes the channel; so does the end of
+        the connection."""
+        self._calls = asyncio.get_running_loop().create_task(
+            self._serve_calls(self._waiter, handle, send_after, max_bytes))
         self._calls.add_done_callback(_log_failure)
 
-    async def _serve_calls(self, waiter, handle, max_bytes):
+    async def _serve_calls(self, waiter, handle, send_after, max_bytes):
         link = await waiter
         header = bytearray(FRAME_HEADER)
         try:
@@ -157,10 +159,15 @@ class StreamChannel:
                 request = bytearray(size)
                 await link.read_into(memoryview(request))
                 response, outgoing, close = await handle(bytes(request))
-                await link.sendall(len(response).to_bytes(FRAME_HEADER, "little") + response)
+                try:
+                    await link.sendall(len(response).to_bytes(FRAME_HEADER, "little") + response)
+                except BaseException:
+                    if outgoing is not None:
+                        outgoing.release()
+                    raise
                 if outgoing is not None:
-                    await self.send(*outgoing)
-                if close:
+                    await send_after(outgoing)
+                if close or not self.bound:
                     return
         except (OSError, EOFError, KVStoreError) as error:  # the connection is gone, or failed a send
             log.info("data channel of %s: %s", self.peer, error)
@@ -188,12 +195,15 @@ class StreamChannel:
         for buffer in buffers:
             await link.read_into(memoryview(buffer))
 
-    async def send(self, buffer, timeout):
-        """Write the uint8 array ``buffer`` on the channel within ``timeout`` s."""
-        await self._io(self._send(buffer), timeout)
+    async def send(self, arrays, timeout):
+        """Write the bytes of the host arrays ``arrays`` (C-contiguous) on the channel, in order,
+        within ``timeout`` s."""
+        await self._io(self._send(arrays), timeout)
 
-    async def _send(self, buffer):
-        await self._link().sendall(memoryview(buffer))
+    async def _send(self, arrays):
+        link = self._link()
+        for array in arrays:
+            await link.sendall(memoryview(array.reshape(-1).view(np.uint8)))
 
     async def _io(self, work, timeout):
         try:
@@ -228,14 +238,3 @@ class StreamChannel:
 def _log_failure(task):
     if not task.cancelled() and task.exception() is not None:
         log.error("serving calls on a data channel failed", exc_info=task.exception())
-
-
-def snapshot(arrays):
-    """One uint8 buffer holding the bytes of ``arrays`` (host, C-contiguous) one after the other:
-    the values of this moment, whatever changes them while they are sent."""
-    buffer = np.empty(sum(a.nbytes for a in arrays), np.uint8)
-    offset = 0
-    for array in arrays:
-        buffer[offset:offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-        offset += array.nbytes
-    return buffer

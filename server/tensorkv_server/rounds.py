@@ -296,7 +296,7 @@ class Coordinator:
         if self.mode == ASYNC:
             self.members.record(rank, sequence)
             for item in items:
-                self._apply(item.key, self.engine.merge([item.array]))
+                self._apply(item.key, self.engine.merge([item.array]), item.owned)
             metrics.COUNTS.pushes += len(items)
             return
         if self.num_workers == 1:
@@ -304,7 +304,7 @@ class Coordinator:
             # _add_to_round would (such a round never waits, so it is never aborted).
             self.members.record(rank, sequence)
             for item in items:
-                self._apply(item.key, self.engine.merge([item.array]))
+                self._apply(item.key, self.engine.merge([item.array]), item.owned)
             metrics.COUNTS.pushes += len(items)
             metrics.COUNTS.rounds_completed += len(items)
             return
@@ -369,11 +369,12 @@ class Coordinator:
         if complete and current.total is None:
             # One worker's push completes the round: applied straight from the received value
             # (e.g. a view of the client's shared memory), without a copy into a total.
-            total = self.engine.merge([item.array])
+            total, owned = self.engine.merge([item.array]), item.owned
         else:
             current.total = total = self.engine.accumulate(current.total, item.array, item.owned, key=item.key)
+            owned = True  # the receive buffer it took over, or a new array
         if complete:
-            self._apply(item.key, total)
+            self._apply(item.key, total, owned)
             metrics.round_completed(current.opened, current.latest, now)
             if current.timer is not None:
                 current.timer.cancel()
@@ -396,8 +397,8 @@ class Coordinator:
                 numbers.setdefault(rank, set()).add(sequence)
         return numbers
 
-    def _apply(self, key, merged):
-        self.engine.apply(key, merged)
+    def _apply(self, key, merged, owned=False):
+        self.engine.apply(key, merged, owned)
         self._updates[key] = self._updates.get(key, 0) + 1
 
     def _abort_rounds(self, opened):

@@ -126,6 +126,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace,
              extra={"event": "server_stopping"})
     await health_servicer.enter_graceful_shutdown()
+    servicer.stopping = True
     coordinator.shutdown()
     if data_port is not None:
         data_port.close()  # no new channels; the streams' own close as they end

@@ -75,6 +75,21 @@ def _responses(items):
     return messages
 
 
+class _Lent:
+    """Stored arrays that follow a response on the data channel, sent as they are: lent to the
+    answer (Engine.lend) until :meth:`release`, so that the engine changes copies of them
+    meanwhile instead of the bytes in flight."""
+
+    def __init__(self, engine, arrays, timeout):
+        self.engine, self.arrays, self.timeout = engine, arrays, timeout
+        engine.lend(arrays)
+
+    def release(self):
+        if self.arrays is not None:
+            self.engine.give_back(self.arrays)
+            self.arrays = None
+
+
 def add_to_server(service, server, descriptor=_SERVICE):
     """Register ``service``, the handlers of the service ``descriptor``, on ``server`` as the
     generated code would, except that every
@@ -122,6 +137,7 @@ def _parser(method):
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     def __init__(self, coordinator, shared_memory=True, data_port=None, limits=Limits(), snapshots=None):
         self.coordinator = coordinator
+        self.stopping = False  # set when the server starts to stop
         # The snapshot.Snapshots of --state-dir, or None; and this process's random id.
         self.snapshots = snapshots
         self.server_id = secrets.randbits(64)
@@ -266,19 +282,35 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         regions = shm.Regions(context.peer())
         channel = datachan.StreamChannel(self.data_port, context.peer()) if self.data_port else None
         try:
-            async for data in request_iterator:
+            async for data in self._until_stopped(request_iterator):
                 metrics.received("grpc", len(data))
                 response, outgoing, close = await self._session_call(data, regions, channel)
                 if close:
                     channel.close()
                 metrics.sent("grpc", len(response))
-                yield response
+                try:
+                    yield response
+                except BaseException:
+                    if outgoing is not None:
+                        outgoing.release()
+                    raise
                 if outgoing is not None:
-                    await self._send_after(channel, *outgoing)
+                    await self._send_after(channel, outgoing)
         finally:
             regions.close()
             if channel is not None:
                 channel.close()
+
+    async def _until_stopped(self, requests):
+        """The requests of a stream, ending quietly when the server stops under a stream that
+        waits for its next message (one whose calls go on its data channel waits for all of
+        them): gRPC then raises its own error from the read."""
+        try:
+            async for request in requests:
+                yield request
+        except Exception:
+            if not self.stopping:
+                raise
 
     async def _session_call(self, data, regions, channel, on_channel=False):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
@@ -335,7 +367,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             outgoing = None
             if request.data_channel_min_bytes:
                 items, arrays = codec.following(items, request.data_channel_min_bytes)
-                outgoing = (datachan.snapshot(arrays), timeout) if arrays else None
+                if arrays:
+                    outgoing = _Lent(self.coordinator.engine, arrays, timeout)
             response = codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call_id},
                                            chunk_bytes=_ONE_MESSAGE)[0]
             return response, outgoing, False
@@ -348,14 +381,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 id=call_id, code=code, message=message, error_class=error_class).SerializeToString(), None, close
 
     @staticmethod
-    async def _send_after(channel, buffer, timeout):
-        """Send the bytes that follow a response; a failure closes the channel (the client's
-        call fails on its side)."""
+    async def _send_after(channel, outgoing):
+        """Send the values (a _Lent) that follow a response; a failure closes the channel (the
+        client's call fails on its side)."""
         try:
-            await channel.send(buffer, timeout)
-            metrics.sent("datachan", buffer.nbytes)
+            await channel.send(outgoing.arrays, outgoing.timeout)
+            metrics.sent("datachan", sum(array.nbytes for array in outgoing.arrays))
         except KVStoreError as error:
             log.warning("data channel of %s: %s", channel.peer, error)
+        finally:
+            outgoing.release()
 
     def _open_channel(self, request, regions, channel):
         if channel is None:
@@ -363,6 +398,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         token = channel.open()
         if request.calls_on_channel:
             channel.serve_calls(lambda data: self._channel_call(data, regions, channel),
+                                lambda outgoing: self._send_after(channel, outgoing),
                                 self.limits.max_inflight_bytes or _ONE_MESSAGE)
         return kvstore_pb2.SessionResponse(id=request.id, data_token=token,
                                            calls_on_channel=request.calls_on_channel).SerializeToString()
@@ -370,7 +406,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def _channel_call(self, data, regions, channel):
         metrics.received("datachan", len(data))
         response, outgoing, close = await self._session_call(data, regions, channel, on_channel=True)
-        metrics.sent("datachan", len(response) + (outgoing[0].nbytes if outgoing is not None else 0))
+        metrics.sent("datachan", len(response))
         return response, outgoing, close
 
     def _region_call(self, request, regions):
