@@ -115,6 +115,11 @@ class KVStore:
         A list of arrays for one key (one per device) is summed first; the sum then goes
         through the updater (by default it is assigned).
 
+        In the dist stores, a small push of keys this worker has initialized or pulled is
+        checked here and sent without waiting for the server's answer, as MXNet's push is
+        queued; an error only the server can see (a round aborted, a lease lost, a limit) is
+        then raised by the next call to that server, naming the push, which changed nothing.
+
         >>> kv.push('w', np.ones(4, dtype=np.float32) * 8)
         >>> kv.push('w', [np.ones(4, dtype=np.float32)] * 4)   # stored value becomes 4
         """
