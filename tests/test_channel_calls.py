@@ -151,3 +151,21 @@ def test_a_value_changed_while_its_pull_is_on_the_wire_arrives_whole(tmp_path, o
             assert not pusher.is_alive() and len(pushed) >= 3
             kv0.pull("w", out=out)
             np.testing.assert_array_equal(out, np.full(size, pushed[-1], np.float32))
+
+
+def test_a_call_longer_than_the_channel_takes_is_refused_with_resource_exhausted(tmp_path):
+    """A call whose request is longer than the channel reads (--max-inflight-bytes plus room
+    for the keys) is answered RESOURCE_EXHAUSTED before the channel closes; the next call
+    negotiates a new channel. Before: closed unanswered, the call failed after its timeout as
+    if the server had gone (ServerUnavailableError)."""
+    limits = ("--max-inflight-bytes", "4096", "--max-keys-per-call", "1", "--max-key-bytes", "16")
+    with Cluster(tmp_path=tmp_path, server_args=limits) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp") as kv:
+            kv.init("a", np.arange(4, dtype=np.float32))  # the channel is bound
+            with pytest.raises(tensorkv.ResourceExhaustedError, match="a call of .* bytes on the data channel"):
+                kv.init("b", np.zeros(4096, np.float32))  # 16 KiB in the request
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("b")
+            np.testing.assert_array_equal(kv.pull("a"), np.arange(4, dtype=np.float32))
+            kv.init("c", np.ones(1000, np.float32))  # 4000 bytes: within the limit
+            np.testing.assert_array_equal(kv.pull("c"), np.ones(1000, np.float32))

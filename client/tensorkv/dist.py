@@ -391,7 +391,8 @@ class DistStore(KVStore):
         plan, residuals = self._push_plan((key, key, value) for key, value in merged.items())
         # Checked here against what this worker knows of every key, the push need not wait for
         # the servers' answers (ServerConn.push).
-        known = all(key in self._meta for key in merged)
+        # (Not with gradient compression: a residual is kept as the push is made.)
+        known = self._compressor is None and all(key in self._meta for key in merged)
         self._fanout(ServerConn.push, {index: (part, known) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)

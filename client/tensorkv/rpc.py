@@ -360,7 +360,9 @@ class Session:
                 self.data_channel = None
 
     def _channel_call(self, channel, build, timeout, decode, region, bytes_channel, kind, defer):
-        """The call framed on ``channel``; earlier deferred answers read after it is sent."""
+        """The call framed on ``channel``; earlier deferred answers read after it is sent. The
+        channel stays after an error the server answered (it read every byte the call
+        announced); anything else resets the session."""
         call_id = next(self._ids)
         channel.deadline = time.monotonic() + timeout + SESSION_GRACE
         request, arrays = build(call_id, max(1, int(timeout * 1000)), region, bytes_channel)
@@ -369,69 +371,80 @@ class Session:
             refused = channel.send_call(request, arrays)
             if refused is not None:  # the answer says why the server did not take the bytes
                 decode(call_id, refused, region, None)
-                lost = ServerUnavailableError(f"server {self._address}: the data channel closed during the {kind}")
-                lost.channel_lost = True
-                raise lost
+                raise _lost(ServerUnavailableError(f"server {self._address}: the data channel closed during the "
+                                                   f"{kind}"))
             if defer is not None:
-                defer.request, defer.answer = request, (call_id, decode, region, kind, timeout)
+                defer.answer = (call_id, decode, region, kind, timeout)
+                defer.sent(request)
                 self._unread.append(defer)
                 return defer
             earlier = None
-            try:
-                self._read_unread()
-            except KVStoreError as error:
-                if _channel_lost(error):  # this call's answer is lost too
-                    raise
-                earlier = error
+            if self._unread:  # a read-only call, sent before their answers are read
+                try:
+                    self._read_unread()
+                except KVStoreError as error:
+                    if self.data_channel is None:  # the session was reset: this call's answer is lost too
+                        raise
+                    earlier = error
             channel.deadline = time.monotonic() + timeout + SESSION_GRACE
             try:
                 result = decode(call_id, channel.read_answer(), region, bytes_channel)
-            except KVStoreError as error:
-                if earlier is None or not _channel_lost(error):
+            except BaseException as error:
+                if earlier is None:
                     raise
-                self._reset()  # the server closed the channel after the failed deferred call: report that
-                raise earlier from None
+                if not _answered(error):
+                    self._reset()
+                raise earlier from error
             if earlier is not None:
                 raise earlier
             return result
-        except KVStoreError as error:
-            if not _channel_lost(error):  # the server's answer
+        except BaseException as error:
+            if _answered(error) or self.data_channel is None:  # the server's answer, or already reset
                 raise
-            self._reset()  # every call on the channel lost its answer
-            if isinstance(error, DeadlineExceededError):
-                raise
-            raise transport_error("", self._address, kind) from None
-        except BaseException:  # e.g. interrupted mid-call: the channel is out of step
             self._reset()
+            if isinstance(error, ServerUnavailableError) and _channel_lost(error):
+                raise _lost(transport_error("", self._address, kind)) from None
             raise
         finally:
             if self.data_channel is not None and self.data_channel.closed:
                 self.data_channel = None
 
     def _read_unread(self):
-        """Read the answers of the deferred calls; raise the first one's error (Deferred.failed)."""
-        first = None
-        channel = self.data_channel
-        while self._unread:
-            deferred = self._unread[0]
-            call_id, decode, region, kind, timeout = deferred.answer
-            try:
+        """Read the answers of the deferred calls. Once all are read, the first that failed
+        raises its error (Deferred.failed); one answered UNAVAILABLE (the server stops) is not
+        failed: its ServerUnavailableError has the caller connect again and send it again. A
+        channel lost meanwhile resets the session (the first failure is still raised)."""
+        first = unavailable = None
+        channel, kind = self.data_channel, "call"
+        try:
+            while self._unread:
+                deferred = self._unread[0]
+                call_id, decode, region, kind, timeout = deferred.answer
                 channel.deadline = time.monotonic() + timeout + SESSION_GRACE  # the server bounds the call itself
-                decode(call_id, channel.read_answer(), region, None)
-            except KVStoreError as error:
-                if _channel_lost(error):
-                    self._reset()
-                    if isinstance(error, DeadlineExceededError):
+                try:
+                    decode(call_id, channel.read_answer(), region, None)
+                except KVStoreError as error:
+                    if not _answered(error):
                         raise
-                    lost = transport_error("", self._address, kind)
-                    lost.channel_lost = True
-                    raise lost from None
-                first = first or deferred.failed(error)
-            else:
-                deferred.answered()
-            self._unread.popleft()
+                    if isinstance(error, ServerUnavailableError):
+                        unavailable = unavailable or error
+                    elif first is None:
+                        first = deferred.failed(error)
+                        first.answered = True
+                else:
+                    deferred.answered()
+                self._unread.popleft()
+        except BaseException as error:
+            self._reset()
+            if first is not None:
+                raise first from None
+            if isinstance(error, ServerUnavailableError) and _channel_lost(error):
+                raise _lost(transport_error("", self._address, kind)) from None
+            raise
         if first is not None:
             raise first
+        if unavailable is not None:
+            raise unavailable
 
     def _calls_channel(self, timeout, kind):
         """The data channel that takes this session's calls (negotiated if needed); None when
@@ -588,17 +601,28 @@ class Session:
 
 
 def _channel_lost(error):
-    """Whether ``error`` says the data channel broke or timed out (tensorkv.datachan.Channel),
-    not what a server answered."""
+    """Whether ``error`` says the data channel broke or timed out (tensorkv.datachan.Channel)."""
     return getattr(error, "channel_lost", False)
+
+
+def _lost(error):
+    """``error``, marked as a lost channel."""
+    error.channel_lost = True
+    return error
+
+
+def _answered(error):
+    """Whether ``error`` is what a server answered (marked so by the caller's decode)."""
+    return getattr(error, "answered", False)
 
 
 class Deferred:
     """A call sent on a Session's data channel without waiting for its answer (Session.call's
-    ``defer``): ``answered()`` runs when its answer says it succeeded, ``failed(error)`` gives
-    the error to raise when it says it failed."""
+    ``defer``). Under the session's lock: ``sent(request)`` runs once it is sent (with its
+    serialized request), before anyone can read its answer; ``answered()`` when its answer
+    says it succeeded; ``failed(error)`` gives the error to raise when it says it failed."""
 
-    request = answer = None  # the serialized request, and what reading its answer needs: set by Session
+    answer = None  # what reading its answer needs: set by Session
 
-    def __init__(self, answered, failed):
-        self.answered, self.failed = answered, failed
+    def __init__(self, sent, answered, failed):
+        self.sent, self.answered, self.failed = sent, answered, failed

@@ -177,10 +177,9 @@ class ServerConn:
                     self._reconnect(deadline)
                 if self.lease_lost is not None:
                     raise FailedPreconditionError(self.lease_lost)
+                if self._unacked and not (self.session is not None and self.session.unread):
+                    self._push_again(deadline, restarted=False)  # their answers were lost with a session reset
                 return attempt(_left(deadline), *args)
-            except DeadlineExceededError:
-                self._unacked.clear()  # whether they were applied is unknown, as for the call that timed out
-                raise
             except ServerUnavailableError as error:
                 first = first or error
                 if time.monotonic() + delay >= deadline:
@@ -237,12 +236,19 @@ class ServerConn:
             for sequence, value in self._last_pushes.values():
                 calls.setdefault(sequence, []).append(value)
         calls.update((sequence, _pushed_items(request)) for sequence, request in self._unacked.items())
-        self._unacked = {}
         for sequence, values in sorted(calls.items()):
-            if isinstance(values[0], Item):
-                self._push_once(_left(deadline), list(enumerate(values)), sequence)
-            else:
-                self._row_sparse_push_once(_left(deadline), values, sequence)
+            try:
+                if isinstance(values[0], Item):
+                    self._push_once(_left(deadline), list(enumerate(values)), sequence)
+                else:
+                    self._row_sparse_push_once(_left(deadline), values, sequence)
+            except (ServerUnavailableError, DeadlineExceededError):
+                raise  # still to send again, by the next attempt or call
+            except KVStoreError as error:
+                if sequence not in self._unacked:
+                    raise
+                raise self._failed(sequence, [item.key for item in values], error) from None
+            self._unacked.pop(sequence, None)
 
     # ---- the data path ----------------------------------------------------------------
 
@@ -266,17 +272,18 @@ class ServerConn:
         sequence = next(self._sequences)
         deferred = None
         if defer and sum(item.array.nbytes for _, item in part) <= DEFER_MAX_BYTES:
-            deferred = Deferred(lambda: self._unacked.pop(sequence, None),
-                                lambda error: self._failed(sequence, part, error))
-        if self._call("push", self._push_once, part, sequence, deferred) is deferred and deferred is not None:
-            self._unacked[sequence] = deferred.request
+            deferred = Deferred(lambda request: self._unacked.__setitem__(sequence, request),
+                                lambda: self._unacked.pop(sequence, None),
+                                lambda error: self._failed(sequence, [item.key for _, item in part], error))
+        self._call("push", self._push_once, part, sequence, deferred)
         self._last_pushes.update(self._copies(part, sequence))
 
-    def _failed(self, sequence, part, error):
-        """The error to raise for the push ``sequence`` of ``part``, sent without waiting, which failed with ``error``."""
+    def _failed(self, sequence, keys, error):
+        """The error to raise for the push ``sequence`` of ``keys``, sent without waiting, which
+        failed with ``error``; it is no longer to be sent again."""
         self._unacked.pop(sequence, None)
-        keys = ", ".join(key_repr(item.key) for _, item in part[:5]) + (", ..." if len(part) > 5 else "")
-        return type(error)(f"an earlier push of {plural(len(part), 'key')} ({keys}), sent without waiting for its "
+        named = ", ".join(key_repr(key) for key in keys[:5]) + (", ..." if len(keys) > 5 else "")
+        return type(error)(f"an earlier push of {plural(len(keys), 'key')} ({named}), sent without waiting for its "
                            f"answer, failed and changed nothing: {error}")
 
     def _copies(self, part, sequence):
@@ -292,12 +299,10 @@ class ServerConn:
             self._call("push", lambda timeout: self.session.settle())
 
     def _push_once(self, timeout, part, sequence, deferred=None):
-        result = self._session("push", part, timeout, sequence=sequence, defer=deferred)
-        if result is None:
+        if self._session("push", part, timeout, sequence=sequence, defer=deferred) is None:
             items = [item for _, item in part]
             self._rpc("push", self.stub.push_raw, self._frames(kvstore_pb2.PushRequest, items, sequence=sequence),
                       timeout)
-        return result
 
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
@@ -521,8 +526,10 @@ class ServerConn:
             decoder.feed(data)
             response = decoder.first
             if response.code:
-                raise error_from_code(status_code(response.code), response.message, response.error_class or None,
-                                      self.address, kind)
+                error = error_from_code(status_code(response.code), response.message, response.error_class or None,
+                                        self.address, kind)
+                error.answered = True  # by the server: see rpc.Session
+                raise error
             if response.id != call_id:
                 raise InternalError(f"server {self.address} answered session call {response.id}, not {call_id}")
             items = decoder.finish()

@@ -17,7 +17,11 @@ import traceback
 
 import numpy as np
 
-from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, KVStoreError, ServerUnavailableError
+from tensorkv.errors import (
+    DeadlineExceededError, FailedPreconditionError, KVStoreError, ResourceExhaustedError, ServerUnavailableError,
+)
+from tensorkv.rpc import error_status
+from tensorkv.v1 import kvstore_pb2
 
 from . import datalink
 
@@ -152,9 +156,13 @@ class StreamChannel:
             while True:
                 await link.read_into(memoryview(header))
                 size = int.from_bytes(header, "little")
-                if size > max_bytes:
+                if size > max_bytes:  # refused unread (its id unknown: 0), and the bytes that follow it unknown
                     log.warning("data channel of %s closed: a call of %d bytes (at most %d)", self.peer, size,
                                 max_bytes)
+                    refusal = _refusal(ResourceExhaustedError(
+                        f"a call of {size} bytes on the data channel; this server takes at most {max_bytes} "
+                        f"(--max-inflight-bytes, with room for the keys of --max-keys-per-call)"))
+                    await link.sendall(len(refusal).to_bytes(FRAME_HEADER, "little") + refusal)
                     return
                 request = bytearray(size)
                 await link.read_into(memoryview(request))
@@ -233,6 +241,12 @@ class StreamChannel:
             else:
                 waiter.cancel()
         self._token = self._waiter = None
+
+
+def _refusal(error):
+    """The serialized SessionResponse (id 0) that refuses a call with ``error``."""
+    code, message, error_class = error_status(error)
+    return kvstore_pb2.SessionResponse(code=code, message=message, error_class=error_class).SerializeToString()
 
 
 def _log_failure(task):

@@ -39,6 +39,8 @@ RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
+# Bytes of an entry besides its key and data, at most: tags, lengths, dtype, shape, slice, refs.
+_ENTRY_ROOM = 256
 _OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
                        kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL}
 
@@ -398,10 +400,17 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         token = channel.open()
         if request.calls_on_channel:
             channel.serve_calls(lambda data: self._channel_call(data, regions, channel),
-                                lambda outgoing: self._send_after(channel, outgoing),
-                                self.limits.max_inflight_bytes or _ONE_MESSAGE)
+                                lambda outgoing: self._send_after(channel, outgoing), self._max_call_bytes())
         return kvstore_pb2.SessionResponse(id=request.id, data_token=token,
                                            calls_on_channel=request.calls_on_channel).SerializeToString()
+
+    def _max_call_bytes(self):
+        """The longest call a data channel reads: the values --max-inflight-bytes allows, and
+        room for the keys and entries of --max-keys-per-call (the decoder then checks each)."""
+        limits = self.limits
+        if limits.max_inflight_bytes is None:
+            return _ONE_MESSAGE
+        return limits.max_inflight_bytes + limits.max_keys_per_call * (limits.max_key_bytes + _ENTRY_ROOM)
 
     async def _channel_call(self, data, regions, channel):
         metrics.received("datachan", len(data))
