@@ -25,6 +25,17 @@ TLS_WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the p
 TLS_RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
 
 
+def lost(error):
+    """``error`` (a KVStoreError), marked as one that says the data channel broke or timed out."""
+    error.channel_lost = True
+    return error
+
+
+def is_lost(error):
+    """Whether ``error`` says the data channel broke or timed out (not what a server answered)."""
+    return getattr(error, "channel_lost", False)
+
+
 def split_address(address):
     """The host of a gRPC 'host:port' address, without IPv6 brackets."""
     host = address.rsplit(":", 1)[0]
@@ -67,9 +78,7 @@ class Channel:
         try:
             self._sock.settimeout(self._remaining())
             self._sock.sendall(len(request).to_bytes(FRAME_HEADER, "little") + request)
-            for array in arrays:
-                self._sock.settimeout(self._remaining())
-                self._sock.sendall(memoryview(array.reshape(-1).view("u1")))
+            self._write(arrays)
         except OSError as error:
             try:
                 answer = self.read_answer() if arrays else None
@@ -86,9 +95,19 @@ class Channel:
         announce follow it: :meth:`receive`)."""
         header = bytearray(FRAME_HEADER)
         self.receive([header])
-        answer = bytearray(int.from_bytes(header, "little"))
-        self.receive([answer])
-        return bytes(answer)
+        size = int.from_bytes(header, "little")
+        try:  # in one piece as a rule: bytes from the socket, not copied out of a buffer
+            self._sock.settimeout(self._remaining())
+            answer = self._sock.recv(size)
+        except OSError as error:
+            raise self._broken(error) from None
+        if len(answer) == size:
+            return answer
+        if not answer:
+            raise self._broken(ConnectionResetError("the server closed the data channel"))
+        rest = bytearray(size - len(answer))
+        self.receive([rest])
+        return answer + rest
 
     def peer_closed(self):
         """Whether the server closed the channel (it does after a call it could not read); the
@@ -115,11 +134,14 @@ class Channel:
         """Write the bytes of ``arrays`` (C-contiguous, little-endian), in order."""
         self._check_open()
         try:
-            for array in arrays:
-                self._sock.settimeout(self._remaining())
-                self._sock.sendall(memoryview(array.reshape(-1).view("u1")))
+            self._write(arrays)
         except OSError as error:
             raise self._broken(error) from None
+
+    def _write(self, arrays):
+        for array in arrays:
+            self._sock.settimeout(self._remaining())
+            self._sock.sendall(memoryview(array.reshape(-1).view("u1")))
 
     def receive(self, buffers):
         """Fill the uint8 arrays (or bytearrays) ``buffers``, in order."""
@@ -151,11 +173,8 @@ class Channel:
         server answered is never so marked)."""
         self.close()
         if isinstance(error, socket.timeout):
-            lost = DeadlineExceededError(f"server {self.address}: the data channel timed out")
-        else:
-            lost = ServerUnavailableError(f"server {self.address}: the data channel broke ({error})")
-        lost.channel_lost = True
-        return lost
+            return lost(DeadlineExceededError(f"server {self.address}: the data channel timed out"))
+        return lost(ServerUnavailableError(f"server {self.address}: the data channel broke ({error})"))
 
     def close(self):
         if self._sock is not None:

@@ -307,17 +307,12 @@ class DistStore(KVStore):
         """{key: one array}: the arrays pushed for each key, summed (a repeated key too); GPU
         arrays are summed on their GPU."""
         grouped = _grouped(pairs)
-        merged, meta = {}, self._meta
+        merged = {}
         for key, arrays in grouped.items():
             first = arrays[0]
-            native = type(first) is np.ndarray
-            shape, dtype = (first.shape, first.dtype) if native else shape_dtype(first)
-            if meta.get(key) != (shape, dtype):
-                self._check_known(key, shape, dtype, "pushed")
-            if native and len(arrays) == 1 and first.flags.c_contiguous and first.dtype.isnative:
-                merged[key] = first  # what Engine.sum passes through, without the calls
-            else:
-                merged[key] = _merge_engine(arrays).sum(arrays)
+            shape, dtype = (first.shape, first.dtype) if type(first) is np.ndarray else shape_dtype(first)
+            self._check_known(key, shape, dtype, "pushed")
+            merged[key] = _merge_engine(arrays).sum(arrays)
         return merged
 
     def _plan(self, entries):

@@ -371,8 +371,8 @@ class Session:
             refused = channel.send_call(request, arrays)
             if refused is not None:  # the answer says why the server did not take the bytes
                 decode(call_id, refused, region, None)
-                raise _lost(ServerUnavailableError(f"server {self._address}: the data channel closed during the "
-                                                   f"{kind}"))
+                raise datachan.lost(ServerUnavailableError(
+                    f"server {self._address}: the data channel closed during the {kind}"))
             if defer is not None:
                 defer.answer = (call_id, decode, region, kind, timeout)
                 defer.sent(request)
@@ -402,8 +402,8 @@ class Session:
             if _answered(error) or self.data_channel is None:  # the server's answer, or already reset
                 raise
             self._reset()
-            if isinstance(error, ServerUnavailableError) and _channel_lost(error):
-                raise _lost(transport_error("", self._address, kind)) from None
+            if isinstance(error, ServerUnavailableError) and datachan.is_lost(error):
+                raise datachan.lost(transport_error("", self._address, kind)) from None
             raise
         finally:
             if self.data_channel is not None and self.data_channel.closed:
@@ -438,8 +438,8 @@ class Session:
             self._reset()
             if first is not None:
                 raise first from None
-            if isinstance(error, ServerUnavailableError) and _channel_lost(error):
-                raise _lost(transport_error("", self._address, kind)) from None
+            if isinstance(error, ServerUnavailableError) and datachan.is_lost(error):
+                raise datachan.lost(transport_error("", self._address, kind)) from None
             raise
         if first is not None:
             raise first
@@ -598,17 +598,6 @@ class Session:
             self._reset()
         if self._watchdog is not None:
             self._watchdog.join(1.0)
-
-
-def _channel_lost(error):
-    """Whether ``error`` says the data channel broke or timed out (tensorkv.datachan.Channel)."""
-    return getattr(error, "channel_lost", False)
-
-
-def _lost(error):
-    """``error``, marked as a lost channel."""
-    error.channel_lost = True
-    return error
 
 
 def _answered(error):

@@ -38,8 +38,8 @@ SESSION_MAX_BYTES = CHUNK_BYTES
 SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
 # With a data channel, values of at least this many bytes travel on it.
 DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10))
-# A push of at most this many bytes (per server) may be sent without waiting for its answer (a
-# copy is kept until the answer comes).
+# A push of at most this many bytes (per server) may be sent without waiting for its answer (its
+# request, which holds the values, is kept until the answer comes).
 DEFER_MAX_BYTES = 1 << 20
 _ONE_MESSAGE = 1 << 62
 # Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
@@ -96,7 +96,7 @@ class ServerConn:
         # key -> a copy of what was last pushed to it (an Item, or row-sparse (key, shape, row ids,
         # rows)), until a pull of the key
         self._last_pushes = {}  # key -> (sequence number, a copy of its last push), where it realigns
-        # sequence number -> a copy of the part of a push sent without waiting, until its answer came
+        # sequence number -> the serialized request of a push sent without waiting, until its answer came
         self._unacked = {}
 
     def _connect(self):

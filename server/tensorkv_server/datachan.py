@@ -143,8 +143,9 @@ class StreamChannel:
         """Once the channel is bound, serve the calls framed on it (SessionResponse.calls_on_channel):
         ``await handle(request bytes)`` gives (the serialized SessionResponse, None or the values
         that follow it (with a ``release()`` for when they are not sent), whether to close the
-        channel after it); ``await send_after(values)`` sends those. A request longer than ``max_bytes`` closes the channel; so does the end of
-        the connection."""
+        channel after it); ``await send_after(values)`` sends those. A request longer than
+        ``max_bytes`` is refused unread (RESOURCE_EXHAUSTED) and closes the channel; so does
+        the end of the connection."""
         self._calls = asyncio.get_running_loop().create_task(
             self._serve_calls(self._waiter, handle, send_after, max_bytes))
         self._calls.add_done_callback(_log_failure)
@@ -164,9 +165,7 @@ class StreamChannel:
                         f"(--max-inflight-bytes, with room for the keys of --max-keys-per-call)"))
                     await link.sendall(len(refusal).to_bytes(FRAME_HEADER, "little") + refusal)
                     return
-                request = bytearray(size)
-                await link.read_into(memoryview(request))
-                response, outgoing, close = await handle(bytes(request))
+                response, outgoing, close = await handle(await link.read_bytes(size))
                 try:
                     await link.sendall(len(response).to_bytes(FRAME_HEADER, "little") + response)
                 except BaseException:

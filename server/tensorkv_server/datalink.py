@@ -25,6 +25,18 @@ class PlainLink:
                 raise EOFError("the client closed the data channel")
             filled += count
 
+    async def read_bytes(self, size):
+        """The next ``size`` bytes: as the socket gives them when they came in one piece (no
+        copy out of a buffer), which a small message does."""
+        first = await self._loop.sock_recv(self.sock, size)
+        if len(first) == size:
+            return first
+        if not first:
+            raise EOFError("the client closed the data channel")
+        rest = bytearray(size - len(first))
+        await self.read_into(memoryview(rest))
+        return first + rest
+
     async def sendall(self, view):
         await self._loop.sock_sendall(self.sock, view)
 
@@ -56,6 +68,11 @@ class TlsLink(PlainLink):
             if count == 0:
                 raise EOFError("the client closed the data channel")
             filled += count
+
+    async def read_bytes(self, size):
+        buffer = bytearray(size)
+        await self.read_into(memoryview(buffer))
+        return bytes(buffer)
 
     async def sendall(self, view):
         for start in range(0, len(view), WRITE_BYTES):

@@ -316,7 +316,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def _session_call(self, data, regions, channel, on_channel=False):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
-        to send on the data channel after it, seconds to send it in), whether the data channel
+        to send on the data channel after it, as a _Lent), whether the data channel
         is out of step and must close once the response is sent). ``on_channel``: the request
         came framed on the data channel (datachan.StreamChannel.serve_calls)."""
         decoder = self._decoder(kvstore_pb2.SessionRequest, resolve=metrics.counting_shm(regions.resolve),
