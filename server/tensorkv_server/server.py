@@ -108,16 +108,17 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
         data_port.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    # before the line that says so: a SIGTERM right after it stops the server cleanly
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     log.info("serving %s on %s: %s, %s mode, values on %s, round timeout %g s, lease timeout %g s, "
              "shared memory %s, data channel %s, %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
              coordinator.mode, coordinator.device, coordinator.round_timeout, coordinator.members.lease_timeout,
              "on" if servicer.shared_memory else "off", f"on port {data_port.port}" if data_port else "off",
              security.describe(), extra={"event": "server_started"})
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     periodic = asyncio.create_task(_every(snapshot_interval, snapshots.take)) \
         if snapshots and snapshot_interval > 0 else None
     await stop.wait()
