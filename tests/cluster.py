@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ START_TIMEOUT = 30.0  # seconds a server gets to start serving
 STOP_TIMEOUT = 15.0  # seconds a process gets to exit after SIGTERM
 WORKER_TIMEOUT = 90.0  # seconds a worker gets to finish
 WAIT = 20.0  # seconds a wait_until condition gets to hold
+PORT_TRIES = 3  # servers started on a port taken since free_port() picked it
 
 
 def wait_until(condition, what, timeout=WAIT):
@@ -31,6 +33,16 @@ def wait_until(condition, what, timeout=WAIT):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not seen within {timeout} s")
         time.sleep(0.05)
+
+
+def _tail(log, lines=20):
+    """The last ``lines`` lines of the open log file ``log``, as a message suffix ('' if none)."""
+    if log is None:
+        return ""
+    log.flush()
+    log.seek(0)
+    text = "".join(log.readlines()[-lines:])
+    return f"; its log ends:\n{text}" if text else ""
 
 
 def free_port():
@@ -79,37 +91,60 @@ class Cluster:
         self.num_workers = num_workers
         self.addresses, self.processes, self.logs, self.commands = [], [], [], []
         self._held = []  # sockets that keep the ports of killed servers (see kill)
+        self._server_args = server_args
+        self._mode, self._round_timeout = mode, round_timeout
         log_dir = Path(tmp_path) if tmp_path else None
         try:
             for i in range(servers):
-                port = free_port()
-                log = open(log_dir / f"server{i}.log", "w+") if log_dir else subprocess.DEVNULL
-                self.logs.append(log)
-                self.commands.append(
-                    [sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers",
-                     str(num_workers), "--mode", mode, "--round-timeout", str(round_timeout),
-                     "--device", "cpu", "--grace", "2", *(str(arg).replace("{index}", str(i)) for arg in server_args)])
-                self.processes.append(subprocess.Popen(self.commands[-1], stdout=log, stderr=subprocess.STDOUT))
-                self.addresses.append(f"127.0.0.1:{port}")
-            for address, process in zip(self.addresses, self.processes):
-                self._wait_serving(address, process, security)
+                # a file either way: a server that exits at start is reported with its log
+                self.logs.append(open(log_dir / f"server{i}.log", "w+") if log_dir else tempfile.TemporaryFile("w+"))
+                self.commands.append(None)
+                self.processes.append(None)
+                self.addresses.append(None)
+                self._start(i)
+            for i in range(servers):
+                self._wait_started(i, security)
         except BaseException:
             self.stop()
             raise
 
+    def _start(self, index):
+        """Start server ``index`` on a newly picked free port."""
+        port = free_port()
+        self.commands[index] = [
+            sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers", str(self.num_workers),
+            "--mode", self._mode, "--round-timeout", str(self._round_timeout), "--device", "cpu", "--grace", "2",
+            *(str(arg).replace("{index}", str(index)) for arg in self._server_args)]
+        self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
+                                                 stderr=subprocess.STDOUT)
+        self.addresses[index] = f"127.0.0.1:{port}"
+
+    def _wait_started(self, index, security, tries=PORT_TRIES):
+        """Wait until server ``index`` serves. A free port can be taken between free_port() and
+        the server's bind (by another server's data port, which binds port 0): a server that
+        says its port is in use is started again on another one, at most ``tries`` times."""
+        for _ in range(tries - 1):
+            try:
+                return self._wait_serving(self.addresses[index], self.processes[index], security, self.logs[index])
+            except RuntimeError as error:
+                if "is in use" not in str(error):
+                    raise
+            self._start(index)
+        self._wait_serving(self.addresses[index], self.processes[index], security, self.logs[index])
+
     @staticmethod
-    def _wait_serving(address, process, security=Security()):
+    def _wait_serving(address, process, security=Security(), log=None):
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"server {address} exited with {process.returncode}")
+                raise RuntimeError(f"server {address} exited with {process.returncode}{_tail(log)}")
             try:
                 if health(address, timeout=1.0, security=security) == "SERVING":
                     return
             except grpc.RpcError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT} s")
+                raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT} s{_tail(log)}")
             time.sleep(0.05)
 
     def kill(self, index=0):
@@ -129,7 +164,7 @@ class Cluster:
         self.processes[index].wait(STOP_TIMEOUT)
         self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
                                                  stderr=subprocess.STDOUT)
-        self._wait_serving(self.addresses[index], self.processes[index])
+        self._wait_serving(self.addresses[index], self.processes[index], log=self.logs[index])
 
     @property
     def env(self):
@@ -163,8 +198,7 @@ class Cluster:
         for held in self._held:
             held.close()
         for log in self.logs:
-            if log is not subprocess.DEVNULL:
-                log.close()
+            log.close()
         return codes
 
     def __enter__(self):

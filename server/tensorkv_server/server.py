@@ -85,7 +85,13 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT,
                              interceptors=[*interceptors, *security.interceptors()])
     address = f"{host}:{port}"
-    if data_port is not None:
+    try:
+        bound = security.add_port(server, address)
+    except RuntimeError:  # gRPC raises for a port taken since check_free looked
+        bound = 0
+    if bound == 0:
+        raise ListenError(f"--port {port}: cannot listen on {address}")
+    if data_port is not None:  # after the gRPC port: a data port 0 must not take --port
         try:
             data_port = DataPort(host, data_port, security.data_channel_context, advertised_data_port)
         except OSError as error:
@@ -97,12 +103,6 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, MAINTENANCE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    try:
-        bound = security.add_port(server, address)
-    except RuntimeError:  # gRPC raises for a port taken since check_free looked
-        bound = 0
-    if bound == 0:
-        raise ListenError(f"--port {port}: cannot listen on {address}")
     await server.start()
     if data_port is not None:
         data_port.start()
