@@ -45,10 +45,19 @@ def _tail(log, lines=20):
     return f"; its log ends:\n{text}" if text else ""
 
 
+_given = set()
+
+
 def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 now, and never given before in this process (two picks for
+    one server, its --port and --metrics-port, must differ)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
 
 
 def rss(pid):

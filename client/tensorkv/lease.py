@@ -39,7 +39,8 @@ class Heartbeat:
             # A steady pace, however long the renewals take; no burst after this process was paused.
             due = max(due + self._interval, time.monotonic())
             self._calls = {(conn, conn.incarnation): conn.stub.KeepAlive.future(
-                kvstore_pb2.KeepAliveRequest(rank=conn.rank, incarnation=conn.incarnation), timeout=self._interval)
+                kvstore_pb2.KeepAliveRequest(rank=conn.rank, incarnation=conn.incarnation), timeout=self._interval,
+                wait_for_ready=True)  # a connection being made again is waited for, up to the interval
                 for conn in self._conns if conn.lease_lost is None}
             for (conn, incarnation), call in self._calls.items():
                 self._renewed(conn, incarnation, call)

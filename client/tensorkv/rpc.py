@@ -52,6 +52,11 @@ CHANNEL_OPTIONS = _COMMON_OPTIONS + [
     ("grpc.keepalive_permit_without_calls", 0),
     # pings for as long as a wait lasts, with no data in between
     ("grpc.http2.max_pings_without_data", 0),
+    # A broken connection is tried again after at most 2 s (gRPC's default backoff grows to
+    # 120 s): a lease's heartbeat, every third of the lease, must find the server again well
+    # within the lease after a few resets in a row.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 SERVER_OPTIONS = _COMMON_OPTIONS + [
     # the server's own pings find the connections of dead workers, and end their streams
