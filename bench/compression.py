@@ -20,10 +20,13 @@ plus the worker's quantization and the server's dequantization). The goal (issue
 compressed push's effective rate >= 3x the plain one's, reported for each link. After the
 clock stops, each compressed store's value is checked against the quantization formula (a
 residual replayed here, push by push): a mismatch fails the bench with exit status 2.
+Where `make bench-mxnet` wrote <out-dir>/mxnet.json in the same run, MXNet 1.9.1's own plain
+and 2-bit pushes of the same key over loopback are printed below the rows, for reference.
 Writes <out-dir>/compression.{json,md} (compression-quick.* with --quick: 5 repeats in
 place of 30).
 """
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -45,6 +48,7 @@ SERVER_HOST, PROXY_HOST = "127.0.0.2", "127.0.0.3"
 LINKS = {"loopback": None, "proxy, unpaced": "unpaced", "10 Gbit/s": 10e9, "1 Gbit/s": 1e9}  # None: no proxy
 MODES = ("plain push", "2-bit push")
 CARRIED = {}  # row -> median bytes through the proxy per push, of the last measure()
+MXNET_LINES = []  # what mxnet_lines() found for this run
 
 
 def measure(repeats, logdir):
@@ -127,11 +131,28 @@ def markdown(medians, command):
         lines.append(f"| {row} | {seconds * 1e3:.2f} | {SIZE * 4 / seconds / 1e9:.2f} | "
                      f"{'-' if carried is None else f'{carried / 1e6:.3f}'} |")
     lines += ["", "2-bit / plain effective rate: " + ", ".join(
-        f"{link} **{ratio:.2f}x**" for link, ratio in ratios.items()) + f" (goal {GOAL:.0f}x)"]
+        f"{link} **{ratio:.2f}x**" for link, ratio in ratios.items()) + f" (goal {GOAL:.0f}x)"] + MXNET_LINES
     return "\n".join(lines) + "\n"
 
 
+def mxnet_lines(out_dir):
+    """MXNet 1.9.1's own plain and 2-bit push of 4 MiB on loopback, from <out-dir>/mxnet.json
+    (`make bench-mxnet`, the same run of `make bench`), as Markdown lines; none without it."""
+    path = os.path.join(out_dir, "mxnet.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        mxnet = json.load(f)
+    plain, two_bit = mxnet.get("dist_sync_push_4MiB_ms"), mxnet.get("dist_sync_push_4MiB_2bit_ms")
+    if plain is None or two_bit is None:
+        return []
+    return ["", f"MXNet {mxnet.get('mxnet_version', '?')} on the same loopback (`make bench-mxnet`, ps-lite "
+                f"dist_sync, 1 worker, plain pushes then 2-bit ones): plain {plain:.2f} ms, 2-bit {two_bit:.2f} ms: "
+                f"2-bit / plain effective rate **{plain / two_bit:.2f}x**"]
+
+
 def main(argv=None):
+    MXNET_LINES[:] = mxnet_lines(common.parse_args(__doc__, argv).out_dir)
     return common.run_ratio_bench(
         __doc__, argv, "compression", measure, (5, 30), "a pulled value differs from the quantization formula",
         markdown, speedups, GOAL, lambda ratios: {link: ratio >= GOAL for link, ratio in ratios.items()})

@@ -11,6 +11,7 @@ then kill).  A push+pull round trip of N bytes counts 2*N bytes.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -28,6 +29,7 @@ SMALL_REPEATS = 500
 CLUSTER_TIMEOUT = 300.0  # seconds for one scheduler+server+workers run
 LIST_KEYS = 1000
 LIST_FLOATS = 256  # 1 KiB per key
+COMPRESSION_REPEATS = 30  # pushes timed, plain and 2-bit (bench/compression.py's count)
 
 
 def run_all(repeats=REPEATS, small_repeats=SMALL_REPEATS, big=64 * MiB):
@@ -35,7 +37,7 @@ def run_all(repeats=REPEATS, small_repeats=SMALL_REPEATS, big=64 * MiB):
     of medians whose keys carry their units."""
     results = {"mxnet_version": _mxnet_version(),
                "python": sys.version.split()[0]}
-    with Progress(3, "mxnet") as bar:
+    with Progress(4, "mxnet") as bar:
         bar.show("dist_sync, 1 worker ...")
         single, = run_cluster("single", 1, repeats, small_repeats, big)
         results.update({
@@ -51,6 +53,11 @@ def run_all(repeats=REPEATS, small_repeats=SMALL_REPEATS, big=64 * MiB):
         slowest = max(w["rtt_4MiB_s"] for w in pair)
         results["dist_sync_2workers_4MiB_gbps"] = 2 * common.gbps(4 * MiB, slowest)
         bar.step("dist_sync, 2 workers")
+        bar.show("dist_sync, 2-bit compression ...")
+        compressed, = run_cluster("compression", 1, COMPRESSION_REPEATS, small_repeats, big)
+        results["dist_sync_push_4MiB_ms"] = compressed["push_4MiB_s"] * 1e3
+        results["dist_sync_push_4MiB_2bit_ms"] = compressed["push_4MiB_2bit_s"] * 1e3
+        bar.step("dist_sync, 2-bit compression")
         bar.show("local ...")
         results["local_4MiB_gbps"] = common.gbps(4 * MiB, _local_rtt(repeats))
         bar.step("local")
@@ -160,6 +167,31 @@ def _list_rtt(kv, repeats):
     return common.median_time(round_trip, repeats)
 
 
+def _push_times(kv, repeats):
+    """Median seconds of a push of one 4 MiB float32 key (two gradients in turn), waited for
+    (``mx.nd.waitall``: the server's answer); first plain, then with MXNet's 2-bit gradient
+    compression (threshold 0.5) on a second key: what bench/compression.py measures on
+    tensorkv. MXNet cannot turn compression off again, hence plain first, not alternately."""
+    import mxnet as mx
+    import numpy as np
+    rng = np.random.default_rng(0)
+    gradients = [mx.nd.array(rng.standard_normal(MiB, dtype=np.float32)) for _ in range(2)]
+
+    def median_push(key):
+        kv.init(key, mx.nd.zeros(MiB))
+        turns = itertools.cycle(gradients)
+
+        def push():
+            kv.push(key, next(turns))
+            mx.nd.waitall()
+
+        return common.median_time(push, repeats)
+
+    plain = median_push(0)
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    return {"push_4MiB_s": plain, "push_4MiB_2bit_s": median_push(1)}
+
+
 def _local_rtt(repeats):
     """Median seconds for a 4 MiB push+pull on MXNet's in-process store."""
     import mxnet as mx
@@ -172,6 +204,8 @@ def _worker(test, repeats, small_repeats, big):
     kv = mx.kv.create("dist_sync")
     if test == "pair":
         return {"rtt_4MiB_s": _kv_rtt(kv, 0, 4 * MiB, repeats)}
+    if test == "compression":
+        return _push_times(kv, repeats)
     return {"rtt_4MiB_s": _kv_rtt(kv, 0, 4 * MiB, repeats),
             "rtt_big_s": _kv_rtt(kv, 1, big, repeats),
             "rtt_16f_s": _kv_rtt(kv, 2, 64, small_repeats, p99=True),
@@ -183,7 +217,7 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--quick", action="store_true",
                         help="16 MiB instead of 64 MiB, fewer repeats")
-    parser.add_argument("--worker", choices=("single", "pair"),
+    parser.add_argument("--worker", choices=("single", "pair", "compression"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=REPEATS,
