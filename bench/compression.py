@@ -20,8 +20,9 @@ plus the worker's quantization and the server's dequantization). The goal (issue
 compressed push's effective rate >= 3x the plain one's, reported for each link. After the
 clock stops, each compressed store's value is checked against the quantization formula (a
 residual replayed here, push by push): a mismatch fails the bench with exit status 2.
-Where `make bench-mxnet` wrote <out-dir>/mxnet.json in the same run, MXNet 1.9.1's own plain
-and 2-bit pushes of the same key over loopback are printed below the rows, for reference.
+Where `make bench-mxnet` wrote <out-dir>/mxnet.json (`make bench` runs it first), MXNet
+1.9.1's own plain and 2-bit pushes of the same key over loopback are printed below the rows,
+with the time the file was written, for reference.
 Writes <out-dir>/compression.{json,md} (compression-quick.* with --quick: 5 repeats in
 place of 30).
 """
@@ -137,7 +138,8 @@ def markdown(medians, command):
 
 def mxnet_lines(out_dir):
     """MXNet 1.9.1's own plain and 2-bit push of 4 MiB on loopback, from <out-dir>/mxnet.json
-    (`make bench-mxnet`, the same run of `make bench`), as Markdown lines; none without it."""
+    (`make bench-mxnet`, which `make bench` runs first), with the time it was written, as
+    Markdown lines; none without it."""
     path = os.path.join(out_dir, "mxnet.json")
     if not os.path.exists(path):
         return []
@@ -146,9 +148,10 @@ def mxnet_lines(out_dir):
     plain, two_bit = mxnet.get("dist_sync_push_4MiB_ms"), mxnet.get("dist_sync_push_4MiB_2bit_ms")
     if plain is None or two_bit is None:
         return []
-    return ["", f"MXNet {mxnet.get('mxnet_version', '?')} on the same loopback (`make bench-mxnet`, ps-lite "
-                f"dist_sync, 1 worker, plain pushes then 2-bit ones): plain {plain:.2f} ms, 2-bit {two_bit:.2f} ms: "
-                f"2-bit / plain effective rate **{plain / two_bit:.2f}x**"]
+    measured = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(path)))
+    return ["", f"MXNet {mxnet.get('mxnet_version', '?')} over loopback ({path}, written {measured} by `make "
+                f"bench-mxnet`: ps-lite dist_sync, 1 worker, plain pushes then 2-bit ones): plain {plain:.2f} ms, "
+                f"2-bit {two_bit:.2f} ms: 2-bit / plain effective rate **{plain / two_bit:.2f}x**"]
 
 
 def main(argv=None):

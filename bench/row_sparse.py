@@ -7,10 +7,10 @@ run on the same store, in rounds of: a full pull, then BLOCK row-sparse pulls in
 full pull again, then BLOCK pulls of 16 floats in a row:
 
   * full pull: ``kv.pull(key, out=table)``;
-  * row_sparse_pull of 1% of the rows (655 distinct ids, drawn at random once):
+  * row_sparse_pull of 1% of the rows (655 distinct ids, drawn at random, another set for
+    each call of a block, as batches of an embedding differ):
     ``kv.row_sparse_pull(key, out=rows, row_ids=ids)`` into a (655, 256) array, the median
-    of every call of the blocks (the cost of the call itself, caches as a server serving
-    such pulls keeps them);
+    of every call of the blocks (the cost of the call itself);
   * the same, the first call of each block only: right after a full pull, whose 64 MiB
     went through both processes' caches on this one host (a cost that the full pull
     leaves, not the row-sparse pull's own);
@@ -22,6 +22,7 @@ the clock stops, the rows pulled are checked against the table: a mismatch fails
 with exit status 2. Writes <out-dir>/row_sparse.{json,md} (row_sparse-quick.* with --quick:
 3 repeats in place of 10).
 """
+import itertools
 import os
 import statistics
 import sys
@@ -44,14 +45,16 @@ def measure(repeats, logdir):
     """{row: median seconds} and whether the pulled rows checked out."""
     rng = np.random.default_rng(0)
     value = rng.standard_normal(SHAPE, dtype=np.float32)
-    ids = np.sort(rng.choice(SHAPE[0], SHAPE[0] // 100, replace=False))
-    table, rows = np.empty_like(value), np.empty((len(ids), SHAPE[1]), np.float32)
+    # a batch's ids differ from the last one's: BLOCK sets, drawn once, one per call of a block
+    id_sets = [np.sort(rng.choice(SHAPE[0], SHAPE[0] // 100, replace=False)) for _ in range(BLOCK)]
+    table, rows = np.empty_like(value), np.empty((len(id_sets[0]), SHAPE[1]), np.float32)
+    batches = itertools.cycle(id_sets)  # a block's calls take them in turn: it ends on the last
     with server(1, dict(os.environ), logdir) as address, \
             tensorkv.create("dist_sync", servers=address, rank=0, num_workers=1, transport="tcp") as kv:
         kv.init("table", value)
         kv.init("small", np.zeros(16, np.float32))
         full = lambda: kv.pull("table", out=table)
-        blocks = {"row_sparse_pull 1%": lambda: kv.row_sparse_pull("table", out=rows, row_ids=ids),
+        blocks = {"row_sparse_pull 1%": lambda: kv.row_sparse_pull("table", out=rows, row_ids=next(batches)),
                   "pull of 16 floats": lambda: kv.pull("small")}
         times = {name: [] for name in ("full pull", *(f"{n}{suffix}" for n in blocks for suffix in ("", AFTER)))}
         for repeat in range(repeats + 1):  # the first round warms up
@@ -61,7 +64,7 @@ def measure(repeats, logdir):
                     times["full pull"].append(seconds[0])
                     times[name] += seconds[1:]
                     times[name + AFTER].append(seconds[1])
-    ok = np.array_equal(table, value) and np.array_equal(rows, value[ids])
+    ok = np.array_equal(table, value) and np.array_equal(rows, value[id_sets[-1]])  # the last call's
     return {name: statistics.median(values) for name, values in times.items()}, ok
 
 

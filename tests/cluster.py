@@ -40,8 +40,9 @@ def _tail(log, lines=20):
     if log is None:
         return ""
     log.flush()
-    log.seek(0)
-    text = "".join(log.readlines()[-lines:])
+    # pread: the file's offset is the server's too (its stdout), which may still be writing
+    written = os.pread(log.fileno(), os.fstat(log.fileno()).st_size, 0).decode(errors="replace")
+    text = "".join(written.splitlines(keepends=True)[-lines:])
     return f"; its log ends:\n{text}" if text else ""
 
 
@@ -100,7 +101,7 @@ class Cluster:
         self.num_workers = num_workers
         self.addresses, self.processes, self.logs, self.commands = [], [], [], []
         self._held = []  # sockets that keep the ports of killed servers (see kill)
-        self._server_args = server_args
+        self._server_args, self._security = server_args, security
         self._mode, self._round_timeout = mode, round_timeout
         log_dir = Path(tmp_path) if tmp_path else None
         try:
@@ -112,14 +113,16 @@ class Cluster:
                 self.addresses.append(None)
                 self._start(i)
             for i in range(servers):
-                self._wait_started(i, security)
+                self._wait_started(i)
         except BaseException:
             self.stop()
             raise
 
     def _start(self, index):
-        """Start server ``index`` on a newly picked free port."""
+        """Start server ``index`` on a newly picked free port, its log emptied (of a start that failed)."""
         port = free_port()
+        self.logs[index].seek(0)
+        self.logs[index].truncate()
         self.commands[index] = [
             sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers", str(self.num_workers),
             "--mode", self._mode, "--round-timeout", str(self._round_timeout), "--device", "cpu", "--grace", "2",
@@ -128,18 +131,20 @@ class Cluster:
                                                  stderr=subprocess.STDOUT)
         self.addresses[index] = f"127.0.0.1:{port}"
 
-    def _wait_started(self, index, security, tries=PORT_TRIES):
+    def _wait_started(self, index, tries=PORT_TRIES):
         """Wait until server ``index`` serves. A free port can be taken between free_port() and
         the server's bind (by another server's data port, which binds port 0): a server that
-        says its port is in use is started again on another one, at most ``tries`` times."""
+        could not listen on its --port is started again on another one; ``tries`` starts in all."""
         for _ in range(tries - 1):
+            port = self.addresses[index].rsplit(":", 1)[1]
             try:
-                return self._wait_serving(self.addresses[index], self.processes[index], security, self.logs[index])
+                self._wait_serving(self.addresses[index], self.processes[index], self._security, self.logs[index])
+                return
             except RuntimeError as error:
-                if "is in use" not in str(error):
+                if f"--port {port}: " not in str(error):
                     raise
             self._start(index)
-        self._wait_serving(self.addresses[index], self.processes[index], security, self.logs[index])
+        self._wait_serving(self.addresses[index], self.processes[index], self._security, self.logs[index])
 
     @staticmethod
     def _wait_serving(address, process, security=Security(), log=None):
@@ -173,7 +178,7 @@ class Cluster:
         self.processes[index].wait(STOP_TIMEOUT)
         self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
                                                  stderr=subprocess.STDOUT)
-        self._wait_serving(self.addresses[index], self.processes[index], log=self.logs[index])
+        self._wait_serving(self.addresses[index], self.processes[index], self._security, self.logs[index])
 
     @property
     def env(self):
@@ -203,7 +208,7 @@ class Cluster:
 
     def stop(self):
         """Stop every server; their return codes."""
-        codes = [stop(process) for process in self.processes]
+        codes = [stop(process) for process in self.processes if process is not None]
         for held in self._held:
             held.close()
         for log in self.logs:

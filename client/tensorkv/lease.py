@@ -42,6 +42,9 @@ class Heartbeat:
                 kvstore_pb2.KeepAliveRequest(rank=conn.rank, incarnation=conn.incarnation), timeout=self._interval,
                 wait_for_ready=True)  # a connection being made again is waited for, up to the interval
                 for conn in self._conns if conn.lease_lost is None}
+            if self._stop.is_set():  # close() ran while they were made: it did not see them
+                for call in self._calls.values():
+                    call.cancel()
             for (conn, incarnation), call in self._calls.items():
                 self._renewed(conn, incarnation, call)
 
@@ -61,8 +64,10 @@ class Heartbeat:
             if error.code() == grpc.StatusCode.CANCELLED and self._stop.is_set():
                 return
             if conn not in self._failing:
+                why = f"no connection within {self._interval:g} s" \
+                    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else error.details()
                 log.warning("server %s: lease of rank %d not renewed (%s: %s); trying again every %g s",
-                            address, rank, error.code().name, error.details(), self._interval)
+                            address, rank, error.code().name, why, self._interval)
                 self._failing.add(conn)
             return
         if conn in self._failing:

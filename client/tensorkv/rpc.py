@@ -52,9 +52,10 @@ CHANNEL_OPTIONS = _COMMON_OPTIONS + [
     ("grpc.keepalive_permit_without_calls", 0),
     # pings for as long as a wait lasts, with no data in between
     ("grpc.http2.max_pings_without_data", 0),
-    # A broken connection is tried again after at most 2 s (gRPC's default backoff grows to
-    # 120 s): a lease's heartbeat, every third of the lease, must find the server again well
-    # within the lease after a few resets in a row.
+    # A broken connection is tried again about every 2 s at most (gRPC's default backoff grows
+    # to 120 s): a lease's heartbeat, every third of the lease, must find the server again
+    # well within the lease after a few resets in a row. The cost: each worker tries a server
+    # that is down every 2 s or so.
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]

@@ -90,6 +90,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     except RuntimeError:  # gRPC raises for a port taken since check_free looked
         bound = 0
     if bound == 0:
+        check_free(host, port, "--port")  # says why (e.g. taken since it last looked), where it can
         raise ListenError(f"--port {port}: cannot listen on {address}")
     if data_port is not None:  # after the gRPC port: a data port 0 must not take --port
         try:
