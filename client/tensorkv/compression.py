@@ -71,14 +71,15 @@ def quantize(value, residual, threshold):
     """The 2-bit codes (uint8, one per element, ``value``'s shape) of float32 ``value`` with
     ``residual`` (float32, same shape, C-contiguous), which takes ``value`` in and gives the
     codes out, in place."""
-    residual += value
-    return _take_codes(residual, threshold)
+    return _take_codes(residual, threshold, (residual, value))
 
 
-def _take_codes(residual, threshold):
-    """The codes of ``residual`` (which holds the pushed value already), taken off it."""
+def _take_codes(residual, threshold, addends):
+    """The codes of ``residual`` once it holds the sum of ``addends`` (two arrays of its
+    shape, which it may be one of), taken off it."""
     xp = array_module(residual)
     flat = residual.reshape(-1)
+    first, second = (addend.reshape(-1) for addend in addends)
     codes = xp.empty(flat.size, xp.uint8)
     # On the host, block by block: the scratch arrays stay in the cache and are reused.
     block = min(_BLOCK if xp is np else flat.size, max(flat.size, 1))
@@ -88,6 +89,7 @@ def _take_codes(residual, threshold):
     for start in range(0, flat.size, block):
         part = flat[start:start + block]
         size = part.size
+        xp.add(first[start:start + size], second[start:start + size], out=part)  # while the block is in the cache
         xp.greater_equal(part, value, out=up[:size])
         xp.less_equal(part, -value, out=down[:size])
         # 0b11 up, 0b10 down, 0b00 elsewhere
@@ -147,14 +149,12 @@ class Compressor:
         xp = array_module(value)
         slot = key if slot is None else slot
         before = self.residuals.get(slot)
+        spare = self._spares.pop(slot, None)
+        if spare is None or spare.shape != value.shape or array_module(spare) is not xp:
+            spare = xp.empty(value.shape, xp.float32)
         if before is None or before.shape != value.shape:
-            residual = value.astype(xp.float32, order="C")
-        else:
-            spare = self._spares.pop(slot, None)
-            if spare is None or spare.shape != value.shape or array_module(spare) is not xp:
-                spare = xp.empty(value.shape, xp.float32)
-            residual = xp.add(before, value, out=spare)
-        return _take_codes(residual, self.threshold), residual
+            before = xp.zeros(value.shape, xp.float32)  # the first push of the key: no residual yet
+        return _take_codes(spare, self.threshold, (before, value)), spare
 
     def keep(self, residuals):
         """Make {slot: residual} the residuals, once the push that produced them succeeded."""
