@@ -274,7 +274,7 @@ class Session:
     than the stream. ``data_tls``: the ssl.SSLContext of the data channel of a TLS server.
     """
 
-    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None, calls_on_channel=False):
+    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None):
         self._method = channel.stream_stream(Stub._PATH + "Session")
         self._address = address
         self._lock = threading.Lock()
@@ -291,7 +291,7 @@ class Session:
         self.data_channel = None
         # Whether calls go framed on the data channel once one is bound (every call then
         # negotiates one), and the deferred calls sent there whose answers are not read yet.
-        self.calls_on_channel = calls_on_channel
+        self.calls_on_channel = False
         self._unread = collections.deque()  # Deferred
 
     def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call", defer=None,
@@ -351,7 +351,7 @@ class Session:
             self._reset()
             raise
         try:
-            result = (decode or (lambda i, d, r, c: (i, d)))(call_id, data, region, channel)
+            result = (decode or _id_and_answer)(call_id, data, region, channel)
             if failed:  # a value did not reach the server: the call cannot have succeeded
                 raise failed[0]
             return result
@@ -372,7 +372,7 @@ class Session:
         call_id = next(self._ids)
         channel.deadline = time.monotonic() + timeout + SESSION_GRACE
         request, arrays = build(call_id, max(1, int(timeout * 1000)), region, bytes_channel)
-        decode = decode or (lambda i, d, r, c: (i, d))
+        decode = decode or _id_and_answer
         try:
             refused = channel.send_call(request, arrays)
             if refused is not None:  # the answer says why the server did not take the bytes
@@ -408,9 +408,7 @@ class Session:
             if _answered(error) or self.data_channel is None:  # the server's answer, or already reset
                 raise
             self._reset()
-            if isinstance(error, ServerUnavailableError) and datachan.is_lost(error):
-                raise datachan.lost(transport_error("", self._address, kind)) from None
-            raise
+            raise _as_connection_lost(error, self._address, kind) from None
         finally:
             if self.data_channel is not None and self.data_channel.closed:
                 self.data_channel = None
@@ -444,9 +442,7 @@ class Session:
             self._reset()
             if first is not None:
                 raise first from None
-            if isinstance(error, ServerUnavailableError) and datachan.is_lost(error):
-                raise datachan.lost(transport_error("", self._address, kind)) from None
-            raise
+            raise _as_connection_lost(error, self._address, kind) from None
         if first is not None:
             raise first
         if unavailable is not None:
@@ -604,6 +600,19 @@ class Session:
             self._reset()
         if self._watchdog is not None:
             self._watchdog.join(1.0)
+
+
+def _id_and_answer(call_id, data, region, channel):
+    """What Session.call returns without a ``decode``: (id, serialized SessionResponse)."""
+    return call_id, data
+
+
+def _as_connection_lost(error, address, kind):
+    """``error``; or, where it says the data channel broke, the error a broken Session stream
+    gives a ``kind`` call (the session is reset either way)."""
+    if isinstance(error, ServerUnavailableError) and datachan.is_lost(error):
+        return datachan.lost(transport_error("", address, kind))
+    return error
 
 
 def _answered(error):

@@ -20,6 +20,7 @@ import numpy as np
 from tensorkv.errors import (
     DeadlineExceededError, FailedPreconditionError, KVStoreError, ResourceExhaustedError, ServerUnavailableError,
 )
+from tensorkv.datachan import ACK, FRAME_HEADER
 from tensorkv.rpc import error_status
 from tensorkv.v1 import kvstore_pb2
 
@@ -28,8 +29,6 @@ from . import datalink
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
-ACK = b"\x01"
-FRAME_HEADER = 4  # bytes of the little-endian length before each call and answer framed on a channel
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection gets for the TLS handshake and its token
 MAX_PENDING = 64  # connections that may wait for their handshake and token at once
 
