@@ -2,6 +2,7 @@
 without waiting for their answers (ServerConn.push): real servers and workers on 127.0.0.1,
 faults made by TCP proxies in front of the gRPC port and of the data port (the server
 advertises the proxy's port with --advertise-data-port)."""
+import contextlib
 import threading
 import time
 
@@ -23,6 +24,17 @@ def _moved(port, direction, transport):
 
 def _pushes(port):
     return scrape(port)[1][("tensorkv_pushes_total", ())]
+
+
+@contextlib.contextmanager
+def proxied_data_port(tmp_path):
+    """(a one-server Cluster whose data port is reached through a FaultProxy, that proxy, the
+    server's metrics port)."""
+    port, data_port = free_port(), free_port()
+    with FaultProxy(f"127.0.0.1:{data_port}") as data_proxy, \
+            Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port), "--data-port", str(data_port),
+                                                    "--advertise-data-port", str(data_proxy.port))) as cluster:
+        yield cluster, data_proxy, port
 
 
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
@@ -69,11 +81,7 @@ def test_a_push_whose_answer_was_lost_on_the_channel_is_applied_once(tmp_path, r
     """The push's answer never reaches the worker and the connections are reset: the worker's
     next call connects again and sends the push again with its sequence number, which the
     server had applied: once, not twice (SGD, learning rate 1: the value is -gradient)."""
-    port, data_port = free_port(), free_port()
-    with FaultProxy(f"127.0.0.1:{data_port}") as data_proxy, \
-            Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port), "--data-port", str(data_port),
-                                                    "--advertise-data-port", str(data_proxy.port))) as cluster, \
-            FaultProxy(cluster.addresses[0]) as proxy:
+    with proxied_data_port(tmp_path) as (cluster, data_proxy, port), FaultProxy(cluster.addresses[0]) as proxy:
         with tensorkv.create("dist_sync", servers=proxy.address, timeout=TIMEOUT, transport="tcp") as kv:
             kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
             kv.init("w", np.zeros(4, np.float32))
@@ -96,10 +104,7 @@ def test_a_push_whose_answer_was_lost_on_the_channel_is_applied_once(tmp_path, r
 def test_a_push_lost_before_the_server_read_it_is_sent_again(tmp_path):
     """The proxy stalls the worker's bytes: the push never reaches the server before the reset;
     the worker's next call sends it again, and it is applied once."""
-    port, data_port = free_port(), free_port()
-    with FaultProxy(f"127.0.0.1:{data_port}") as data_proxy, \
-            Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port), "--data-port", str(data_port),
-                                                    "--advertise-data-port", str(data_proxy.port))) as cluster:
+    with proxied_data_port(tmp_path) as (cluster, data_proxy, port):
         with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp") as kv:
             kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
             kv.init("w", np.zeros(4, np.float32))

@@ -444,7 +444,7 @@ class DistStore(KVStore):
 
     def _pull_into(self, values, plan, outs=None):
         """Pull the keys of ``plan`` {server index: [(position, key)]} into ``values``."""
-        results = self._fanout(ServerConn.pull, {index: (part, outs, self._known_sizes(key for _, key in part))
+        results = self._fanout(ServerConn.pull, {index: (part, outs, *self._known(key for _, key in part))
                                                  for index, part in plan.items()})
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
@@ -468,16 +468,19 @@ class DistStore(KVStore):
                     return False
         return True
 
-    def _known_sizes(self, keys):
-        """The bytes of the whole values of ``keys`` (an upper bound for slices); None when one
-        of them is not known yet."""
-        sizes, meta = [], self._meta
+    def _known(self, keys):
+        """(the bytes of the whole values of ``keys`` (an upper bound for slices), their [(shape,
+        dtype)] when each is whole on one server); (None, None) when one of them is not known yet."""
+        sizes, shapes, meta, whole = [], [], self._meta, True
         for key in keys:
             known = meta.get(key)
             if known is None:
-                return None
-            sizes.append(math.prod(known[0]) * known[1].itemsize)
-        return sizes
+                return None, None
+            size = math.prod(known[0])
+            sizes.append(size * known[1].itemsize)
+            shapes.append(known)
+            whole = whole and size <= self._bound
+        return sizes, shapes if whole or len(self._conns) == 1 else None
 
     # ---- row-sparse values: plain messages, only the rows travel ----------------------
 

@@ -21,7 +21,7 @@ from .errors import (
     ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ResourceExhaustedError,
     ServerUnavailableError, error_from_status,
 )
-from . import datachan, shm
+from . import datachan, packed, shm
 from .v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -272,6 +272,10 @@ class Session:
     off for this session. A channel that broke, or that a failed call used (the server
     closes it then), is dropped; the next call negotiates a new one. It lives no longer
     than the stream. ``data_tls``: the ssl.SSLContext of the data channel of a TLS server.
+
+    Packed layouts (tensorkv.packed): a call made with a ``layout`` on a channel that takes
+    calls has the layout registered on the stream first, once per stream (its id is then
+    ``layout_ids[layout]``). A server that refuses a layout turns them off for this session.
     """
 
     def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None):
@@ -293,9 +297,11 @@ class Session:
         # negotiates one), and the deferred calls sent there whose answers are not read yet.
         self.calls_on_channel = False
         self._unread = collections.deque()  # Deferred
+        self.packing = True  # whether calls may move their values packed (off once a server refused a layout)
+        self.layout_ids = {}  # packed.Layout -> its id on this stream
 
     def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call", defer=None,
-             read_only=False):
+             read_only=False, layout=None):
         """``decode(id, serialized SessionResponse, region, channel)`` (default: (id, response))
         for the request that ``build(id, timeout_ms, region, channel)`` returns with the arrays
         whose bytes follow on the data channel, as (serialized SessionRequest, arrays); both
@@ -309,7 +315,10 @@ class Session:
         :class:`Deferred`) is sent and not waited for: it returns ``defer``, whose answer a later
         call reads. A later call first reads those answers, except one that is ``read_only``,
         which is sent before them; the first deferred call that failed then raises its error
-        (``Deferred.failed``), after every answer sent for was read."""
+        (``Deferred.failed``), after every answer sent for was read.
+
+        With a ``layout`` (a packed.Layout), None also when the call cannot move its values packed:
+        its calls do not go on a channel, or the server refused the layout."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -319,6 +328,8 @@ class Session:
                 self._open()
             region = self._ensure_region(shm_bytes, timeout, kind) if shm_bytes > 0 else None
             channel = self._calls_channel(timeout, kind)
+            if layout is not None and (channel is None or not self._register(layout, timeout, kind)):
+                return None
             if channel is None:
                 channel = self._ensure_channel(timeout, kind) if data_channel and region is None else None
                 return self._grpc_call(build, timeout, decode, region, channel, kind)
@@ -534,6 +545,23 @@ class Session:
             self._roundtrip(release.SerializeToString(), timeout, kind)
         return new
 
+    def _register(self, layout, timeout, kind):
+        """Whether ``layout`` is registered on this stream (registered now if need be)."""
+        if layout in self.layout_ids:
+            return True
+        if not self.packing or len(self.layout_ids) >= packed.MAX_LAYOUTS:
+            return False
+        request = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_LAYOUT,
+                                             timeout_ms=max(1, int(timeout * 1000)), layout=layout.message())
+        response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout, kind))
+        if response.code or not response.layout_id:
+            self.packing = False
+            log.info("server %s did not take a packed layout (%s): lists travel as entries", self._address,
+                     response.message)
+            return False
+        self.layout_ids[layout] = response.layout_id
+        return True
+
     @property
     def channel_possible(self):
         """Whether calls may use a data channel (one exists or may be negotiated)."""
@@ -583,6 +611,7 @@ class Session:
 
     def _reset(self):
         self._unread.clear()  # their answers are lost with the channel: Deferred.answered never runs
+        self.layout_ids.clear()  # the server forgets them with the stream
         if self._call is not None:
             self._queue.put(None)
             self._call.cancel()

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 from google.protobuf import message
 
-from . import rowsparse_wire, shm, states_wire
+from . import packed, rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, KVStoreError, ServerUnavailableError, key_repr,
@@ -41,6 +41,12 @@ DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10)
 # A push of at most this many bytes (per server) may be sent without waiting for its answer (its
 # request, which holds the values, is kept until the answer comes).
 DEFER_MAX_BYTES = 1 << 20
+# A push, pull or push-pull of at least this many values (per server), each whole, below
+# DATACHAN_MIN_BYTES and of one dtype, moves them packed in one buffer (tensorkv.packed) on a
+# session whose calls go on the data channel.
+PACK_MIN_VALUES = int(os.environ.get("TENSORKV_PACK_MIN_VALUES", 16))
+# The layouts a worker keeps per server, by signature (each is registered again on a new stream).
+MAX_KNOWN_LAYOUTS = 4 * packed.MAX_LAYOUTS
 _ONE_MESSAGE = 1 << 62
 # Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
 RETRY_FIRST = 0.05
@@ -49,6 +55,7 @@ RETRY_MAX = 1.0
 _SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
                 "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL,
                 "row_sparse_pull": kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL}
+_PACKED_KINDS = ("push", "pull", "pushpull")
 _PULLS = (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL, kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL)
 log = logging.getLogger(__name__)
 
@@ -96,8 +103,10 @@ class ServerConn:
         # key -> a copy of what was last pushed to it (an Item, or row-sparse (key, shape, row ids,
         # rows)), until a pull of the key
         self._last_pushes = {}  # key -> (sequence number, a copy of its last push), where it realigns
-        # sequence number -> the serialized request of a push sent without waiting, until its answer came
+        # sequence number -> the serialized request of a push sent without waiting (or, packed, its
+        # layout and values), until its answer came
         self._unacked = {}
+        self._layouts = {}  # packed.signature -> packed.Layout
 
     def _connect(self):
         """A new channel, stub and Session stream (its shared-memory region and data channel
@@ -320,13 +329,15 @@ class ServerConn:
                 kvstore_pb2.PushPullResponse, self.stub.pushpull_raw(r, timeout=timeout), part, outs), request, timeout)
         return items
 
-    def pull(self, part, outs, sizes):
-        """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None."""
-        return self._call("pull", self._pull_once, part, outs, sizes, next(self._pull_sequences))
+    def pull(self, part, outs, sizes, shapes=None):
+        """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None;
+        ``shapes``: [(shape, dtype)] of their values when each is known and whole on this server."""
+        return self._call("pull", self._pull_once, part, outs, sizes, shapes, next(self._pull_sequences))
 
-    def _pull_once(self, timeout, part, outs, sizes, pull_sequence):
+    def _pull_once(self, timeout, part, outs, sizes, shapes, pull_sequence):
         keys = [key for _, key in part]
-        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes, pull_sequence=pull_sequence)
+        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes, shapes=shapes,
+                              pull_sequence=pull_sequence)
         if items is None:
             request = kvstore_pb2.PullRequest(pull_sequence=pull_sequence, **self._caller())
             for key in keys:
@@ -447,8 +458,8 @@ class ServerConn:
         return encode_stream(message_type, items, dict(self._caller(), **fields),
                              with_data=not fields.get("wait_only", False))
 
-    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, wait_only=False, sequence=0,
-                 pull_sequence=0, defer=None):
+    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, shapes=None, wait_only=False,
+                 sequence=0, pull_sequence=0, defer=None):
         """Make the ``kind`` call on the Session stream: the items (or keys) it returns; None
         when the call is not for a session (too large without shared memory, sessions off,
         or the session busy with another thread's call), for the caller to make a plain RPC.
@@ -459,10 +470,16 @@ class ServerConn:
         Without it, values of DATACHAN_MIN_BYTES or more travel on the session's data channel
         when there is one, pulled ones straight into ``outs`` where they fit. ``sizes``: the
         bytes of the values pulled, for a pull of ``keys`` when all are known, and for a call
-        whose items are not the values it pulls (row ids)."""
+        whose items are not the values it pulls (row ids). A list of values that packs (see
+        PACK_MIN_VALUES; a pull's ``shapes``) moves as one buffer (:meth:`_packed`)."""
         session = self.session
         if session is None:
             return None
+        layout = self._layout(part, keys, shapes) if kind in _PACKED_KINDS else None
+        if layout is not None:
+            items = self._packed(kind, layout, part, timeout, outs, sequence, pull_sequence, defer)
+            if items is not None:
+                return items
         use_shm = session.shm_possible
         use_channel = not use_shm and session.channel_possible
         min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
@@ -524,14 +541,7 @@ class ServerConn:
             decoder = _decoder(kvstore_pb2.SessionResponse, part, outs,
                                resolve=region.resolve if region is not None else None, channel=channel is not None)
             decoder.feed(data)
-            response = decoder.first
-            if response.code:
-                error = error_from_code(status_code(response.code), response.message, response.error_class or None,
-                                        self.address, kind)
-                error.answered = True  # by the server: see rpc.Session
-                raise error
-            if response.id != call_id:
-                raise InternalError(f"server {self.address} answered session call {response.id}, not {call_id}")
+            self._check_answer(decoder.first, call_id, kind)
             items = decoder.finish()
             if decoder.frames.incoming:
                 channel.receive(decoder.frames.incoming)
@@ -540,6 +550,96 @@ class ServerConn:
 
         return session.call(build, timeout, decode_response, shm_bytes, use_channel and (in_bytes > 0 or use_output),
                             kind, defer=defer if in_bytes == 0 else None, read_only=kind in READ_ONLY_CALLS)
+
+
+    def _layout(self, part, keys, shapes):
+        """The packed.Layout of the values of ``part`` (or, for a pull, of ``keys`` with their
+        ``shapes``) when they pack; else None."""
+        if len(part) < PACK_MIN_VALUES or not self.session.packing or not self.session.calls_on_channel:
+            return None
+        if keys is None:
+            items = [item for _, item in part]
+            dtype = items[0].array.dtype
+            for item in items:
+                array = item.array
+                if type(array) is not np.ndarray or array.dtype != dtype or item.slice is not None \
+                        or item.two_bit is not None or not array.flags.c_contiguous \
+                        or array.nbytes >= DATACHAN_MIN_BYTES:
+                    return None
+            keys, shapes = [item.key for item in items], [item.shape for item in items]
+        else:
+            if shapes is None:
+                return None
+            dtype = shapes[0][1]
+            if any(value_dtype != dtype or math.prod(shape) * dtype.itemsize >= DATACHAN_MIN_BYTES
+                   for shape, value_dtype in shapes):
+                return None
+            shapes = [shape for shape, _ in shapes]
+        if dtype.byteorder == ">" or len(set(keys)) < len(keys):
+            return None
+        signature = packed.signature(keys, shapes, dtype)
+        layout = self._layouts.get(signature)
+        if layout is None:
+            if len(self._layouts) >= MAX_KNOWN_LAYOUTS:
+                return None
+            layout = self._layouts[signature] = packed.Layout(keys, shapes, dtype)
+        return layout
+
+    def _packed(self, kind, layout, part, timeout, outs, sequence, pull_sequence, defer):
+        """Make the ``kind`` call with its values packed as ``layout`` says, on the data channel:
+        the items pulled ([] for a push); None when the session cannot (Session.call)."""
+        op = _SESSION_OPS[kind]
+        values = None if op == kvstore_pb2.SESSION_OP_PULL else layout.pack([item.array for _, item in part])
+        if defer is not None:  # the request does not hold the values: they are kept to send again
+            defer = Deferred(lambda request: self._unacked.__setitem__(sequence, (layout, values)), defer.answered,
+                             defer.failed)
+
+        def build(call_id, timeout_ms, region, channel):
+            request = kvstore_pb2.SessionRequest(
+                id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, pull_sequence=pull_sequence,
+                layout_id=self.session.layout_ids[layout], **self._caller())
+            return request.SerializeToString(), () if values is None else (np.frombuffer(values, np.uint8),)
+
+        def decode_response(call_id, data, region, channel):
+            response = kvstore_pb2.SessionResponse.FromString(data)
+            self._check_answer(response, call_id, kind)
+            if op == kvstore_pb2.SESSION_OP_PUSH:
+                return []
+            if response.packed_bytes != layout.nbytes:
+                raise InternalError(f"server {self.address} answered {response.packed_bytes} packed bytes for a "
+                                    f"layout of {layout.nbytes}")
+            buffer = np.empty(layout.nbytes, np.uint8)
+            channel.receive([buffer])
+            return _unpacked(layout, part, outs, buffer)
+
+        return self.session.call(build, timeout, decode_response, data_channel=True, kind=kind,
+                                 defer=defer if op == kvstore_pb2.SESSION_OP_PUSH else None, layout=layout)
+
+    def _check_answer(self, response, call_id, kind):
+        """Raise the error that the SessionResponse ``response`` of a ``kind`` call carries, or
+        InternalError when it answers another call than ``call_id``."""
+        if response.code:
+            error = error_from_code(status_code(response.code), response.message, response.error_class or None,
+                                    self.address, kind)
+            error.answered = True  # by the server: see rpc.Session
+            raise error
+        if response.id != call_id:
+            raise InternalError(f"server {self.address} answered session call {response.id}, not {call_id}")
+
+
+def _unpacked(layout, part, outs, buffer):
+    """The Items of the values of ``layout`` in ``buffer``, each copied into its out array
+    (``outs[position][0]`` of its (position, key) in ``part``) where that is a writable NumPy
+    array of its dtype and shape, else a view of ``buffer``."""
+    items = []
+    for (position, _), key, value in zip(part, layout.keys, layout.views(buffer)):
+        target = outs[position][0] if outs is not None else None
+        if type(target) is np.ndarray and target.shape == value.shape and target.dtype == value.dtype \
+                and target.flags.writeable:
+            target[...] = value
+            value = target
+        items.append(Item(key, value))
+    return items
 
 
 def _pulled_nbytes(item):
@@ -551,7 +651,11 @@ def _pulled_nbytes(item):
 
 
 def _pushed_items(request):
-    """The Items of the serialized SessionRequest ``request`` of a push whose values all travel in it."""
+    """The Items of a push sent without waiting: of the serialized SessionRequest ``request``
+    whose values all travel in it, or of the (packed.Layout, packed values) it moved."""
+    if isinstance(request, tuple):
+        layout, values = request
+        return [Item(key, value) for key, value in zip(layout.keys, layout.views(values))]
     decoder = StreamDecoder(kvstore_pb2.SessionRequest, "frame", two_bit=True)
     decoder.feed(request)
     return decoder.finish()

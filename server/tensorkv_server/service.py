@@ -15,9 +15,12 @@ import grpc
 import numpy as np
 from google.protobuf.message_factory import GetMessageClass
 
-from tensorkv import __version__, codec, rowsparse_wire, states_wire
+from tensorkv import __version__, codec, packed, rowsparse_wire, states_wire
 from tensorkv.backend import on_gpu
-from tensorkv.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, key_repr
+from tensorkv.engine import dtype_mismatch
+from tensorkv.errors import (
+    DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, ShapeMismatchError, key_repr,
+)
 from tensorkv.rowsparse import RowSparse
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -42,7 +45,10 @@ _ONE_MESSAGE = 1 << 62
 # Bytes of an entry besides its key and data, at most: tags, lengths, dtype, shape, slice, refs.
 _ENTRY_ROOM = 256
 _OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
-                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL}
+                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT}
+# The ops that may name a packed layout (SessionRequest.layout_id), and those of them that pull.
+_PACKED_OPS = {kvstore_pb2.SESSION_OP_PUSH, kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
+_PACKED_PULLS = {kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 
 
 if hasattr(asyncio, "timeout"):  # Python 3.11+
@@ -80,16 +86,17 @@ def _responses(items):
 class _Lent:
     """Stored arrays that follow a response on the data channel, sent as they are: lent to the
     answer (Engine.lend) until :meth:`release`, so that the engine changes copies of them
-    meanwhile instead of the bytes in flight."""
+    meanwhile instead of the bytes in flight. With ``engine`` None, arrays of the answer's own."""
 
     def __init__(self, engine, arrays, timeout):
         self.engine, self.arrays, self.timeout = engine, arrays, timeout
-        engine.lend(arrays)
+        if engine is not None:
+            engine.lend(arrays)
 
     def release(self):
-        if self.arrays is not None:
+        if self.arrays is not None and self.engine is not None:
             self.engine.give_back(self.arrays)
-            self.arrays = None
+        self.arrays = None
 
 
 def add_to_server(service, server, descriptor=_SERVICE):
@@ -283,10 +290,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # ends, however it ends.
         regions = shm.Regions(context.peer())
         channel = datachan.StreamChannel(self.data_port, context.peer()) if self.data_port else None
+        layouts = packed.Layouts()
         try:
             async for data in self._until_stopped(request_iterator):
                 metrics.received("grpc", len(data))
-                response, outgoing, close = await self._session_call(data, regions, channel)
+                response, outgoing, close = await self._session_call(data, regions, channel, layouts)
                 if close:
                     channel.close()
                 metrics.sent("grpc", len(response))
@@ -314,11 +322,12 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if not self.stopping:
                 raise
 
-    async def _session_call(self, data, regions, channel, on_channel=False):
+    async def _session_call(self, data, regions, channel, layouts, on_channel=False):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
         to send on the data channel after it, as a _Lent), whether the data channel
-        is out of step and must close once the response is sent). ``on_channel``: the request
-        came framed on the data channel (datachan.StreamChannel.serve_calls)."""
+        is out of step and must close once the response is sent). ``layouts``: the stream's
+        packed.Layouts. ``on_channel``: the request came framed on the data channel
+        (datachan.StreamChannel.serve_calls)."""
         decoder = self._decoder(kvstore_pb2.SessionRequest, resolve=metrics.counting_shm(regions.resolve),
                                 with_data=lambda first: not first.wait_only, channel=channel is not None)
         call_id, uses_channel = 0, True  # until the request says otherwise
@@ -329,7 +338,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             request = decoder.first
             call_id = request.id
             incoming = decoder.frames.incoming
-            uses_channel = bool(incoming or request.data_channel_min_bytes)
+            layout = self._layout(request, items, layouts, channel) if request.layout_id else None
+            if layout is not None and request.op != kvstore_pb2.SESSION_OP_PULL:
+                incoming = [np.empty(layout.nbytes, np.uint8)]  # the packed values follow the request
+            uses_channel = bool(incoming or request.data_channel_min_bytes or layout)
             in_step = not incoming
             if request.op in _OPS_WITHOUT_VALUES and items:  # bytes it announced would stay unread on the channel
                 raise InvalidArgumentError(f"session op {kvstore_pb2.SessionOp.Name(request.op)} takes no values; the "
@@ -342,7 +354,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if request.op == kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL:
                 if on_channel:
                     raise FailedPreconditionError("a data channel is opened on the Session stream, not on a channel")
-                return self._open_channel(request, regions, channel), None, False
+                return self._open_channel(request, regions, channel, layouts), None, False
+            if request.op == kvstore_pb2.SESSION_OP_REGISTER_LAYOUT:
+                if channel is None:
+                    raise FailedPreconditionError("packed layouts move on the data channel; this server has none "
+                                                  "(--no-data-channel)")
+                return kvstore_pb2.SessionResponse(
+                    id=call_id, layout_id=layouts.register(request.layout, self.limits)).SerializeToString(), None, False
             # Checked before anything changes; written after the work, before any other await.
             output = regions.placement(request.output) if request.HasField("output") else None
             if request.data_channel_min_bytes and (channel is None or not channel.bound):
@@ -353,7 +371,12 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 await channel.receive(incoming, timeout)
                 metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
                 in_step = True
-            work = self._session_work(request, items)
+            if layout is not None:
+                items = [codec.Item(key, value, owned=True) for key, value in zip(layout.keys, layout.views(incoming[0]))] \
+                    if incoming else []
+                if request.op == kvstore_pb2.SESSION_OP_PULL:
+                    self._check_layout(layout)
+            work = self._session_work(request, items, layout)
             if timeout is not None:
                 try:
                     items = await _within(work, timeout)
@@ -367,6 +390,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 items = output.place(items)
                 metrics.sent("shm", sum(item.array.nbytes for item in items if item.ref))
             outgoing = None
+            if layout is not None and request.op in _PACKED_PULLS:
+                values = layout.pack([item.array for item in items])
+                outgoing = _Lent(None, [np.frombuffer(values, np.uint8)], timeout)
+                return kvstore_pb2.SessionResponse(id=call_id, packed_bytes=len(values)).SerializeToString(), \
+                    outgoing, False
             if request.data_channel_min_bytes:
                 items, arrays = codec.following(items, request.data_channel_min_bytes)
                 if arrays:
@@ -394,12 +422,12 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         finally:
             outgoing.release()
 
-    def _open_channel(self, request, regions, channel):
+    def _open_channel(self, request, regions, channel, layouts):
         if channel is None:
             raise FailedPreconditionError("this server has no data channel (--no-data-channel)")
         token = channel.open()
         if request.calls_on_channel:
-            channel.serve_calls(lambda data: self._channel_call(data, regions, channel),
+            channel.serve_calls(lambda data: self._channel_call(data, regions, channel, layouts),
                                 lambda outgoing: self._send_after(channel, outgoing), self._max_call_bytes())
         return kvstore_pb2.SessionResponse(id=request.id, data_token=token,
                                            calls_on_channel=request.calls_on_channel).SerializeToString()
@@ -412,9 +440,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             return _ONE_MESSAGE
         return limits.max_inflight_bytes + limits.max_keys_per_call * (limits.max_key_bytes + _ENTRY_ROOM)
 
-    async def _channel_call(self, data, regions, channel):
+    async def _channel_call(self, data, regions, channel, layouts):
         metrics.received("datachan", len(data))
-        response, outgoing, close = await self._session_call(data, regions, channel, on_channel=True)
+        response, outgoing, close = await self._session_call(data, regions, channel, layouts, on_channel=True)
         metrics.sent("datachan", len(response))
         return response, outgoing, close
 
@@ -427,13 +455,38 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         region_id = regions.register(request.region)
         return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id).SerializeToString()
 
-    async def _session_work(self, request, items):
+    def _layout(self, request, items, layouts, channel):
+        """The packed.Layout that ``request`` names (SessionRequest.layout_id), checked to fit the call."""
+        layout = layouts.get(request.layout_id)
+        if request.op not in _PACKED_OPS:
+            raise InvalidArgumentError(f"session op {kvstore_pb2.SessionOp.Name(request.op)} takes no packed layout")
+        if items or request.keys or request.HasField("output") or request.data_channel_min_bytes:
+            raise InvalidArgumentError("a call with a packed layout carries its values packed on the data channel: "
+                                       "no frame, keys, output area or data_channel_min_bytes")
+        if channel is None or not channel.bound:
+            raise FailedPreconditionError("a packed layout's values move on the data channel, but no data channel "
+                                          "is bound to this stream (open one, connect with its token)")
+        return layout
+
+    def _check_layout(self, layout):
+        """Check that the stored values of ``layout``'s keys are as it says, before a pull packs them."""
+        engine = self.coordinator.engine
+        for key, shape in zip(engine.check_keys(layout.keys), layout.shapes):
+            stored = engine.get(key)
+            if stored.array.dtype != layout.dtype:
+                raise dtype_mismatch(key, "packed", layout.dtype, stored.array.dtype)
+            if stored.shape != shape or stored.slice is not None:
+                where = "" if stored.slice is None else f" (this server holds the slice {stored.slice})"
+                raise ShapeMismatchError(f"key {key_repr(key)}: packed shape {shape} does not match the stored "
+                                         f"shape {stored.shape}{where}")
+
+    async def _session_work(self, request, items, layout=None):
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
             await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
             return []
         if request.op == kvstore_pb2.SESSION_OP_PULL:
-            return await self.coordinator.pull(request.rank, request.incarnation, self._keys(request),
-                                               request.pull_sequence)
+            keys = layout.keys if layout is not None else self._keys(request)
+            return await self.coordinator.pull(request.rank, request.incarnation, keys, request.pull_sequence)
         if request.op == kvstore_pb2.SESSION_OP_PUSH_PULL:
             return await self.coordinator.pushpull(request.rank, request.incarnation, items, request.sequence)
         if request.op == kvstore_pb2.SESSION_OP_INIT:
