@@ -228,9 +228,7 @@ class Engine:
             return
         value = self.get(key)
         with self.on_device():
-            if self.updater is None and owned and type(merged) is type(value.array) \
-                    and merged.dtype == value.array.dtype and merged.shape == value.array.shape \
-                    and merged.flags.c_contiguous:
+            if owned and self._takes_over(value, merged):
                 value.array = merged
                 return
             stored = self._writable(value)
@@ -240,6 +238,25 @@ class Engine:
                 self.updater(key, merged, stored)  # a fused kernel reads the float32 sum as it is
             else:
                 self._call_user_updater(key, merged, stored)
+
+    def _takes_over(self, value, merged):
+        """Whether the owned array ``merged`` may become the Stored ``value``'s array as it is
+        (assigned, of its type, dtype and layout)."""
+        return self.updater is None and type(merged) is type(value.array) and merged.dtype == value.array.dtype \
+            and merged.shape == value.array.shape and merged.flags.c_contiguous
+
+    def apply_each(self, items):
+        """``apply(item.key, merge([item.array]), item.owned)`` for each codec.Item of ``items``
+        (one pushed value per key), in one loop: a receive buffer that can become the stored
+        array does so at the cost of an assignment."""
+        with self.on_device():
+            for item in items:
+                value = self._values.get(item.key)
+                array = item.array
+                if item.owned and value is not None and type(array) is np.ndarray and self._takes_over(value, array):
+                    value.array = array
+                else:
+                    self.apply(item.key, self.merge([array]), item.owned)
 
     def _apply_rows(self, key, value):
         """Apply the canonical RowSparse ``value``: the optimizer updates its rows only (and

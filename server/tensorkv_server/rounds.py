@@ -286,27 +286,23 @@ class Coordinator:
         if self.members.applied(rank, sequence):
             return
         self._check_distinct(items, "push")
-        with self.engine.on_device():  # 2-bit codes become the values they stand for, on the engine's device
-            items = [compression.decompressed(item, self.engine.xp) for item in items]
+        if any(item.two_bit is not None for item in items):
+            with self.engine.on_device():  # 2-bit codes become the values they stand for, on the engine's device
+                items = [compression.decompressed(item, self.engine.xp) for item in items]
         check_updater = getattr(self.engine.updater, "check", None)
         for item in items:
             stored = self.engine.check_value(item.key, item.array, item.shape, item.slice)
             if check_updater is not None:
                 check_updater(item.key, stored.array)
-        if self.mode == ASYNC:
+        if self.mode == ASYNC or self.num_workers == 1:
+            # In sync mode, every round of one worker is complete with its push: applied at once,
+            # as _add_to_round would (such a round never waits, so it is never aborted).
             self.members.record(rank, sequence)
-            for item in items:
-                self._apply(item.key, self.engine.merge([item.array]), item.owned)
+            self.engine.apply_each(items)
+            self._count_updates(item.key for item in items)
             metrics.COUNTS.pushes += len(items)
-            return
-        if self.num_workers == 1:
-            # Every round of one worker is complete with its push: applied at once, as
-            # _add_to_round would (such a round never waits, so it is never aborted).
-            self.members.record(rank, sequence)
-            for item in items:
-                self._apply(item.key, self.engine.merge([item.array]), item.owned)
-            metrics.COUNTS.pushes += len(items)
-            metrics.COUNTS.rounds_completed += len(items)
+            if self.mode != ASYNC:
+                metrics.COUNTS.rounds_completed += len(items)
             return
         # A rank that already pushed a key in its current round joins the next round.
         while await self._settled(rank, [item.key for item in items], ("push", sequence)):
@@ -399,7 +395,12 @@ class Coordinator:
 
     def _apply(self, key, merged, owned=False):
         self.engine.apply(key, merged, owned)
-        self._updates[key] = self._updates.get(key, 0) + 1
+        self._count_updates((key,))
+
+    def _count_updates(self, keys):
+        updates = self._updates
+        for key in keys:
+            updates[key] = updates.get(key, 0) + 1
 
     def _abort_rounds(self, opened):
         """Abort the rounds of ``opened`` [(key, round)] that are still waiting."""

@@ -99,6 +99,22 @@ class _Lent:
         self.arrays = None
 
 
+def _packable(layout, items):
+    """The arrays of the pulled ``items`` (host arrays of whole values), checked to be as
+    ``layout`` says before they are packed into its buffer."""
+    arrays = []
+    for item, shape in zip(items, layout.shapes):
+        array = item.array
+        if array.dtype != layout.dtype:
+            raise dtype_mismatch(item.key, "packed", layout.dtype, array.dtype)
+        if item.shape != shape or item.slice is not None:
+            where = "" if item.slice is None else f" (this server holds the slice {item.slice})"
+            raise ShapeMismatchError(f"key {key_repr(item.key)}: packed shape {shape} does not match the stored "
+                                     f"shape {item.shape}{where}")
+        arrays.append(array)
+    return arrays
+
+
 def add_to_server(service, server, descriptor=_SERVICE):
     """Register ``service``, the handlers of the service ``descriptor``, on ``server`` as the
     generated code would, except that every
@@ -374,8 +390,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if layout is not None:
                 items = [codec.Item(key, value, owned=True) for key, value in zip(layout.keys, layout.views(incoming[0]))] \
                     if incoming else []
-                if request.op == kvstore_pb2.SESSION_OP_PULL:
-                    self._check_layout(layout)
             work = self._session_work(request, items, layout)
             if timeout is not None:
                 try:
@@ -391,7 +405,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 metrics.sent("shm", sum(item.array.nbytes for item in items if item.ref))
             outgoing = None
             if layout is not None and request.op in _PACKED_PULLS:
-                values = layout.pack([item.array for item in items])
+                values = layout.pack(_packable(layout, items))
                 outgoing = _Lent(None, [np.frombuffer(values, np.uint8)], timeout)
                 return kvstore_pb2.SessionResponse(id=call_id, packed_bytes=len(values)).SerializeToString(), \
                     outgoing, False
@@ -467,18 +481,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             raise FailedPreconditionError("a packed layout's values move on the data channel, but no data channel "
                                           "is bound to this stream (open one, connect with its token)")
         return layout
-
-    def _check_layout(self, layout):
-        """Check that the stored values of ``layout``'s keys are as it says, before a pull packs them."""
-        engine = self.coordinator.engine
-        for key, shape in zip(engine.check_keys(layout.keys), layout.shapes):
-            stored = engine.get(key)
-            if stored.array.dtype != layout.dtype:
-                raise dtype_mismatch(key, "packed", layout.dtype, stored.array.dtype)
-            if stored.shape != shape or stored.slice is not None:
-                where = "" if stored.slice is None else f" (this server holds the slice {stored.slice})"
-                raise ShapeMismatchError(f"key {key_repr(key)}: packed shape {shape} does not match the stored "
-                                         f"shape {stored.shape}{where}")
 
     async def _session_work(self, request, items, layout=None):
         if request.op == kvstore_pb2.SESSION_OP_PUSH:
