@@ -19,7 +19,7 @@ from tensorkv.security import Security
 from cluster import Cluster, DrivenWorker, check_workers, rss, stop, wait_until
 from faultproxy import FaultProxy
 
-KEYS = {"a": 4, "b": 4, "big": 16}  # as tests/workers/robust_rounds.py (bigarray_bound 8)
+KEYS = {"a": 4, "b": 4, **{f"p{i}": 2 for i in range(12)}, "big": 16}  # as tests/workers/robust_rounds.py
 WORKERS = 2
 SCENARIO_TIMEOUT = 150.0  # seconds a scenario's workers get to finish
 RSS_GROWTH = 200 << 20  # bytes a server may grow by during a scenario
