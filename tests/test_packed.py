@@ -129,19 +129,23 @@ def test_more_lists_than_a_stream_holds_layouts_stay_exact(tmp_path):
             assert len(kv._sessions[0].layout_ids) == packed.MAX_LAYOUTS
 
 
-def test_a_layout_the_server_refuses_leaves_the_call_to_entries(tmp_path):
-    """A server whose --max-keys-per-call is below the list refuses its layout: the call goes
-    as entries and fails as it did before layouts, and this session packs no more."""
-    with Cluster(tmp_path=tmp_path, server_args=("--max-keys-per-call", "10")) as cluster:
+def test_a_layout_the_server_refuses_leaves_its_calls_to_entries(tmp_path):
+    """A server whose --max-keys-per-call is below a list refuses its layout: that list's calls
+    go as entries and fail as they did before layouts; a shorter list still packs."""
+    with Cluster(tmp_path=tmp_path, server_args=("--max-keys-per-call", "18")) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp") as kv:
-            with pytest.raises(tensorkv.ResourceExhaustedError, match="key 'k10' is key 11 of this call"):
-                kv.init(_list(), [np.zeros(2, np.float32)] * COUNT)
-            kv.init(_list(10), [np.zeros(2, np.float32)] * 10)
-            with pytest.raises(tensorkv.ResourceExhaustedError, match="key .k10. is key 11 of this call"):
+            kv.init(_list(18), [np.zeros(2, np.float32)] * 18)
+            with pytest.raises(tensorkv.ResourceExhaustedError, match="key 'k18' is key 19 of this call"):
                 kv.push(_list(), [np.ones(2, np.float32)] * COUNT)
-            assert not kv._sessions[0].packing
-            for value in kv.pull(_list(10)):
-                np.testing.assert_array_equal(value, np.zeros(2, np.float32))
+            with pytest.raises(tensorkv.ResourceExhaustedError, match="key 'k18' is key 19 of this call"):
+                kv.push(_list(), [np.ones(2, np.float32)] * COUNT)
+            assert len(kv._sessions[0].refused_layouts) == 1 and not kv._sessions[0].layout_ids
+            kv.push(_list(18), [np.full(2, i, np.float32) for i in range(18)])
+            for i, value in enumerate(kv.pull(_list(18))):
+                np.testing.assert_array_equal(value, np.full(2, i, np.float32))
+            # (a refused call closes the data channel: a call that raced its closing was made
+            # again on a new session, which registered the list again)
+            assert len(kv._sessions[0].layout_ids) == 1
 
 
 # ---- the wire rules, on a plain Session stream ---------------------------------------

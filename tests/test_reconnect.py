@@ -323,7 +323,7 @@ def test_a_call_to_a_server_that_stays_down_fails_once_its_timeout_has_passed(tm
 
 
 ROUNDS = 30
-KEYS = {"a": 4, "b": 4, "big": 16}  # as tests/workers/robust_rounds.py
+KEYS = {"a": 4, "b": 4, **{f"p{i}": 2 for i in range(12)}, "big": 16}  # as tests/workers/robust_rounds.py
 
 
 def test_workers_go_on_through_a_server_kill_9_and_restart_on_its_state_dir(tmp_path):

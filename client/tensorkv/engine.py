@@ -228,7 +228,7 @@ class Engine:
             return
         value = self.get(key)
         with self.on_device():
-            if owned and self._takes_over(value, merged):
+            if owned and self._assignable(value, merged):
                 value.array = merged
                 return
             stored = self._writable(value)
@@ -239,24 +239,26 @@ class Engine:
             else:
                 self._call_user_updater(key, merged, stored)
 
-    def _takes_over(self, value, merged):
-        """Whether the owned array ``merged`` may become the Stored ``value``'s array as it is
-        (assigned, of its type, dtype and layout)."""
+    def _assignable(self, value, merged):
+        """Whether ``merged`` is assigned to the Stored ``value`` as it is: no updater, and of the
+        stored array's type, dtype and layout."""
         return self.updater is None and type(merged) is type(value.array) and merged.dtype == value.array.dtype \
             and merged.shape == value.array.shape and merged.flags.c_contiguous
 
     def apply_each(self, items):
         """``apply(item.key, merge([item.array]), item.owned)`` for each codec.Item of ``items``
-        (one pushed value per key), in one loop: a receive buffer that can become the stored
-        array does so at the cost of an assignment."""
+        (one pushed value per key), in one loop: a value that is assigned as it is takes one
+        Python step (an owned one becomes the stored array, another is copied into it)."""
         with self.on_device():
             for item in items:
                 value = self._values.get(item.key)
                 array = item.array
-                if item.owned and value is not None and type(array) is np.ndarray and self._takes_over(value, array):
+                if value is None or not self._assignable(value, array):
+                    self.apply(item.key, self.merge([array]), item.owned)
+                elif item.owned:
                     value.array = array
                 else:
-                    self.apply(item.key, self.merge([array]), item.owned)
+                    self._writable(value)[...] = array
 
     def _apply_rows(self, key, value):
         """Apply the canonical RowSparse ``value``: the optimizer updates its rows only (and

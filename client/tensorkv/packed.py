@@ -87,10 +87,12 @@ class Layout:
         dtype = numpy_dtype(message.dtype)
         shapes = [check_shape(value.shape)[0] for value in message.values]
         layout = cls(keys, shapes, dtype)
-        for key, (start, end) in zip(keys, layout.bounds):
+        for key, shape, (start, end) in zip(keys, shapes, layout.bounds):
             if (end - start) * dtype.itemsize > limits.max_value_bytes:
-                raise InvalidArgumentError(f"key {key_repr(key)}: a packed value of {(end - start) * dtype.itemsize} "
-                                           f"bytes; this server's limit is {limits.max_value_bytes} (--max-value-bytes)")
+                raise ResourceExhaustedError(
+                    f"key {key_repr(key)}: a value of shape {shape} and dtype {dtype} takes "
+                    f"{(end - start) * dtype.itemsize} bytes; this server's limit is {limits.max_value_bytes} bytes "
+                    f"per value (--max-value-bytes)")
         if limits.max_inflight_bytes is not None and layout.nbytes > limits.max_inflight_bytes:
             raise ResourceExhaustedError(f"a packed layout of {layout.nbytes} bytes; this server takes at most "
                                          f"{limits.max_inflight_bytes} bytes per call (--max-inflight-bytes)")

@@ -275,7 +275,8 @@ class Session:
 
     Packed layouts (tensorkv.packed): a call made with a ``layout`` on a channel that takes
     calls has the layout registered on the stream first, once per stream (its id is then
-    ``layout_ids[layout]``). A server that refuses a layout turns them off for this session.
+    ``layout_ids[layout]``, keyed by the object: its ServerConn hands out one per list). A
+    layout the server refuses is not asked for again on this stream; its calls go as entries.
     """
 
     def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None):
@@ -297,8 +298,8 @@ class Session:
         # negotiates one), and the deferred calls sent there whose answers are not read yet.
         self.calls_on_channel = False
         self._unread = collections.deque()  # Deferred
-        self.packing = True  # whether calls may move their values packed (off once a server refused a layout)
         self.layout_ids = {}  # packed.Layout -> its id on this stream
+        self.refused_layouts = set()  # of this stream
 
     def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call", defer=None,
              read_only=False, layout=None):
@@ -318,7 +319,8 @@ class Session:
         (``Deferred.failed``), after every answer sent for was read.
 
         With a ``layout`` (a packed.Layout), None also when the call cannot move its values packed:
-        its calls do not go on a channel, or the server refused the layout."""
+        its calls do not go on a channel, or the server refused the layout (or this stream holds
+        packed.MAX_LAYOUTS)."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -549,15 +551,15 @@ class Session:
         """Whether ``layout`` is registered on this stream (registered now if need be)."""
         if layout in self.layout_ids:
             return True
-        if not self.packing or len(self.layout_ids) >= packed.MAX_LAYOUTS:
+        if layout in self.refused_layouts or len(self.layout_ids) >= packed.MAX_LAYOUTS:
             return False
         request = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_LAYOUT,
                                              timeout_ms=max(1, int(timeout * 1000)), layout=layout.message())
         response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout, kind))
         if response.code or not response.layout_id:
-            self.packing = False
-            log.info("server %s did not take a packed layout (%s): lists travel as entries", self._address,
-                     response.message)
+            self.refused_layouts.add(layout)
+            log.info("server %s did not take a packed list of %d keys (%s): it travels as entries", self._address,
+                     len(layout.keys), response.message)
             return False
         self.layout_ids[layout] = response.layout_id
         return True
@@ -612,6 +614,7 @@ class Session:
     def _reset(self):
         self._unread.clear()  # their answers are lost with the channel: Deferred.answered never runs
         self.layout_ids.clear()  # the server forgets them with the stream
+        self.refused_layouts.clear()
         if self._call is not None:
             self._queue.put(None)
             self._call.cancel()

@@ -45,7 +45,8 @@ DEFER_MAX_BYTES = 1 << 20
 # DATACHAN_MIN_BYTES and of one dtype, moves them packed in one buffer (tensorkv.packed) on a
 # session whose calls go on the data channel.
 PACK_MIN_VALUES = int(os.environ.get("TENSORKV_PACK_MIN_VALUES", 16))
-# The layouts a worker keeps per server, by signature (each is registered again on a new stream).
+# The layouts a worker keeps per server, by signature (each is registered again on a new stream);
+# the lists seen once this many are known travel as entries.
 MAX_KNOWN_LAYOUTS = 4 * packed.MAX_LAYOUTS
 _ONE_MESSAGE = 1 << 62
 # Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
@@ -475,9 +476,9 @@ class ServerConn:
         session = self.session
         if session is None:
             return None
-        layout = self._layout(part, keys, shapes) if kind in _PACKED_KINDS else None
+        layout = self._layout(session, part, keys, shapes) if kind in _PACKED_KINDS else None
         if layout is not None:
-            items = self._packed(kind, layout, part, timeout, outs, sequence, pull_sequence, defer)
+            items = self._packed(session, kind, layout, part, timeout, outs, sequence, pull_sequence, defer)
             if items is not None:
                 return items
         use_shm = session.shm_possible
@@ -552,10 +553,10 @@ class ServerConn:
                             kind, defer=defer if in_bytes == 0 else None, read_only=kind in READ_ONLY_CALLS)
 
 
-    def _layout(self, part, keys, shapes):
+    def _layout(self, session, part, keys, shapes):
         """The packed.Layout of the values of ``part`` (or, for a pull, of ``keys`` with their
-        ``shapes``) when they pack; else None."""
-        if len(part) < PACK_MIN_VALUES or not self.session.packing or not self.session.calls_on_channel:
+        ``shapes``) when they pack on ``session``; else None."""
+        if len(part) < max(PACK_MIN_VALUES, 1) or not session.calls_on_channel:
             return None
         if keys is None:
             items = [item for _, item in part]
@@ -585,9 +586,9 @@ class ServerConn:
             layout = self._layouts[signature] = packed.Layout(keys, shapes, dtype)
         return layout
 
-    def _packed(self, kind, layout, part, timeout, outs, sequence, pull_sequence, defer):
-        """Make the ``kind`` call with its values packed as ``layout`` says, on the data channel:
-        the items pulled ([] for a push); None when the session cannot (Session.call)."""
+    def _packed(self, session, kind, layout, part, timeout, outs, sequence, pull_sequence, defer):
+        """Make the ``kind`` call with its values packed as ``layout`` says, on ``session``'s data
+        channel: the items pulled ([] for a push); None when the session cannot (Session.call)."""
         op = _SESSION_OPS[kind]
         values = None if op == kvstore_pb2.SESSION_OP_PULL else layout.pack([item.array for _, item in part])
         if defer is not None:  # the request does not hold the values: they are kept to send again
@@ -597,7 +598,7 @@ class ServerConn:
         def build(call_id, timeout_ms, region, channel):
             request = kvstore_pb2.SessionRequest(
                 id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, pull_sequence=pull_sequence,
-                layout_id=self.session.layout_ids[layout], **self._caller())
+                layout_id=session.layout_ids[layout], **self._caller())
             return request.SerializeToString(), () if values is None else (np.frombuffer(values, np.uint8),)
 
         def decode_response(call_id, data, region, channel):
@@ -612,8 +613,9 @@ class ServerConn:
             channel.receive([buffer])
             return _unpacked(layout, part, outs, buffer)
 
-        return self.session.call(build, timeout, decode_response, data_channel=True, kind=kind,
-                                 defer=defer if op == kvstore_pb2.SESSION_OP_PUSH else None, layout=layout)
+        return session.call(build, timeout, decode_response, data_channel=True, kind=kind,
+                            defer=defer if op == kvstore_pb2.SESSION_OP_PUSH else None,
+                            read_only=kind in READ_ONLY_CALLS, layout=layout)
 
     def _check_answer(self, response, call_id, kind):
         """Raise the error that the SessionResponse ``response`` of a ``kind`` call carries, or

@@ -295,8 +295,9 @@ class Coordinator:
             if check_updater is not None:
                 check_updater(item.key, stored.array)
         if self.mode == ASYNC or self.num_workers == 1:
-            # In sync mode, every round of one worker is complete with its push: applied at once,
-            # as _add_to_round would (such a round never waits, so it is never aborted).
+            # Applied at once: in async mode every push is; in sync mode, every round of one worker
+            # is complete with its push, as _add_to_round would find (it never waits, so it is
+            # never aborted).
             self.members.record(rank, sequence)
             self.engine.apply_each(items)
             self._count_updates(item.key for item in items)

@@ -106,12 +106,12 @@ def _packable(layout, items):
     for item, shape in zip(items, layout.shapes):
         array = item.array
         if array.dtype != layout.dtype:
-            raise dtype_mismatch(item.key, "packed", layout.dtype, array.dtype)
+            raise dtype_mismatch(item.key, "pulled (in a packed list)", layout.dtype, array.dtype)
         if item.shape != shape or item.slice is not None:
             where = "" if item.slice is None else f" (this server holds the slice {item.slice})"
-            raise ShapeMismatchError(f"key {key_repr(item.key)}: packed shape {shape} does not match the stored "
-                                     f"shape {item.shape}{where}")
-        arrays.append(array)
+            raise ShapeMismatchError(f"key {key_repr(item.key)}: the packed list says shape {shape}, the stored "
+                                     f"shape is {item.shape}{where}")
+        arrays.append(array if array.flags.c_contiguous else np.ascontiguousarray(array))
     return arrays
 
 
@@ -388,7 +388,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
                 in_step = True
             if layout is not None:
-                items = [codec.Item(key, value, owned=True) for key, value in zip(layout.keys, layout.views(incoming[0]))] \
+                # Not owned: a stored value that became a view of the buffer would keep all of it.
+                items = [codec.Item(key, value) for key, value in zip(layout.keys, layout.views(incoming[0]))] \
                     if incoming else []
             work = self._session_work(request, items, layout)
             if timeout is not None:
