@@ -251,3 +251,44 @@ def test_updater_counts_and_states_round_trip():
 def test_updater_rejects_integer_weights():
     with pytest.raises(tensorkv.DtypeMismatchError, match="int32"):
         Updater(SGD()).check(1, np.zeros(2, np.int32))
+
+
+@pytest.mark.parametrize("opt", [SGD(learning_rate=0.1, momentum=0.9, wd=0.01, clip_gradient=0.5),
+                                 Adam(learning_rate=0.01, wd=0.1), AdaGrad(eps=1e-6),
+                                 RMSProp(centered=True, clip_weights=2.0), Signum(momentum=0.8, wd_lh=0.01),
+                                 SGD(learning_rate=1.0, momentum=0.5,
+                                     lr_scheduler=tensorkv.lr_scheduler.FactorScheduler(step=2, factor=0.5))])
+def test_updates_made_together_equal_the_updates_made_key_by_key(opt):
+    """Updater.update_each (what a server runs over a push of many keys) against one call per
+    key, over 6 rounds: the same weights, states and counts, bit for bit. The keys have several
+    shapes and dtypes (float16 weights with float32 gradients, as a server's sum of float16
+    pushes); some keys skip every other round and one is updated twice as often, so that the
+    keys' t and the learning rates the schedule gives differ."""
+    rng = np.random.default_rng(7)
+    specs = [(f"k{i}", shape, dtype, grad_dtype) for i, (shape, dtype, grad_dtype) in enumerate(
+        [((3,), np.float32, np.float32), ((2, 2), np.float32, np.float32), ((5,), np.float64, np.float64),
+         ((4,), np.float16, np.float32), ((), np.float32, np.float32), ((0,), np.float32, np.float32),
+         ((7,), np.float32, np.float32), ((3,), np.float16, np.float32)])]
+    apart, together = Updater(opt), Updater(opt)
+    weights = {}
+    for name, shape, dtype, _ in specs:
+        weight = rng.standard_normal(shape).astype(dtype)
+        weights[name] = [weight, weight.copy()]
+    for step in range(6):
+        chosen = specs if step % 2 == 0 else specs[::2]  # every other key skips the odd rounds
+        grads = [(name, rng.standard_normal(shape).astype(grad_dtype)) for name, shape, _, grad_dtype in chosen]
+        for name, grad in grads:
+            apart(name, grad, weights[name][0])
+        together.update_each([(name, grad, weights[name][1]) for name, grad in grads])
+        extra = rng.standard_normal((3,)).astype(np.float32)  # k0 once more, on its own
+        apart("k0", extra, weights["k0"][0])
+        together.update_each([("k0", extra, weights["k0"][1])])
+    for name, _, _, _ in specs:
+        np.testing.assert_array_equal(weights[name][0], weights[name][1], err_msg=name)
+    states_apart, states_together = apart.get_states(), together.get_states()
+    assert states_apart.keys() == states_together.keys()
+    for name, (count, arrays) in states_apart.items():
+        assert states_together[name][0] == count
+        for a, b in zip(arrays, states_together[name][1]):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    assert apart.num_update == together.num_update == 12  # k0's count

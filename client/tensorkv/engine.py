@@ -248,17 +248,24 @@ class Engine:
     def apply_each(self, items):
         """``apply(item.key, merge([item.array]), item.owned)`` for each codec.Item of ``items``
         (one pushed value per key), in one loop: a value that is assigned as it is takes one
-        Python step (an owned one becomes the stored array, another is copied into it)."""
+        Python step (an owned one becomes the stored array, another is copied into it); with an
+        optimizer, the values go to it together (Updater.update_each)."""
+        updates = []  # for an Updater: (key, value, stored array), updated together
+        batch = isinstance(self.updater, Updater)
         with self.on_device():
             for item in items:
                 value = self._values.get(item.key)
                 array = item.array
-                if value is None or not self._assignable(value, array):
+                if batch and value is not None and type(array) is type(value.array) is self.xp.ndarray:
+                    updates.append((item.key, self.merge([array]), self._writable(value)))
+                elif value is None or not self._assignable(value, array):
                     self.apply(item.key, self.merge([array]), item.owned)
                 elif item.owned:
                     value.array = array
                 else:
                     self._writable(value)[...] = array
+            if updates:
+                self.updater.update_each(updates)
 
     def _apply_rows(self, key, value):
         """Apply the canonical RowSparse ``value``: the optimizer updates its rows only (and

@@ -467,6 +467,40 @@ class Updater:
     def __call__(self, key, grad, weight):
         self._step(key, weight, lambda xp, state, t, lr: self.optimizer.update(xp, weight, grad, state, t, lr))
 
+    def update_each(self, updates):
+        """``self(key, grad, weight)`` for each (key, grad, weight) of ``updates``, in order, with
+        the same results: on NumPy, where a kernel call costs tens of µs whatever its size, the
+        values whose updates share their scalars (``t``, learning rate) and dtypes are gathered
+        into one array per input, updated by one kernel call, and written back."""
+        groups = {}
+        for key, grad, weight in updates:
+            xp, state, t, num_update = self._next(key, weight)
+            self._count(key, t, num_update)  # before the next key's learning rate is read
+            lr = self.optimizer.learning_rate_at(num_update)
+            fused = xp is np and weight.flags.c_contiguous and all(array.flags.c_contiguous for array in state)
+            group = (t, lr, weight.dtype, grad.dtype) if fused else (key,)
+            groups.setdefault(group, (xp, t, lr, []))[3].append((grad, weight, state))
+        for xp, t, lr, members in groups.values():
+            if len(members) == 1:
+                grad, weight, state = members[0]
+                self.optimizer.update(xp, weight, grad, state, t, lr)
+            else:
+                self._update_gathered(members, t, lr)
+
+    def _update_gathered(self, members, t, lr):
+        """One kernel call over the (grad, weight, state) ``members`` (C-contiguous NumPy arrays),
+        gathered end to end; the weights and states written back."""
+        flat = [[array.reshape(-1) for array in (weight, *state)] for _, weight, state in members]
+        gathered = [np.concatenate(column) for column in zip(*flat)]
+        grad = np.concatenate([grad.reshape(-1) for grad, _, _ in members])
+        self.optimizer.update(np, gathered[0], grad, gathered[1:], t, lr)
+        start = 0
+        for arrays in flat:
+            end = start + arrays[0].size
+            for array, updated in zip(arrays, gathered):
+                array[...] = updated[start:end]
+            start = end
+
     def update_rows(self, key, weight, shape, slice, ids, grad):
         """The lazy update (MXNet's ``lazy_update``): ``grad``, full-width rows of the distinct
         row ``ids`` of a value of ``shape``, updates only those rows of ``weight`` (the value,
@@ -481,13 +515,20 @@ class Updater:
 
     def _step(self, key, weight, update):
         """``update(xp, state, t, lr)`` for the next update of ``key``, then count it."""
+        xp, state, t, num_update = self._next(key, weight)
+        update(xp, state, t, self.optimizer.learning_rate_at(num_update))
+        self._count(key, t, num_update)
+
+    def _next(self, key, weight):
+        """(xp, state, t, num_update) of the next update of ``key``; its states made if it has none."""
         xp = array_module(weight)
         state = self._states.get(key)
         if state is None:
             state = self._states[key] = self.optimizer.create_state(xp, weight)
         t = self._num_updates.get(key, 0) + 1
-        num_update = max(self.num_update, t)
-        update(xp, state, t, self.optimizer.learning_rate_at(num_update))
+        return xp, state, t, max(self.num_update, t)
+
+    def _count(self, key, t, num_update):
         self._num_updates[key] = t
         self.num_update = num_update
 

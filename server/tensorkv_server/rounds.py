@@ -313,7 +313,12 @@ class Coordinator:
             return
         self.members.record(rank, sequence)
         metrics.COUNTS.pushes += len(items)
-        opened = [opened for opened in (self._add_to_round(rank, item, sequence) for item in items) if opened]
+        completed = []  # the totals of the rounds this push completes: applied together
+        opened = [opened for opened in (self._add_to_round(rank, item, sequence, completed) for item in items)
+                  if opened]
+        if completed:  # before any waiter of these rounds runs (their futures' callbacks come later)
+            self.engine.apply_each(completed)
+            self._count_updates(item.key for item in completed)
         if opened:
             handle = asyncio.get_running_loop().call_later(self.round_timeout, self._abort_rounds, opened)
             timer = _SharedTimer(handle, len(opened))
@@ -354,9 +359,10 @@ class Coordinator:
         await self.push(rank, incarnation, items, sequence)
         return await self._pull(rank, incarnation, [item.key for item in items], ("pushpull", sequence))
 
-    def _add_to_round(self, rank, item, sequence):
-        """Add ``item`` to its key's current round, applied if that completes it; (key, round)
-        when this push opened the round, for the caller to arm its abort timer."""
+    def _add_to_round(self, rank, item, sequence, completed):
+        """Add ``item`` to its key's current round; when that completes it, the round's total (an
+        Item) goes to ``completed`` for the caller to apply. (key, round) when this push opened
+        the round, for the caller to arm its abort timer."""
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
         current = rounds.current
         current.ranks.add(rank)
@@ -371,7 +377,7 @@ class Coordinator:
             current.total = total = self.engine.accumulate(current.total, item.array, item.owned, key=item.key)
             owned = True  # the receive buffer it took over, or a new array
         if complete:
-            self._apply(item.key, total, owned)
+            completed.append(Item(item.key, total, owned=owned))
             metrics.round_completed(current.opened, current.latest, now)
             if current.timer is not None:
                 current.timer.cancel()
@@ -393,10 +399,6 @@ class Coordinator:
             for rank, sequence in rounds.current.sequences.items():
                 numbers.setdefault(rank, set()).add(sequence)
         return numbers
-
-    def _apply(self, key, merged, owned=False):
-        self.engine.apply(key, merged, owned)
-        self._count_updates((key,))
 
     def _count_updates(self, keys):
         updates = self._updates
