@@ -262,13 +262,15 @@ def test_updates_made_together_equal_the_updates_made_key_by_key(opt):
     """Updater.update_each (what a server runs over a push of many keys) against one call per
     key, over 6 rounds: the same weights, states and counts, bit for bit. The keys have several
     shapes and dtypes (float16 weights with float32 gradients, as a server's sum of float16
-    pushes); some keys skip every other round and one is updated twice as often, so that the
-    keys' t and the learning rates the schedule gives differ."""
+    pushes; one too large to gather); some keys skip every other round, one is updated twice
+    as often, one twice within a batch, so that the keys' t and the learning rates the
+    schedule gives differ."""
     rng = np.random.default_rng(7)
     specs = [(f"k{i}", shape, dtype, grad_dtype) for i, (shape, dtype, grad_dtype) in enumerate(
         [((3,), np.float32, np.float32), ((2, 2), np.float32, np.float32), ((5,), np.float64, np.float64),
          ((4,), np.float16, np.float32), ((), np.float32, np.float32), ((0,), np.float32, np.float32),
-         ((7,), np.float32, np.float32), ((3,), np.float16, np.float32)])]
+         ((7,), np.float32, np.float32), ((3,), np.float16, np.float32),
+         ((optimizer.GATHER_MAX_BYTES // 4 + 1,), np.float32, np.float32)])]  # too large to gather
     apart, together = Updater(opt), Updater(opt)
     weights = {}
     for name, shape, dtype, _ in specs:
@@ -277,9 +279,10 @@ def test_updates_made_together_equal_the_updates_made_key_by_key(opt):
     for step in range(6):
         chosen = specs if step % 2 == 0 else specs[::2]  # every other key skips the odd rounds
         grads = [(name, rng.standard_normal(shape).astype(grad_dtype)) for name, shape, _, grad_dtype in chosen]
-        for name, grad in grads:
+        twice = grads[1]  # one key updated twice in one batch: in order, as apart
+        for name, grad in grads + [twice]:
             apart(name, grad, weights[name][0])
-        together.update_each([(name, grad, weights[name][1]) for name, grad in grads])
+        together.update_each([(name, grad, weights[name][1]) for name, grad in grads + [twice]])
         extra = rng.standard_normal((3,)).astype(np.float32)  # k0 once more, on its own
         apart("k0", extra, weights["k0"][0])
         together.update_each([("k0", extra, weights["k0"][1])])
@@ -291,4 +294,31 @@ def test_updates_made_together_equal_the_updates_made_key_by_key(opt):
         assert states_together[name][0] == count
         for a, b in zip(arrays, states_together[name][1]):
             np.testing.assert_array_equal(a, b, err_msg=name)
-    assert apart.num_update == together.num_update == 12  # k0's count
+    assert apart.num_update == together.num_update == 12  # k0's count (k1's 9)
+
+
+def test_an_engine_applies_a_push_in_order_when_some_values_go_to_the_optimizer_together():
+    """Engine.apply_each with a value the optimizer takes together with others and a row-sparse
+    one it applies on its own: the learning rate a schedule gives the second reads the first's
+    count, as with one apply per key."""
+    from tensorkv.codec import Item
+    from tensorkv.engine import Engine
+    from tensorkv.rowsparse import RowSparse
+
+    engines = []
+    for _ in range(2):
+        engine = Engine()
+        engine.init([Item("a", np.zeros(2, np.float32)), Item("b", np.zeros((2, 2), np.float32))])
+        engine.updater = Updater(SGD(learning_rate=1.0,
+                                     lr_scheduler=tensorkv.lr_scheduler.FactorScheduler(step=2, factor=0.5)))
+        for _ in range(2):
+            engine.apply_each([Item("a", np.ones(2, np.float32))])
+        engines.append(engine)
+    pushed = [Item("a", np.ones(2, np.float32)),
+              Item("b", RowSparse(np.ones((1, 2), np.float32), np.array([1]), (2, 2)))]
+    for item in pushed:
+        engines[0].apply(item.key, engines[0].merge([item.array]))
+    engines[1].apply_each(pushed)
+    for key in ("a", "b"):
+        np.testing.assert_array_equal(engines[0].get(key).array, engines[1].get(key).array)
+    np.testing.assert_array_equal(engines[1].get("b").array, [[0, 0], [-0.5, -0.5]])

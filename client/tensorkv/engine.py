@@ -258,7 +258,11 @@ class Engine:
                 array = item.array
                 if batch and value is not None and type(array) is type(value.array) is self.xp.ndarray:
                     updates.append((item.key, self.merge([array]), self._writable(value)))
-                elif value is None or not self._assignable(value, array):
+                    continue
+                if updates:  # the updates before this one first: a schedule reads their counts
+                    self.updater.update_each(updates)
+                    updates = []
+                if value is None or not self._assignable(value, array):
                     self.apply(item.key, self.merge([array]), item.owned)
                 elif item.owned:
                     value.array = array

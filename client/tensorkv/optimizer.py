@@ -434,6 +434,28 @@ def _shown(names, most=5, chars=40):
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+# Updater.update_each gathers values of at most GATHER_MAX_BYTES (a larger one amortizes its
+# kernel call itself), in groups of at most GATHER_GROUP_BYTES of weights (the gathered copies
+# of weights, states and gradients come on top of the values).
+GATHER_MAX_BYTES = 64 << 10
+GATHER_GROUP_BYTES = 4 << 20
+
+
+def _chunks(members):
+    """``members`` (key, grad, weight, state, num_update) in runs of at most GATHER_GROUP_BYTES
+    of weights (a run of one member past it)."""
+    chunk, size = [], 0
+    for member in members:
+        nbytes = member[2].nbytes
+        if chunk and size + nbytes > GATHER_GROUP_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(member)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
 class Updater:
     """Applies an optimizer to pushed values, key by key: ``updater(key, grad, weight)``.
 
@@ -469,30 +491,45 @@ class Updater:
 
     def update_each(self, updates):
         """``self(key, grad, weight)`` for each (key, grad, weight) of ``updates``, in order, with
-        the same results: on NumPy, where a kernel call costs tens of µs whatever its size, the
-        values whose updates share their scalars (``t``, learning rate) and dtypes are gathered
-        into one array per input, updated by one kernel call, and written back."""
-        groups = {}
+        the same results: on NumPy, where a kernel call costs tens of µs whatever its size, small
+        values (GATHER_MAX_BYTES at most) whose updates share their scalars (``t``, learning
+        rate) and dtypes are gathered into one array per input, GATHER_GROUP_BYTES of weights at
+        most, updated by one kernel call and written back. A key is counted once its update ran;
+        a key given twice is updated twice, in order."""
+        groups, num_update, seen = {}, self.num_update, set()
         for key, grad, weight in updates:
-            xp, state, t, num_update = self._next(key, weight)
-            self._count(key, t, num_update)  # before the next key's learning rate is read
+            if key in seen:  # its earlier update first, as one call per key would
+                self._run_groups(groups)
+                groups, num_update, seen = {}, self.num_update, set()
+            seen.add(key)
+            xp, state, t, _ = self._next(key, weight)
+            num_update = max(num_update, t)  # as each earlier key's update left it
             lr = self.optimizer.learning_rate_at(num_update)
-            fused = xp is np and weight.flags.c_contiguous and all(array.flags.c_contiguous for array in state)
-            group = (t, lr, weight.dtype, grad.dtype) if fused else (key,)
-            groups.setdefault(group, (xp, t, lr, []))[3].append((grad, weight, state))
+            small = xp is np and weight.nbytes <= GATHER_MAX_BYTES and weight.flags.c_contiguous \
+                and all(array.flags.c_contiguous for array in state)
+            group = (t, lr, weight.dtype, grad.dtype) if small else (key,)
+            groups.setdefault(group, (xp, t, lr, []))[3].append((key, grad, weight, state, num_update))
+        self._run_groups(groups)
+
+    def _run_groups(self, groups):
+        """Run the kernels of :meth:`update_each`'s ``groups``; count each group's keys after its
+        kernel ran."""
         for xp, t, lr, members in groups.values():
-            if len(members) == 1:
-                grad, weight, state = members[0]
-                self.optimizer.update(xp, weight, grad, state, t, lr)
-            else:
-                self._update_gathered(members, t, lr)
+            for chunk in _chunks(members):
+                if len(chunk) == 1:
+                    _, grad, weight, state, _ = chunk[0]
+                    self.optimizer.update(xp, weight, grad, state, t, lr)
+                else:
+                    self._update_gathered(chunk, t, lr)
+                for key, _, _, _, num_update in chunk:
+                    self._count(key, t, max(self.num_update, num_update))
 
     def _update_gathered(self, members, t, lr):
-        """One kernel call over the (grad, weight, state) ``members`` (C-contiguous NumPy arrays),
-        gathered end to end; the weights and states written back."""
-        flat = [[array.reshape(-1) for array in (weight, *state)] for _, weight, state in members]
+        """One kernel call over the (key, grad, weight, state, _) ``members`` (C-contiguous NumPy
+        arrays), gathered end to end; the weights and states written back."""
+        flat = [[array.reshape(-1) for array in (weight, *state)] for _, _, weight, state, _ in members]
         gathered = [np.concatenate(column) for column in zip(*flat)]
-        grad = np.concatenate([grad.reshape(-1) for grad, _, _ in members])
+        grad = np.concatenate([grad.reshape(-1) for _, grad, _, _, _ in members])
         self.optimizer.update(np, gathered[0], grad, gathered[1:], t, lr)
         start = 0
         for arrays in flat:

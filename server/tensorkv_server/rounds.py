@@ -313,17 +313,21 @@ class Coordinator:
             return
         self.members.record(rank, sequence)
         metrics.COUNTS.pushes += len(items)
-        completed = []  # the totals of the rounds this push completes: applied together
+        completed = []  # (key, round, its total as an Item) of the rounds this push completes
         opened = [opened for opened in (self._add_to_round(rank, item, sequence, completed) for item in items)
                   if opened]
-        if completed:  # before any waiter of these rounds runs (their futures' callbacks come later)
-            self.engine.apply_each(completed)
-            self._count_updates(item.key for item in completed)
         if opened:
             handle = asyncio.get_running_loop().call_later(self.round_timeout, self._abort_rounds, opened)
             timer = _SharedTimer(handle, len(opened))
             for _, round_ in opened:
                 round_.timer = timer
+        if completed:
+            # Applied together, then completed: should the update fail, the rounds stay open
+            # and their abort timers report it to every rank that waits.
+            self.engine.apply_each([total for _, _, total in completed])
+            self._count_updates(key for key, _, _ in completed)
+            for key, round_, _ in completed:
+                self._complete_round(key, round_)
 
     async def pull(self, rank, incarnation, keys, pull_sequence=0):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
@@ -360,9 +364,10 @@ class Coordinator:
         return await self._pull(rank, incarnation, [item.key for item in items], ("pushpull", sequence))
 
     def _add_to_round(self, rank, item, sequence, completed):
-        """Add ``item`` to its key's current round; when that completes it, the round's total (an
-        Item) goes to ``completed`` for the caller to apply. (key, round) when this push opened
-        the round, for the caller to arm its abort timer."""
+        """Add ``item`` to its key's current round; when that makes it complete, (key, round, its
+        total as an Item) goes to ``completed``, for the caller to apply the total and then
+        :meth:`_complete_round`. (key, round) when this push opened the round, for the caller
+        to arm its abort timer."""
         rounds = self._rounds.setdefault(item.key, _KeyRounds())
         current = rounds.current
         current.ranks.add(rank)
@@ -377,19 +382,22 @@ class Coordinator:
             current.total = total = self.engine.accumulate(current.total, item.array, item.owned, key=item.key)
             owned = True  # the receive buffer it took over, or a new array
         if complete:
-            completed.append(Item(item.key, total, owned=owned))
-            metrics.round_completed(current.opened, current.latest, now)
-            if current.timer is not None:
-                current.timer.cancel()
-            rounds.current = _Wait(current.number + 1)
-            if current._done is not None:
-                current._done.set_result(None)
+            completed.append((item.key, current, Item(item.key, total, owned=owned)))
             return None
         current.latest = now
         if len(current.ranks) == 1:
             current.opened = now
             return item.key, current
         return None
+
+    def _complete_round(self, key, round_):
+        """End ``key``'s current round ``round_``, whose total was applied: its waiters go on."""
+        metrics.round_completed(round_.opened, round_.latest, time.monotonic())
+        if round_.timer is not None:
+            round_.timer.cancel()
+        self._rounds[key].current = _Wait(round_.number + 1)
+        if round_._done is not None:
+            round_._done.set_result(None)
 
     def open_sequences(self):
         """{rank: the sequence numbers of its pushes in rounds still open}: applied, but in
