@@ -312,11 +312,7 @@ class DistStore(KVStore):
             first = arrays[0]
             shape, dtype = (first.shape, first.dtype) if type(first) is np.ndarray else shape_dtype(first)
             self._check_known(key, shape, dtype, "pushed")
-            if len(arrays) == 1 and type(first) is np.ndarray and first.flags.c_contiguous \
-                    and first.dtype.byteorder != ">":
-                merged[key] = first  # passed through, as Engine.sum passes one host array
-            else:
-                merged[key] = _merge_engine(arrays).sum(arrays)
+            merged[key] = _merge_engine(arrays).sum(arrays)
         return merged
 
     def _plan(self, entries):

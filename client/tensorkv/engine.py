@@ -228,28 +228,27 @@ class Engine:
             return
         value = self.get(key)
         with self.on_device():
-            if owned and self._assignable(value, merged):
-                value.array = merged
-                return
-            stored = self._writable(value)
-            if self.updater is None:
-                kernels.sum_into(stored, [merged])
-            elif isinstance(self.updater, Updater):
-                self.updater(key, merged, stored)  # a fused kernel reads the float32 sum as it is
-            else:
-                self._call_user_updater(key, merged, stored)
+            self._apply_dense(key, value, merged, owned)
 
-    def _assignable(self, value, merged):
-        """Whether ``merged`` is assigned to the Stored ``value`` as it is: no updater, and of the
-        stored array's type, dtype and layout."""
-        return self.updater is None and type(merged) is type(value.array) and merged.dtype == value.array.dtype \
-            and merged.shape == value.array.shape and merged.flags.c_contiguous
+    def _apply_dense(self, key, value, merged, owned):
+        """:meth:`apply` of a dense ``merged`` to the Stored ``value`` of ``key``, on the engine's device."""
+        if self.updater is None and owned and type(merged) is type(value.array) \
+                and merged.dtype == value.array.dtype and merged.shape == value.array.shape \
+                and merged.flags.c_contiguous:
+            value.array = merged
+            return
+        stored = self._writable(value)
+        if self.updater is None:
+            kernels.sum_into(stored, [merged])
+        elif isinstance(self.updater, Updater):
+            self.updater(key, merged, stored)  # a fused kernel reads the float32 sum as it is
+        else:
+            self._call_user_updater(key, merged, stored)
 
     def apply_each(self, items):
         """``apply(item.key, merge([item.array]), item.owned)`` for each codec.Item of ``items``
-        (one pushed value per key), in one loop: a value that is assigned as it is takes one
-        Python step (an owned one becomes the stored array, another is copied into it); with an
-        optimizer, the values go to it together (Updater.update_each)."""
+        (one pushed value per key), in one loop; with an optimizer, the values go to it
+        together (Updater.update_each)."""
         updates = []  # for an Updater: (key, value, stored array), updated together
         batch = isinstance(self.updater, Updater)
         with self.on_device():
@@ -262,12 +261,10 @@ class Engine:
                 if updates:  # the updates before this one first: a schedule reads their counts
                     self.updater.update_each(updates)
                     updates = []
-                if value is None or not self._assignable(value, array):
+                if value is None or isinstance(array, RowSparse):
                     self.apply(item.key, self.merge([array]), item.owned)
-                elif item.owned:
-                    value.array = array
                 else:
-                    self._writable(value)[...] = array
+                    self._apply_dense(item.key, value, self.merge([array]), item.owned)
             if updates:
                 self.updater.update_each(updates)
 
@@ -346,14 +343,14 @@ class Engine:
     def merge(self, values):
         """The sum of ``values`` in one pass (float32 for float16 and bfloat16); a single
         value is passed through without a copy. Row-sparse values merge into one RowSparse."""
-        if isinstance(values[0], RowSparse):
+        value = values[0]
+        if len(values) == 1 and self.xp is np and type(value) is np.ndarray and value.dtype.byteorder != ">" \
+                and value.flags.c_contiguous:
+            return value  # checked first: the common case, once per key of a list
+        if isinstance(value, RowSparse):
             return merge_rows(None, values)
         with self.on_device():
             if len(values) == 1:
-                value = values[0]
-                if self.xp is np and type(value) is np.ndarray and value.dtype.byteorder != ">" \
-                        and value.flags.c_contiguous:
-                    return value
                 return to_namespace(value, self.xp)
             arrays = [to_namespace(value, self.xp) for value in values]
             total = empty(self.xp, arrays[0].shape, accumulator_dtype(arrays[0].dtype))

@@ -410,6 +410,10 @@ def sum_into(total, values, accumulate=False):
     """Write the sum of ``values`` (arrays of one size) into ``total``, plus ``total``'s own
     value when ``accumulate``; one pass per :data:`MAX_SUMMED` values, computed in
     ``accumulator_dtype(total.dtype)``. One value is a copy, converted to ``total``'s dtype."""
+    if not accumulate and len(values) == 1 and type(total) is np.ndarray and type(values[0]) is np.ndarray \
+            and values[0].shape == total.shape and values[0].dtype == total.dtype:
+        total[...] = values[0]  # a plain copy, checked first: once per key of a list of small keys
+        return
     compute = accumulator_dtype(total.dtype)
     if len(values) == 1 and _host_writable(total) and type(values[0]) is np.ndarray \
             and values[0].size == total.size:

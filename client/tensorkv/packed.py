@@ -45,13 +45,10 @@ class Layout:
         self.nbytes = starts[-1] * self.dtype.itemsize
         self._flat = all(len(shape) == 1 for shape in self.shapes)  # no reshape needed
 
-    def signature(self):
-        return signature(self.keys, self.shapes, self.dtype)
-
     def views(self, buffer):
         """The values in ``buffer`` (a uint8 array or bytes of :attr:`nbytes`), as arrays of their
         shapes that share its memory (read-only over bytes)."""
-        flat = np.frombuffer(buffer, self.dtype) if isinstance(buffer, bytes) else buffer.view(self.dtype)
+        flat = np.frombuffer(buffer, self.dtype)
         if self._flat:
             return [flat[start:end] for start, end in self.bounds]
         return [flat[start:end].reshape(shape) for (start, end), shape in zip(self.bounds, self.shapes)]
