@@ -101,6 +101,28 @@ def test_a_push_whose_answer_was_lost_on_the_channel_is_applied_once(tmp_path, r
             assert _pushes(port) == 2
 
 
+def test_a_compressed_push_whose_answer_was_lost_is_applied_once(tmp_path):
+    """As above for a push with 2-bit compression, whose codes (64 KiB) follow its request on
+    the channel: the worker keeps them to send again (SGD, learning rate 1, threshold 1: each
+    push of -1.5 sends -1 and leaves its rest in the residual)."""
+    size = 1 << 18
+    with proxied_data_port(tmp_path) as (cluster, data_proxy, port):
+        with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp") as kv:
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
+            kv.set_gradient_compression({"type": "2bit", "threshold": 1.0})
+            kv.init("w", np.zeros(size, np.float32))
+            kv.pull("w")
+            data_proxy.hold_replies()
+            kv.push("w", np.full(size, -1.5, np.float32))  # returns at once
+            wait_until(lambda: _pushes(port) == 1, "the push applied")  # its answer is held
+            data_proxy.reset()
+            data_proxy.hold_replies(False)
+            assert kv.pull("w").tolist() == [1.0] * size
+            assert _pushes(port) == 1
+            kv.push("w", np.full(size, -1.5, np.float32))  # residual -0.5 - 1.5: sends -1 again
+            assert kv.pull("w").tolist() == [2.0] * size
+
+
 def test_a_push_lost_before_the_server_read_it_is_sent_again(tmp_path):
     """The proxy stalls the worker's bytes: the push never reaches the server before the reset;
     the worker's next call sends it again, and it is applied once."""

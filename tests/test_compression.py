@@ -62,7 +62,7 @@ def test_codes_and_packing_are_mxnets(size):
 
 def test_a_compressor_quantizes_values_of_any_layout_over_rounds():
     """Fortran-ordered and strided pushes are quantized element by element as C-ordered ones,
-    with the residual (kept in reused buffers) carried over the rounds."""
+    with the residual carried over the rounds."""
     rng = np.random.default_rng(7)
     compressor = compression.Compressor(0.5)
     expected_residual = np.zeros(12, np.float32)
@@ -70,10 +70,27 @@ def test_a_compressor_quantizes_values_of_any_layout_over_rounds():
         value = (rng.integers(-6, 7, (3, 8)) * 0.25).astype(np.float32)[:, ::2]  # strided
         pushed = np.asfortranarray(value) if round_ % 2 == 0 else value
         sent = quantize_by_hand(value.reshape(-1), expected_residual, np.float32(0.5))
-        codes, residual = compressor.codes("w", pushed)
+        (packed,), residual = compressor.codes("w", pushed)
         compressor.keep({"w": residual})
-        assert np.array_equal(compressor.values(codes).reshape(-1), sent)
+        assert np.array_equal(compressor.values(packed, value.shape).reshape(-1), sent)
         assert np.array_equal(residual.reshape(-1), expected_residual)
+
+
+@pytest.mark.parametrize("size, ranges", [(0, [None]), (1, [None]), (7, [None]), (1 << 16, [None]),
+                                          (1003, [(0, 501), (501, 1003)]), (10, [(0, 3), (3, 6), (6, 10)])])
+def test_the_compiled_host_pass_is_quantize_then_pack(size, ranges):
+    """A worker's host values take one compiled pass (numba); CuPy values take quantize and
+    pack: both give the same bytes and residuals, over rounds, for values that round."""
+    rng = np.random.default_rng(size)
+    compressor, residual = compression.Compressor(0.3), np.zeros(size, np.float32)
+    for _ in range(4):
+        value = rng.standard_normal(size).astype(np.float32)
+        codes = compression.quantize(value, residual, 0.3)
+        packed, kept = compressor.codes("w", value, ranges)
+        compressor.keep({"w": kept})
+        assert [part.tolist() for part in packed] == [
+            compression.pack(codes if where is None else codes[where[0]:where[1]]).tolist() for where in ranges]
+        assert kept.tolist() == residual.tolist()
 
 
 def expected_rounds(num_workers, size, key, threshold):
@@ -153,6 +170,25 @@ def test_a_refused_push_changes_neither_the_value_nor_the_residual(dist):
     assert dist.pull("w").tolist() == [0.0] * 10
     dist.push("w", np.full(10, 0.75, np.float32))
     assert dist.pull("w").tolist() == [1.0] * 10
+
+
+def test_a_push_sent_without_waiting_that_fails_puts_its_residual_back(tmp_path):
+    """A compressed push of known keys is sent without waiting for its answer; refused by the
+    server (4 keys over --max-keys-per-call 3), it changes neither the values nor the residuals.
+    Before: a compressed push waited for its answer, one round trip more."""
+    keys = ["k0", "k1", "k2", "k3"]
+    with Cluster(tmp_path=tmp_path, server_args=["--max-keys-per-call", "3"]) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+        kv.init(keys[:3], [np.zeros(4, np.float32)] * 3)
+        kv.init(keys[3], np.zeros(4, np.float32))
+        kv.set_gradient_compression({"type": "2bit", "threshold": 1.0})
+        kv.push("k0", np.full(4, 0.75, np.float32))  # residual 0.75: nothing sent
+        kv.push(keys, [np.full(4, 0.75, np.float32)] * 4)  # would send 1.0 and leave 0.5
+        with pytest.raises(tensorkv.ResourceExhaustedError,
+                           match="an earlier push of 4 keys .* failed and changed nothing: .*--max-keys-per-call"):
+            kv.pull("k0")
+        kv.push("k0", np.full(4, 0.25, np.float32))  # 0.75 + 0.25 reaches the threshold
+        assert [kv.pull(key).tolist() for key in keys] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [0.0] * 4]
 
 
 def test_a_local_store_refuses_compression_as_mxnet_does():

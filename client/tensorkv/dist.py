@@ -5,6 +5,7 @@ Keys are spread over the servers by a stable hash of the key; a value of more th
 back together on pull. A call over a list of keys makes one RPC per server involved, to
 all of them at once, each with a deadline.
 """
+import functools
 import ipaddress
 import math
 import os
@@ -361,18 +362,19 @@ class DistStore(KVStore):
             self._meta[item.key] = shape_dtype(item.array)
 
     def _push_plan(self, entries):
-        """(:meth:`_plan` of the pushed ``entries``, {key: residual} to keep once the push
-        succeeded). With gradient compression (set_gradient_compression), the items carry the
+        """(:meth:`_plan` of the pushed ``entries``, {key: residual} to keep once the push was
+        sent). With gradient compression (set_gradient_compression), the items carry the
         values' packed 2-bit codes, quantized with each key's residual."""
         if self._compressor is None:
             return self._plan(entries), {}
-        coded, residuals = [], {}
+        plan, residuals, threshold = {}, {}, self._compressor.threshold
         for position, key, value in entries:
-            codes, residuals[key] = self._compressor.codes(key, value)
-            coded.append((position, key, codes))
-        plan = self._plan(coded)
-        return {index: [(position, self._compressor.item(item)) for position, item in part]
-                for index, part in plan.items()}, residuals
+            placement = self._placement(key, math.prod(value.shape))
+            packed, residuals[key] = self._compressor.codes(key, value, [where for _, where in placement])
+            for (index, where), codes in zip(placement, packed):
+                plan.setdefault(index, []).append((position, Item(key, codes, value.shape, where, owned=True,
+                                                                   two_bit=threshold)))
+        return plan, residuals
 
     def _set_gradient_compression(self, compression_params):
         threshold = compression.parse(compression_params)
@@ -385,12 +387,14 @@ class DistStore(KVStore):
         merged = self._merged(pairs)
         plan, residuals = self._push_plan((key, key, value) for key, value in merged.items())
         # Checked here against what this worker knows of every key, the push need not wait for
-        # the servers' answers (ServerConn.push).
-        # (Not with gradient compression: a residual is kept as the push is made.)
-        known = self._compressor is None and all(key in self._meta for key in merged)
-        self._fanout(ServerConn.push, {index: (part, known) for index, part in plan.items()})
+        # the servers' answers (ServerConn.push). One sent so that fails later puts back the
+        # residuals it took: ``undo`` reads ``befores`` when it runs, after the keep below.
+        known = all(key in self._meta for key in merged)
+        befores = {}
+        undo = functools.partial(self._compressor.restore, befores) if residuals else None
+        self._fanout(ServerConn.push, {index: (part, known, undo) for index, part in plan.items()})
         if residuals:
-            self._compressor.keep(residuals)
+            befores.update(self._compressor.keep(residuals))
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
     def _pushpull(self, pairs, fresh, outs=None):

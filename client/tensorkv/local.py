@@ -137,9 +137,9 @@ class LocalStore(KVStore):
             values = []
             for array in arrays:
                 device = devices[key] = devices.get(key, -1) + 1
-                codes, residuals[key, device] = self._compressor.codes(key, to_namespace(array, self._engine.xp),
-                                                                       (key, device))
-                values.append(self._compressor.values(codes))
+                array = to_namespace(array, self._engine.xp)
+                (packed,), residuals[key, device] = self._compressor.codes(key, array, slot=(key, device))
+                values.append(self._compressor.values(packed, array.shape))
             compressed.append((key, values))
         return compressed, residuals
 

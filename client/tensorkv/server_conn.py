@@ -105,8 +105,9 @@ class ServerConn:
         # rows)), until a pull of the key
         self._last_pushes = {}  # key -> (sequence number, a copy of its last push), where it realigns
         # sequence number -> the serialized request of a push sent without waiting (or, packed, its
-        # layout and values), until its answer came
+        # layout and values; or its own Items), until its answer came
         self._unacked = {}
+        self._undos = {}  # sequence number -> what ServerConn.push runs should that push fail
         self._layouts = {}  # packed.signature -> packed.Layout
 
     def _connect(self):
@@ -258,7 +259,7 @@ class ServerConn:
                 if sequence not in self._unacked:
                     raise
                 raise self._failed(sequence, [item.key for item in values], error) from None
-            self._unacked.pop(sequence, None)
+            self._settled(sequence)
 
     # ---- the data path ----------------------------------------------------------------
 
@@ -271,27 +272,41 @@ class ServerConn:
             self._rpc("init", self.stub.init_raw, self._frames(kvstore_pb2.InitRequest, items, wait_only=wait_only,
                                                                sequence=sequence), timeout)
 
-    def push(self, part, defer=False):
+    def push(self, part, defer=False, undo=None):
         """Push ``part``. With ``defer`` (the caller checked every key against what it knows of it),
-        a push whose values all travel in its request (DEFER_MAX_BYTES at most) on a session whose
-        calls go on the data channel is sent without waiting for the server's answer (one round
-        trip less for a push then a pull): an error that only the server can see (a round
-        aborted, a lease lost) is then raised by the next call to this server, naming the push,
-        and the push changed nothing. Until the answer comes, the request is kept (it holds the
-        values) to send again on a new connection."""
+        a push of DEFER_MAX_BYTES at most whose values travel in its request, or are its own
+        (``Item.owned``: 2-bit codes), on a session whose calls go on the data channel is sent
+        without waiting for the server's answer (one round trip less for a push then a pull): an
+        error that only the server can see (a round aborted, a lease lost) is then raised by the
+        next call to this server, naming the push, and the push changed nothing; ``undo`` is run
+        first, to put back what the caller changed for it. Until the answer comes, the request
+        (or the push's own Items) is kept to send again on a new connection."""
         sequence = next(self._sequences)
         deferred = None
         if defer and sum(item.array.nbytes for _, item in part) <= DEFER_MAX_BYTES:
-            deferred = Deferred(lambda request: self._unacked.__setitem__(sequence, request),
-                                lambda: self._unacked.pop(sequence, None),
+            deferred = Deferred(lambda request: self._sent(sequence, request, undo), lambda: self._settled(sequence),
                                 lambda error: self._failed(sequence, [item.key for _, item in part], error))
         self._call("push", self._push_once, part, sequence, deferred)
         self._last_pushes.update(self._copies(part, sequence))
 
+    def _sent(self, sequence, request, undo):
+        """The push ``sequence`` was sent without waiting: keep what sends it again, and its undo."""
+        self._unacked[sequence] = request
+        if undo is not None:
+            self._undos[sequence] = undo
+
+    def _settled(self, sequence):
+        """The push ``sequence``, sent without waiting, succeeded."""
+        self._unacked.pop(sequence, None)
+        self._undos.pop(sequence, None)
+
     def _failed(self, sequence, keys, error):
         """The error to raise for the push ``sequence`` of ``keys``, sent without waiting, which
-        failed with ``error``; it is no longer to be sent again."""
+        failed with ``error`` (its undo run); it is no longer to be sent again."""
         self._unacked.pop(sequence, None)
+        undo = self._undos.pop(sequence, None)
+        if undo is not None:
+            undo()
         named = ", ".join(key_repr(key) for key in keys[:5]) + (", ..." if len(keys) > 5 else "")
         return type(error)(f"an earlier push of {plural(len(keys), 'key')} ({named}), sent without waiting for its "
                            f"answer, failed and changed nothing: {error}")
@@ -549,8 +564,13 @@ class ServerConn:
             decoder.remember()
             return items
 
+        if defer is not None and in_bytes:
+            # Values that follow the request are kept to send again when they are the push's own
+            # (2-bit codes); the caller's own arrays may change once push returns: then it waits.
+            defer = Deferred(lambda request, sent=defer.sent: sent(items), defer.answered, defer.failed) \
+                if use_channel and all(item.owned for item in items) else None
         return session.call(build, timeout, decode_response, shm_bytes, use_channel and (in_bytes > 0 or use_output),
-                            kind, defer=defer if in_bytes == 0 else None, read_only=kind in READ_ONLY_CALLS)
+                            kind, defer=defer, read_only=kind in READ_ONLY_CALLS)
 
 
     def _layout(self, session, part, keys, shapes):
@@ -592,7 +612,7 @@ class ServerConn:
         op = _SESSION_OPS[kind]
         values = None if op == kvstore_pb2.SESSION_OP_PULL else layout.pack([item.array for _, item in part])
         if defer is not None:  # the request does not hold the values: they are kept to send again
-            defer = Deferred(lambda request: self._unacked.__setitem__(sequence, (layout, values)), defer.answered,
+            defer = Deferred(lambda request, sent=defer.sent: sent((layout, values)), defer.answered,
                              defer.failed)
 
         def build(call_id, timeout_ms, region, channel):
@@ -654,7 +674,10 @@ def _pulled_nbytes(item):
 
 def _pushed_items(request):
     """The Items of a push sent without waiting: of the serialized SessionRequest ``request``
-    whose values all travel in it, or of the (packed.Layout, packed values) it moved."""
+    whose values all travel in it, of the (packed.Layout, packed values) it moved, or the
+    push's own Items whose values followed it."""
+    if isinstance(request, list):
+        return request
     if isinstance(request, tuple):
         layout, values = request
         return [Item(key, value) for key, value in zip(layout.keys, layout.views(values))]
