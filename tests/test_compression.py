@@ -191,6 +191,35 @@ def test_a_push_sent_without_waiting_that_fails_puts_its_residual_back(tmp_path)
         assert [kv.pull(key).tolist() for key in keys] == [[1.0] * 4, [0.0] * 4, [0.0] * 4, [0.0] * 4]
 
 
+def test_a_push_that_fails_on_one_server_puts_back_only_that_servers_residuals(tmp_path):
+    """Of a compressed push sent without waiting to 2 servers, server 0 refuses its part (4
+    keys and a slice of 'big': over --max-keys-per-call 4) and server 1 applies its own ('a4',
+    the other slice of 'big'): the residuals of server 0's keys and slice are put back, those
+    of server 1's move on. Threshold 1: a push of 0.75 on a residual of 0.75 sends 1."""
+    small = ["a0", "a1", "a2", "a3"]  # 4 elements each, on server 0; "a4" on server 1 (dist.home)
+    keys = small + ["a4", "big"]  # "big": 10 elements, sliced 5 and 5 over the servers
+    values = {key: np.zeros(10 if key == "big" else 4, np.float32) for key in keys}
+
+    def full(value, key_list):
+        return [np.full_like(values[key], value) for key in key_list]
+
+    with Cluster(servers=2, tmp_path=tmp_path, server_args=["--max-keys-per-call", "4"]) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, bigarray_bound=8) as kv:
+        kv.init(small, full(0, small))
+        kv.init(["a4", "big"], full(0, ["a4", "big"]))
+        kv.set_gradient_compression({"type": "2bit", "threshold": 1.0})
+        kv.push(["a0", "a4", "big"], full(0.75, ["a0", "a4", "big"]))  # residuals 0.75: nothing sent
+        kv.push(keys, full(0.75, keys))  # sends 1 for a0, a4 and big
+        with pytest.raises(tensorkv.ResourceExhaustedError, match="an earlier push of 5 keys .* failed and changed "
+                                                                  "nothing: .*--max-keys-per-call"):
+            kv.pull("a0")
+        assert [kv.pull(key).tolist() for key in keys] == [[0.0] * 4] * 4 + [[1.0] * 4, [0.0] * 5 + [1.0] * 5]
+        kv.push(["a0", "a4", "big"], full(0.25, ["a0", "a4", "big"]))
+        # a0 and big's first half: 0.75 + 0.25 sends 1; a4 and big's second half: 0.5 + 0.25 sends 0
+        assert [kv.pull(key).tolist() for key in ["a0", "a4", "big"]] == \
+            [[1.0] * 4, [0.0] * 4, [1.0] * 5 + [0.0] * 5]
+
+
 def test_a_local_store_refuses_compression_as_mxnet_does():
     with tensorkv.create("local") as kv:
         with pytest.raises(tensorkv.FailedPreconditionError, match="not supported for a 'local' KVStore"):

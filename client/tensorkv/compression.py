@@ -138,7 +138,7 @@ class Compressor:
     value's shape, in the namespace of the pushed values): one per key on a dist worker, one
     per key and device on a 'device' store. A push takes a residual and makes a new one
     (:meth:`codes`), which becomes the key's once the push is sent (:meth:`keep`); a push
-    that then fails puts back the one it took (:meth:`restore`)."""
+    (or its part on one server) that then fails puts back what it took (:meth:`restore`)."""
 
     def __init__(self, threshold):
         self.threshold = threshold
@@ -159,27 +159,32 @@ class Compressor:
             codes = _take_codes(residual, self.threshold, (before, value)).reshape(-1)
             return [pack(codes if where is None else codes[where[0]:where[1]]) for where in ranges], residual
         flat, old, new = np.ascontiguousarray(value).reshape(-1), before.reshape(-1), residual.reshape(-1)
-        parts = []
+        quantize_packed, threshold, parts = _host_quantizer(), np.float32(self.threshold), []
         for start, stop in ((0, flat.size) if where is None else where for where in ranges):
             packed = np.empty(-(-(stop - start) // 4), np.uint8)
-            _host_quantizer()(new[start:stop], old[start:stop], flat[start:stop], np.float32(self.threshold), packed)
+            quantize_packed(new[start:stop], old[start:stop], flat[start:stop], threshold, packed)
             parts.append(packed)
         return parts, residual
 
     def keep(self, residuals):
-        """Make {slot: residual} the residuals (their push was sent); {slot: the residual before,
-        or None} to :meth:`restore` should that push fail."""
-        befores = {slot: self.residuals.get(slot) for slot in residuals}
+        """Make {slot: residual} the residuals (their push was sent)."""
         self.residuals.update(residuals)
-        return befores
 
     def restore(self, befores):
-        """Put back the residuals that :meth:`keep` gave (their push failed and changed nothing)."""
-        for slot, before in befores.items():
-            if before is None:
-                self.residuals.pop(slot, None)
-            else:
-                self.residuals[slot] = before
+        """Put back what a push that failed (and changed nothing) took of the residuals:
+        {slot: (the residual before it, or None; the element range (start, stop) of the
+        failed part, or None for all)}."""
+        for slot, (before, where) in befores.items():
+            if where is None:
+                if before is None:
+                    self.residuals.pop(slot, None)
+                else:
+                    self.residuals[slot] = before
+                continue
+            current = self.residuals.get(slot)
+            if current is not None and current is not before:  # a slice: the other servers took theirs
+                start, stop = where
+                current.reshape(-1)[start:stop] = 0 if before is None else before.reshape(-1)[start:stop]
 
     def values(self, packed, shape):
         """The float32 values of ``shape`` that ``packed`` codes stand for (what a server reads)."""

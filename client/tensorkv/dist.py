@@ -376,6 +376,14 @@ class DistStore(KVStore):
                                                                    two_bit=threshold)))
         return plan, residuals
 
+    def _undos(self, plan):
+        """{server index: what puts back the residuals that its part of a compressed push took
+        (its keys, and its slices of the others), should that part, sent without waiting, fail}."""
+        residuals = self._compressor.residuals
+        return {index: functools.partial(self._compressor.restore, {
+                    item.key: (residuals.get(item.key), item.slice) for _, item in part})
+                for index, part in plan.items()}
+
     def _set_gradient_compression(self, compression_params):
         threshold = compression.parse(compression_params)
         if self._compressor is None:
@@ -387,14 +395,12 @@ class DistStore(KVStore):
         merged = self._merged(pairs)
         plan, residuals = self._push_plan((key, key, value) for key, value in merged.items())
         # Checked here against what this worker knows of every key, the push need not wait for
-        # the servers' answers (ServerConn.push). One sent so that fails later puts back the
-        # residuals it took: ``undo`` reads ``befores`` when it runs, after the keep below.
+        # the servers' answers (ServerConn.push).
         known = all(key in self._meta for key in merged)
-        befores = {}
-        undo = functools.partial(self._compressor.restore, befores) if residuals else None
-        self._fanout(ServerConn.push, {index: (part, known, undo) for index, part in plan.items()})
+        undos = self._undos(plan) if residuals else {}
+        self._fanout(ServerConn.push, {index: (part, known, undos.get(index)) for index, part in plan.items()})
         if residuals:
-            befores.update(self._compressor.keep(residuals))
+            self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
     def _pushpull(self, pairs, fresh, outs=None):

@@ -410,22 +410,18 @@ def sum_into(total, values, accumulate=False):
     """Write the sum of ``values`` (arrays of one size) into ``total``, plus ``total``'s own
     value when ``accumulate``; one pass per :data:`MAX_SUMMED` values, computed in
     ``accumulator_dtype(total.dtype)``. One value is a copy, converted to ``total``'s dtype."""
-    if not accumulate and len(values) == 1 and type(total) is np.ndarray and type(values[0]) is np.ndarray \
-            and values[0].shape == total.shape and values[0].dtype == total.dtype:
-        total[...] = values[0]  # a plain copy, checked first: once per key of a list of small keys
-        return
-    compute = accumulator_dtype(total.dtype)
     if len(values) == 1 and _host_writable(total) and type(values[0]) is np.ndarray \
             and values[0].size == total.size:
         # The kernel's own NumPy calls without its per-call setup, which a list of many
         # small keys pays once per key.
-        flat, value = total.reshape(-1), values[0].reshape(-1)
+        value = values[0] if values[0].shape == total.shape else values[0].reshape(total.shape)
         if not accumulate:
-            np.copyto(flat, value, casting="unsafe")
+            np.copyto(total, value, casting="unsafe")
             return
-        if total.dtype == compute:
-            np.add(flat, value, out=flat, dtype=compute)
+        if total.dtype == accumulator_dtype(total.dtype):
+            np.add(total, value, out=total, dtype=total.dtype)
             return
+    compute = accumulator_dtype(total.dtype)
     for start in range(0, len(values), MAX_SUMMED):
         batch = values[start:start + MAX_SUMMED]
         arrays = {f"x{i}": value for i, value in enumerate(batch)}

@@ -315,7 +315,8 @@ class ServerConn:
         """{key: (sequence, a copy of its Item)} of ``part`` to keep where this worker realigns."""
         if not self._realign:
             return {}
-        return {item.key: (sequence, Item(item.key, item.array.copy(), item.shape, item.slice, two_bit=item.two_bit))
+        return {item.key: (sequence, Item(item.key, item.array if item.owned else item.array.copy(), item.shape,
+                                          item.slice, two_bit=item.two_bit))
                 for _, item in part}
 
     def settle(self):

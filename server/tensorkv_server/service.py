@@ -83,20 +83,30 @@ def _responses(items):
     return messages
 
 
-class _Lent:
-    """Stored arrays that follow a response on the data channel, sent as they are: lent to the
-    answer (Engine.lend) until :meth:`release`, so that the engine changes copies of them
-    meanwhile instead of the bytes in flight. With ``engine`` None, arrays of the answer's own."""
+class _Outgoing:
+    """Arrays that follow a response on the data channel, the answer's own (a packed pull's buffer)."""
 
-    def __init__(self, engine, arrays, timeout):
-        self.engine, self.arrays, self.timeout = engine, arrays, timeout
-        if engine is not None:
-            engine.lend(arrays)
+    def __init__(self, arrays, timeout):
+        self.arrays, self.timeout = arrays, timeout
 
     def release(self):
-        if self.arrays is not None and self.engine is not None:
-            self.engine.give_back(self.arrays)
         self.arrays = None
+
+
+class _Lent(_Outgoing):
+    """Stored arrays that follow a response on the data channel, sent as they are: lent to the
+    answer (Engine.lend) until :meth:`release`, so that the engine changes copies of them
+    meanwhile instead of the bytes in flight."""
+
+    def __init__(self, engine, arrays, timeout):
+        super().__init__(arrays, timeout)
+        self.engine = engine
+        engine.lend(arrays)
+
+    def release(self):
+        if self.arrays is not None:
+            self.engine.give_back(self.arrays)
+        super().release()
 
 
 def _packable(layout, items):
@@ -340,7 +350,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def _session_call(self, data, regions, channel, layouts, on_channel=False):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
-        to send on the data channel after it, as a _Lent), whether the data channel
+        to send on the data channel after it, as an _Outgoing), whether the data channel
         is out of step and must close once the response is sent). ``layouts``: the stream's
         packed.Layouts. ``on_channel``: the request came framed on the data channel
         (datachan.StreamChannel.serve_calls)."""
@@ -407,7 +417,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             outgoing = None
             if layout is not None and request.op in _PACKED_PULLS:
                 values = layout.pack(_packable(layout, items))
-                outgoing = _Lent(None, [np.frombuffer(values, np.uint8)], timeout)
+                outgoing = _Outgoing([np.frombuffer(values, np.uint8)], timeout)
                 return kvstore_pb2.SessionResponse(id=call_id, packed_bytes=len(values)).SerializeToString(), \
                     outgoing, False
             if request.data_channel_min_bytes:
@@ -427,7 +437,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     @staticmethod
     async def _send_after(channel, outgoing):
-        """Send the values (a _Lent) that follow a response; a failure closes the channel (the
+        """Send the values (an _Outgoing) that follow a response; a failure closes the channel (the
         client's call fails on its side)."""
         try:
             await channel.send(outgoing.arrays, outgoing.timeout)
