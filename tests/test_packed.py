@@ -9,6 +9,7 @@ import tensorkv
 from cluster import Cluster, check_workers, wait_until
 from tensorkv import packed
 from tensorkv.codec import set_key
+from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from test_channel_calls import _pushes, proxied_data_port
 
@@ -29,6 +30,7 @@ def test_lists_move_packed_and_exact_across_workers_and_servers(tmp_path, transp
     for out in outs:
         counts = [int(n) for n in out.split("layouts", 1)[1].split()]
         assert len(counts) == 2 and all(n >= 1 for n in counts), out
+        assert out.startswith("fused" if call == "push" else "not fused"), out
 
 
 def test_a_packed_push_that_the_server_refuses_changes_nothing(tmp_path):
@@ -100,6 +102,7 @@ def test_a_packed_push_sent_without_waiting_is_applied_once_whatever_the_reset_l
             else:
                 data_proxy.stall(60)
             gradients = [np.full(3, -i, np.float32) for i in range(COUNT)]
+            assert kv._lists.get(keys) is not None  # learnt by the pull: the push is fused
             kv.push(keys, gradients)  # returns at once
             for gradient in gradients:
                 gradient[:] = 99
@@ -146,6 +149,97 @@ def test_a_layout_the_server_refuses_leaves_its_calls_to_entries(tmp_path):
             # (a refused call closes the data channel: a call that raced its closing was made
             # again on a new session, which registered the list again)
             assert len(kv._sessions[0].layout_ids) == 1
+
+
+def test_a_list_called_again_is_fused_and_checked_as_a_whole(tmp_path, monkeypatch):
+    """After a list's first push and pull, its calls move one buffer per server without the
+    per-key work (tensorkv.fusion). A call that does not fit it (a shape, a dtype, a key's
+    type, arrays per device, arrays that are not contiguous, an out of another shape) goes the
+    general way: the same errors, and nothing changes."""
+    keys = list(range(40))  # spread over both servers
+    packed_calls = []
+    for name in ("push_packed", "pull_packed"):
+        original = getattr(ServerConn, name)
+        monkeypatch.setattr(ServerConn, name, lambda self, *args, original=original, name=name: (
+            packed_calls.append(name), original(self, *args))[1])
+
+    def values(scale):
+        return [np.full(4, scale * i, np.float32) for i in keys]
+
+    with Cluster(servers=2, tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp") as kv:
+            kv.init(keys, values(0))
+            outs = [np.empty(4, np.float32) for _ in keys]
+            kv.push(keys, values(1))  # the general way: it learns the list
+            assert not packed_calls
+            fused = kv._lists.get(keys)
+            assert fused is not None and sorted(index for index, _, _ in fused.parts) == [0, 1]
+            kv.pull(keys, out=outs)
+            assert packed_calls == ["pull_packed"] * 2
+            del packed_calls[:]
+            for scale in (2, 3):
+                kv.push(keys, values(scale))
+                kv.pull(keys, out=outs)
+                for out, want in zip(outs, values(scale)):
+                    np.testing.assert_array_equal(out, want)
+            assert packed_calls == ["push_packed", "push_packed", "pull_packed", "pull_packed"] * 2
+            del packed_calls[:]
+
+            wrong = values(4)
+            wrong[7] = np.ones(5, np.float32)
+            with pytest.raises(tensorkv.ShapeMismatchError, match=r"key 7: pushed shape \(5,\) does not match "
+                                                                  r"the stored shape \(4,\)"):
+                kv.push(keys, wrong)
+            wrong[7] = np.ones(4)
+            with pytest.raises(tensorkv.DtypeMismatchError, match="key 7: pushed dtype float64"):
+                kv.push(keys, wrong)
+            with pytest.raises(tensorkv.KeyTypeError, match="has type float"):
+                kv.push([float(key) for key in keys], values(4))
+            sentinel = [np.full(4, -1, np.float32) for _ in keys]
+            sentinel[5] = np.full(3, -1, np.float32)
+            with pytest.raises(tensorkv.ShapeMismatchError, match=r"key 5: out array of shape \(3,\)"):
+                kv.pull(keys, out=sentinel)
+            assert all((out == -1).all() for out in sentinel)
+            kv.pull(keys, out=outs)
+            for out, want in zip(outs, values(3)):
+                np.testing.assert_array_equal(out, want)
+            assert packed_calls == ["pull_packed"] * 2  # the refused calls went the general way
+            del packed_calls[:]
+
+            per_device = values(5)
+            per_device[3] = [np.ones(4, np.float32), np.full(4, 2, np.float32)]
+            kv.push(keys, per_device)
+            strided = [np.full((4, 2), 6 * i, np.float32)[:, 0] for i in keys]
+            strided_outs = [np.empty((4, 2), np.float32)[:, 1] for _ in keys]
+            assert not packed_calls
+            kv.pull(keys, out=strided_outs)
+            assert [out[3] for out in strided_outs] == [5 * i if i != 3 else 3 for i in keys]
+            kv.push(keys, strided)
+            kv.pull(keys, out=outs)
+            for out, want in zip(outs, values(6)):
+                np.testing.assert_array_equal(out, want)
+            assert packed_calls == ["pull_packed", "pull_packed"]
+
+
+def test_a_fused_list_that_its_stream_has_no_room_for_moves_as_entries(tmp_path):
+    """A stream that holds packed.MAX_LAYOUTS layouts already refuses a fused list's: its
+    calls then travel as entries, exact."""
+    keys = _list(16, prefix="late-")
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp") as kv:
+            for j in range(packed.MAX_LAYOUTS):  # pushpull: never fused, each list packed
+                other = _list(16, prefix=f"l{j}-")
+                kv.init(other, [np.zeros(2, np.int64)] * 16)
+                kv.pushpull(other, [np.ones(2, np.int64)] * 16)
+            kv.init(keys, [np.zeros(2, np.int64)] * 16)
+            outs = [np.empty(2, np.int64) for _ in keys]
+            for step in range(3):
+                kv.push(keys, [np.full(2, step * 100 + i, np.int64) for i in range(16)])
+                kv.pull(keys, out=outs)
+                for i, out in enumerate(outs):
+                    np.testing.assert_array_equal(out, np.full(2, step * 100 + i, np.int64))
+            assert kv._lists.get(keys) is not None
+            assert len(kv._sessions[0].layout_ids) == packed.MAX_LAYOUTS
 
 
 # ---- the wire rules, on a plain Session stream ---------------------------------------

@@ -120,7 +120,14 @@ def test_values_over_a_tls_data_channel(pki, tmp_path):
                 fused = np.empty(size, np.float32)
                 kv.pushpull(size, value * 3, out=fused)
                 assert np.array_equal(out, value * 2) and np.array_equal(fused, value * 3)
-            assert kv._sessions[0].data_channel is not None
+            keys = [1000 + i for i in range(20)]  # packed; fused from the second push (tensorkv.fusion)
+            kv.init(keys, [np.zeros(i + 1, np.float32) for i in range(20)])
+            outs = [np.empty(i + 1, np.float32) for i in range(20)]
+            for step in range(3):
+                kv.push(keys, [np.full(i + 1, step + i, np.float32) for i in range(20)])
+                kv.pull(keys, out=outs)
+                assert all(np.array_equal(out, np.full(i + 1, step + i, np.float32)) for i, out in enumerate(outs))
+            assert kv._lists.get(keys) is not None and kv._sessions[0].data_channel is not None
 
 
 def _tls_data_port(pki, cluster):

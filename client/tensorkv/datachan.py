@@ -10,6 +10,7 @@ call's deadline; any failure closes the socket (the Session negotiates a new cha
 later call) and raises ServerUnavailableError, or DeadlineExceededError on time-out. With a
 TLS server the connection is TLS, checked as the gRPC channel is, before the token is sent.
 """
+import os
 import socket
 import ssl
 import time
@@ -23,6 +24,7 @@ FRAME_HEADER = 4  # bytes of the little-endian length before each call and answe
 CONNECT_TIMEOUT = 10.0
 TLS_WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
 TLS_RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers one recvmsg_into may fill
 
 
 def lost(error):
@@ -144,19 +146,41 @@ class Channel:
             self._sock.sendall(memoryview(array.reshape(-1).view("u1")))
 
     def receive(self, buffers):
-        """Fill the uint8 arrays (or bytearrays) ``buffers``, in order."""
+        """Fill ``buffers`` (writable C-contiguous arrays of any dtype, or bytearrays), in order:
+        on a plain socket up to IOV_MAX of them per system call (recvmsg_into)."""
         self._check_open()
         try:
-            for buffer in buffers:
-                view, filled, size = memoryview(buffer), 0, len(buffer)
-                while filled < size:
-                    self._sock.settimeout(self._remaining())
-                    count = self._sock.recv_into(view[filled:])
-                    if count == 0:
-                        raise ConnectionResetError("the server closed the data channel")
-                    filled += count
+            if isinstance(self._sock, TlsSocket):
+                for buffer in buffers:
+                    self._fill(memoryview(buffer).cast("B"))
+            else:
+                self._scatter(buffers)
         except OSError as error:
             raise self._broken(error) from None
+
+    def _fill(self, view):
+        filled = 0
+        while filled < len(view):
+            self._sock.settimeout(self._remaining())
+            count = self._sock.recv_into(view[filled:])
+            if count == 0:
+                raise ConnectionResetError("the server closed the data channel")
+            filled += count
+
+    def _scatter(self, buffers):
+        pending = [view for view in map(memoryview, buffers) if view.nbytes]
+        while pending:
+            self._sock.settimeout(self._remaining())
+            count = self._sock.recvmsg_into(pending[:IOV_MAX])[0]
+            if count == 0:
+                raise ConnectionResetError("the server closed the data channel")
+            done = 0
+            while done < len(pending) and pending[done].nbytes <= count:
+                count -= pending[done].nbytes
+                done += 1
+            del pending[:done]
+            if count:  # the first one is filled in part
+                pending[0] = pending[0].cast("B")[count:]
 
     def _check_open(self):
         if self._sock is None:

@@ -20,6 +20,7 @@ from . import allocator, compression, states_file
 from .backend import on_gpu, shape_dtype, to_host
 from .codec import Item
 from .engine import Engine, dtype_mismatch
+from .fusion import FusedList, FusedLists
 from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, ServerUnavailableError,
     ShapeMismatchError, key_repr,
@@ -29,7 +30,7 @@ from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, tou
 from .lease import Heartbeat
 from .security import Security
 from .rpc import CHANNEL_OPTIONS, Stub, error_from_rpc
-from .server_conn import ServerConn
+from .server_conn import DATACHAN_MIN_BYTES, PACK_MIN_VALUES, ServerConn
 from .v1 import kvstore_pb2
 from .words import plural
 
@@ -200,6 +201,7 @@ class DistStore(KVStore):
         self._conns = [ServerConn(address, self._security, timeout, session) for address in addresses]
         self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
+        self._lists = FusedLists()  # of the lists of keys pushed and pulled (tensorkv.fusion)
         self._heartbeat = None  # renews the registrations' leases
         try:
             self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
@@ -402,6 +404,51 @@ class DistStore(KVStore):
         if residuals:
             self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
+
+    # A list of keys pushed or pulled before, with plain NumPy arrays, is checked as a whole
+    # and moves as one buffer per server (tensorkv.fusion); the docstrings are KVStore's.
+    def push(self, key, value, priority=0):
+        fused = self._lists.get(key)
+        if fused is None or self._compressor is not None or not fused.matches(value):
+            super().push(key, value, priority)
+            self._lists.learn(key, self._fuse)
+            return
+        self._check_open()
+        self._fanout(ServerConn.push_packed, {index: (layout, layout.pack(arrays))
+                                              for index, (layout, arrays) in fused.split(value).items()})
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        fused = self._lists.get(key) if out is not None else None
+        if fused is None or not fused.matches(out, writable=True):
+            values = super().pull(key, out, priority, ignore_sparse)
+            self._lists.learn(key, self._fuse)
+            return values
+        self._check_open()
+        self._fanout(ServerConn.pull_packed, fused.split(out))
+        return None
+
+    def _fuse(self, keys):
+        """The FusedList of ``keys`` (just pushed or pulled), or None when they do not fuse."""
+        known = [self._meta.get(key) for key in keys]
+        if None in known or len(set(keys)) < len(keys) or len(set(map(type, keys))) > 1:
+            return None
+        dtype = known[0][1]
+        by_server = {}
+        for position, (key, (shape, key_dtype)) in enumerate(zip(keys, known)):
+            size = math.prod(shape)
+            placement = self._placement(key, size)
+            if key_dtype != dtype or size * dtype.itemsize >= DATACHAN_MIN_BYTES or len(placement) > 1:
+                return None
+            by_server.setdefault(placement[0][0], []).append(position)
+        parts = []
+        for index, positions in sorted(by_server.items()):
+            conn = self._conns[index]
+            layout = conn.layout([keys[p] for p in positions], [known[p][0] for p in positions], dtype)
+            if len(positions) < PACK_MIN_VALUES or layout is None or conn.session is None \
+                    or not conn.session.calls_on_channel or dtype.byteorder == ">":
+                return None
+            parts.append((index, positions, layout))
+        return FusedList(type(keys[0]), [shape for shape, _ in known], dtype, parts)
 
     def _pushpull(self, pairs, fresh, outs=None):
         merged = self._merged(pairs)

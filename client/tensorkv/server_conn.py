@@ -363,6 +363,43 @@ class ServerConn:
                 kvstore_pb2.PullResponse, self.stub.pull_raw(r, timeout=timeout), part, outs), request, timeout)
         return items
 
+    def push_packed(self, layout, values):
+        """Push the values of ``layout``, packed in ``values`` (bytes), of keys the caller knows
+        (a fused list, tensorkv.fusion): sent without waiting as :meth:`push` is, when it has
+        DEFER_MAX_BYTES at most."""
+        sequence = next(self._sequences)
+        deferred = None
+        if layout.nbytes <= DEFER_MAX_BYTES:
+            deferred = Deferred(lambda request: self._sent(sequence, request, None), lambda: self._settled(sequence),
+                                lambda error: self._failed(sequence, layout.keys, error))
+        self._call("push", self._push_packed_once, layout, values, sequence, deferred)
+        if self._realign:  # views of ``values``, which nothing changes
+            self._last_pushes.update((key, (sequence, Item(key, value)))
+                                     for key, value in zip(layout.keys, layout.views(values)))
+
+    def _push_packed_once(self, timeout, layout, values, sequence, deferred):
+        session = self.session
+        if session is None or not self._packed(session, "push", layout, values, None, timeout, sequence, 0, deferred):
+            self._push_once(timeout, list(enumerate(_pushed_items((layout, values)))), sequence, deferred)
+
+    def pull_packed(self, layout, targets):
+        """Pull the values of ``layout`` into ``targets``, writable C-contiguous NumPy arrays of its
+        shapes and dtype, in its order (a fused list, tensorkv.fusion)."""
+        self._call("pull", self._pull_packed_once, layout, targets, next(self._pull_sequences))
+
+    def _pull_packed_once(self, timeout, layout, targets, pull_sequence):
+        session = self.session
+        if session is not None and self._packed(session, "pull", layout, None, targets, timeout, 0, pull_sequence,
+                                                None):
+            return
+        part = list(enumerate(layout.keys))
+        shapes = [(shape, layout.dtype) for shape in layout.shapes]
+        sizes = [math.prod(shape) * layout.dtype.itemsize for shape in layout.shapes]
+        items = self._pull_once(timeout, part, [[target] for target in targets], sizes, shapes, pull_sequence)
+        for item, target in zip(items, targets):
+            if item.array is not target:
+                np.copyto(target, item.array)
+
     def row_sparse_push(self, values):
         """RowSparsePush of ``values`` [(key, full shape, row ids, rows)] (rows only, in plain messages)."""
         sequence = next(self._sequences)
@@ -494,9 +531,10 @@ class ServerConn:
             return None
         layout = self._layout(session, part, keys, shapes) if kind in _PACKED_KINDS else None
         if layout is not None:
-            items = self._packed(session, kind, layout, part, timeout, outs, sequence, pull_sequence, defer)
-            if items is not None:
-                return items
+            values = None if kind == "pull" else layout.pack([item.array for _, item in part])
+            targets = None if kind == "push" else _targets(layout, part, outs)
+            if self._packed(session, kind, layout, values, targets, timeout, sequence, pull_sequence, defer):
+                return [] if targets is None else [Item(key, value) for key, value in zip(layout.keys, targets)]
         use_shm = session.shm_possible
         use_channel = not use_shm and session.channel_possible
         min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
@@ -599,6 +637,11 @@ class ServerConn:
             shapes = [shape for shape, _ in shapes]
         if dtype.byteorder == ">" or len(set(keys)) < len(keys):
             return None
+        return self.layout(keys, shapes, dtype)
+
+    def layout(self, keys, shapes, dtype):
+        """The packed.Layout of ``keys`` with ``shapes`` and ``dtype``, the same object for the same
+        list; None once MAX_KNOWN_LAYOUTS are known."""
         signature = packed.signature(keys, shapes, dtype)
         layout = self._layouts.get(signature)
         if layout is None:
@@ -607,11 +650,11 @@ class ServerConn:
             layout = self._layouts[signature] = packed.Layout(keys, shapes, dtype)
         return layout
 
-    def _packed(self, session, kind, layout, part, timeout, outs, sequence, pull_sequence, defer):
-        """Make the ``kind`` call with its values packed as ``layout`` says, on ``session``'s data
-        channel: the items pulled ([] for a push); None when the session cannot (Session.call)."""
+    def _packed(self, session, kind, layout, values, targets, timeout, sequence, pull_sequence, defer):
+        """Make the ``kind`` call of the values of ``layout`` on ``session``'s data channel, packed:
+        a push sends ``values`` (its bytes); a pull receives each value straight into its array of
+        ``targets``. False when the session cannot (Session.call)."""
         op = _SESSION_OPS[kind]
-        values = None if op == kvstore_pb2.SESSION_OP_PULL else layout.pack([item.array for _, item in part])
         if defer is not None:  # the request does not hold the values: they are kept to send again
             defer = Deferred(lambda request, sent=defer.sent: sent((layout, values)), defer.answered,
                              defer.failed)
@@ -625,18 +668,16 @@ class ServerConn:
         def decode_response(call_id, data, region, channel):
             response = kvstore_pb2.SessionResponse.FromString(data)
             self._check_answer(response, call_id, kind)
-            if op == kvstore_pb2.SESSION_OP_PUSH:
-                return []
-            if response.packed_bytes != layout.nbytes:
-                raise InternalError(f"server {self.address} answered {response.packed_bytes} packed bytes for a "
-                                    f"layout of {layout.nbytes}")
-            buffer = np.empty(layout.nbytes, np.uint8)
-            channel.receive([buffer])
-            return _unpacked(layout, part, outs, buffer)
+            if targets is not None:
+                if response.packed_bytes != layout.nbytes:
+                    raise InternalError(f"server {self.address} answered {response.packed_bytes} packed bytes for "
+                                        f"a layout of {layout.nbytes}")
+                channel.receive(targets)
+            return True
 
         return session.call(build, timeout, decode_response, data_channel=True, kind=kind,
                             defer=defer if op == kvstore_pb2.SESSION_OP_PUSH else None,
-                            read_only=kind in READ_ONLY_CALLS, layout=layout)
+                            read_only=kind in READ_ONLY_CALLS, layout=layout) is not None
 
     def _check_answer(self, response, call_id, kind):
         """Raise the error that the SessionResponse ``response`` of a ``kind`` call carries, or
@@ -650,19 +691,18 @@ class ServerConn:
             raise InternalError(f"server {self.address} answered session call {response.id}, not {call_id}")
 
 
-def _unpacked(layout, part, outs, buffer):
-    """The Items of the values of ``layout`` in ``buffer``, each copied into its out array
-    (``outs[position][0]`` of its (position, key) in ``part``) where that is a writable NumPy
-    array of its dtype and shape, else a view of ``buffer``."""
-    items = []
-    for (position, _), key, value in zip(part, layout.keys, layout.views(buffer)):
+def _targets(layout, part, outs):
+    """The arrays that the values of ``layout`` are pulled into: the out array of each
+    (``outs[position][0]`` of its (position, key) in ``part``) where that is a writable
+    C-contiguous NumPy array of its dtype and shape, else a new array."""
+    targets = []
+    for (position, _), shape in zip(part, layout.shapes):
         target = outs[position][0] if outs is not None else None
-        if type(target) is np.ndarray and target.shape == value.shape and target.dtype == value.dtype \
-                and target.flags.writeable:
-            target[...] = value
-            value = target
-        items.append(Item(key, value))
-    return items
+        if not (type(target) is np.ndarray and target.shape == shape and target.dtype == layout.dtype
+                and target.flags.writeable and target.flags.c_contiguous):
+            target = np.empty(shape, layout.dtype)
+        targets.append(target)
+    return targets
 
 
 def _pulled_nbytes(item):

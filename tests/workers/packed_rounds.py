@@ -2,7 +2,8 @@
 pushed in one call and pulled in one call (or one pushpull), which move packed in one buffer
 (tensorkv.packed) on TRANSPORT; SGD with momentum on the servers. Every value is checked
 against MXNet's SGD formula, exactly (the numbers are dyadic: float32 holds them exactly);
-prints the number of packed layouts each server's session holds."""
+prints whether the list was fused (tensorkv.fusion: push then pull) and the number of packed
+layouts each server's session holds."""
 import sys
 
 import numpy as np
@@ -34,5 +35,6 @@ for t in range(1, rounds + 1):
         weight[i] = weight[i] + momentum[i]
         np.testing.assert_array_equal(outs[i], weight[i].astype(np.float32), err_msg=f"round {t}, {keys[i]}")
 kv.barrier()
-print("layouts", *[len(session.layout_ids) for session in kv._sessions])
+print("fused" if kv._lists.get(keys) is not None else "not fused", "layouts",
+      *[len(session.layout_ids) for session in kv._sessions])
 kv.close()
