@@ -251,13 +251,21 @@ class Engine:
         together (Updater.update_each)."""
         updates = []  # for an Updater: (key, value, stored array), updated together
         batch = isinstance(self.updater, Updater)
+        assign = self.updater is None
+        xp = self.xp
         with self.on_device():
             for item in items:
                 value = self._values.get(item.key)
                 array = item.array
-                if batch and value is not None and type(array) is type(value.array) is self.xp.ndarray:
-                    updates.append((item.key, self.merge([array]), self._writable(value)))
-                    continue
+                if value is not None and type(array) is type(value.array) is xp.ndarray:
+                    if batch:
+                        updates.append((item.key, self.merge([array]), self._writable(value)))
+                        continue
+                    if assign and not item.owned and array.shape == value.array.shape:
+                        # _apply_dense's copy (kernels.sum_into of one value), without its
+                        # per-call checks: once per key of a list
+                        xp.copyto(self._writable(value), array, casting="unsafe")
+                        continue
                 if updates:  # the updates before this one first: a schedule reads their counts
                     self.updater.update_each(updates)
                     updates = []
