@@ -2,12 +2,13 @@
 servers and workers on 127.0.0.1; exact values across workers and servers, the errors of a
 packed call, a packed push whose answer was lost, and the wire rules of layouts."""
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 
 import tensorkv
 from cluster import Cluster, check_workers, wait_until
-from tensorkv import packed
+from tensorkv import fusion, packed, server_conn
 from tensorkv.codec import set_key
 from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
@@ -219,6 +220,57 @@ def test_a_list_called_again_is_fused_and_checked_as_a_whole(tmp_path, monkeypat
             for out, want in zip(outs, values(6)):
                 np.testing.assert_array_equal(out, want)
             assert packed_calls == ["pull_packed", "pull_packed"]
+
+
+def _rounds_of(kv, keys, dtype, rounds=3):
+    """Init ``keys`` (2 elements each), then push and pull them ``rounds`` times into arrays of
+    their own, each value exact."""
+    kv.init(keys, [np.zeros(2, dtype)] * len(keys))
+    outs = [np.empty(2, dtype) for _ in keys]
+    for step in range(rounds):
+        kv.push(keys, [np.full(2, step + i, dtype) for i in range(len(keys))])
+        kv.pull(keys, out=outs)
+        assert [out.tolist() for out in outs] == [[step + i] * 2 for i in range(len(keys))]
+    return outs
+
+
+def test_bfloat16_lists_and_numpy_integer_keys(tmp_path):
+    """bfloat16, a dtype NumPy gives no buffer format, packs, fuses and is pulled straight into
+    its out arrays; NumPy integer keys, which the general way turns into ints (hashed to
+    another server than their NumPy type), never fuse, and stay exact over two servers."""
+    bf16 = [f"bf{i}" for i in range(40)]  # 20 per server
+    numpy_keys = list(np.arange(40))
+    with Cluster(servers=2, tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp") as kv:
+            _rounds_of(kv, bf16, ml_dtypes.bfloat16)
+            values = [np.full(2, -i, ml_dtypes.bfloat16) for i in range(40)]
+            kv.pushpull(bf16, values)  # pulled back into values
+            assert [value.tolist() for value in values] == [[-i] * 2 for i in range(40)]
+            assert kv._lists.get(bf16) is not None
+
+        with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, transport="tcp",
+                             if_exists="replace") as kv:
+            outs = _rounds_of(kv, numpy_keys, np.float32)
+            assert kv._lists.get(numpy_keys) is None
+            plain = [int(key) for key in numpy_keys]
+            kv.pull(plain, out=outs)
+            kv.push(plain, [np.full(2, 7 * i, np.float32) for i in range(40)])
+            kv.pull(plain, out=outs)
+            assert kv._lists.get(plain) is not None
+            assert [out.tolist() for out in outs] == [[7 * i] * 2 for i in range(40)]
+
+
+def test_a_store_keeps_the_newest_lists():
+    """Past fusion.MAX_LISTS lists, the one learnt first makes room; lists of NumPy integer
+    keys, or of fewer keys than pack, are not kept at all."""
+    lists = fusion.FusedLists()
+    size = server_conn.PACK_MIN_VALUES
+    made = [_list(size, prefix=f"l{j}-") for j in range(fusion.MAX_LISTS + 1)]
+    for keys in made:
+        lists.learn(keys, lambda keys: fusion.FusedList(str, [(1,)] * len(keys), np.float32, []))
+    assert lists.get(made[0]) is None and all(lists.get(keys) is not None for keys in made[1:])
+    lists.learn(list(np.arange(size)), pytest.fail)
+    lists.learn(_list(size - 1), pytest.fail)
 
 
 def test_a_fused_list_that_its_stream_has_no_room_for_moves_as_entries(tmp_path):

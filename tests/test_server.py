@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorkv
 from tensorkv import states_file
+from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop
@@ -92,6 +93,26 @@ def test_a_worker_that_never_pushes_aborts_the_round(tmp_path):
     rank0 = next(out for out in outs if out.endswith("ok 0\n"))
     assert "aborted: key 'x': round 1 aborted after 2 s; missing ranks [1]" in rank0
     assert "barrier: barrier 1 aborted after 2 s; missing ranks [1]" in rank0
+
+
+@pytest.mark.parametrize("session", [True, False])
+def test_a_barrier_waits_for_every_worker(tmp_path, monkeypatch, session):
+    """Rank 0's barrier returns only once rank 1 entered it too: on the Session stream
+    (SESSION_OP_BARRIER, no Barrier RPC), or as a Barrier RPC with sessions off."""
+    rpcs = []
+    original = ServerConn._rpc
+    monkeypatch.setattr(ServerConn, "_rpc", lambda self, kind, *args: (rpcs.append(kind), original(
+        self, kind, *args))[1])
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, session=session) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses, rank=1, session=session) as kv1, \
+                ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(kv0.barrier)
+            with pytest.raises(TimeoutError):
+                waiting.result(timeout=0.5)  # rank 1 has not entered yet
+            kv1.barrier()
+            waiting.result(timeout=WORKER_TIMEOUT)
+    assert ("barrier" in rpcs) == (not session)
 
 
 def test_a_list_push_whose_rounds_partly_complete(tmp_path):

@@ -4,13 +4,13 @@ carries the bytes of large values (the server's half is ``tensorkv_server.datach
 The Session stream asks for a one-time token (SESSION_OP_OPEN_DATA_CHANNEL); a
 :class:`Channel` connects to the server's data port, sends the token and waits for the
 server's one-byte acknowledgement: the connection is then bound to that stream only. Bytes
-go out with ``sendall`` straight from the arrays and come in with ``recv_into`` straight
-into their destinations (the kernel's copies only). Every read and write is bounded by the
-call's deadline; any failure closes the socket (the Session negotiates a new channel on a
-later call) and raises ServerUnavailableError, or DeadlineExceededError on time-out. With a
-TLS server the connection is TLS, checked as the gRPC channel is, before the token is sent.
+go out with ``sendall`` straight from the arrays and come in with ``recvmsg_into`` straight
+into their destinations, many at a time (the kernel's copies only). Every read and write is
+bounded by the call's deadline; any failure closes the socket (the Session negotiates a new
+channel on a later call) and raises ServerUnavailableError, or DeadlineExceededError on
+time-out. With a TLS server the connection is TLS, checked as the gRPC channel is, before
+the token is sent.
 """
-import os
 import socket
 import ssl
 import time
@@ -24,7 +24,7 @@ FRAME_HEADER = 4  # bytes of the little-endian length before each call and answe
 CONNECT_TIMEOUT = 10.0
 TLS_WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
 TLS_RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
-IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers one recvmsg_into may fill
+IOV_MAX = 1024  # buffers one recvmsg_into fills at most (Linux's UIO_MAXIOV, macOS's IOV_MAX)
 
 
 def lost(error):
@@ -150,9 +150,9 @@ class Channel:
         on a plain socket up to IOV_MAX of them per system call (recvmsg_into)."""
         self._check_open()
         try:
-            if isinstance(self._sock, TlsSocket):
+            if isinstance(self._sock, TlsSocket) or not hasattr(self._sock, "recvmsg_into"):  # (Windows has none)
                 for buffer in buffers:
-                    self._fill(memoryview(buffer).cast("B"))
+                    self._fill(_bytes(buffer).cast("B"))
             else:
                 self._scatter(buffers)
         except OSError as error:
@@ -168,7 +168,7 @@ class Channel:
             filled += count
 
     def _scatter(self, buffers):
-        pending = [view for view in map(memoryview, buffers) if view.nbytes]
+        pending = [view for view in map(_bytes, buffers) if view.nbytes]
         while pending:
             self._sock.settimeout(self._remaining())
             count = self._sock.recvmsg_into(pending[:IOV_MAX])[0]
@@ -204,6 +204,14 @@ class Channel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _bytes(buffer):
+    """A memoryview of ``buffer``, an array of any dtype or a bytearray."""
+    try:
+        return memoryview(buffer)
+    except ValueError:  # a dtype with no buffer format (ml_dtypes' bfloat16): its bytes
+        return memoryview(buffer.reshape(-1).view("u1"))
 
 
 class TlsSocket:

@@ -30,7 +30,7 @@ from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, tou
 from .lease import Heartbeat
 from .security import Security
 from .rpc import CHANNEL_OPTIONS, Stub, error_from_rpc
-from .server_conn import DATACHAN_MIN_BYTES, PACK_MIN_VALUES, ServerConn
+from .server_conn import ServerConn
 from .v1 import kvstore_pb2
 from .words import plural
 
@@ -428,27 +428,25 @@ class DistStore(KVStore):
         return None
 
     def _fuse(self, keys):
-        """The FusedList of ``keys`` (just pushed or pulled), or None when they do not fuse."""
+        """The FusedList of ``keys`` (just pushed or pulled: plain ints or strs, FusedLists.learn),
+        or None when they do not fuse: keys not known, of several dtypes, a value that is not
+        whole on its server, or a server's part that does not pack (ServerConn.packed_layout)."""
         known = [self._meta.get(key) for key in keys]
-        if None in known or len(set(keys)) < len(keys) or len(set(map(type, keys))) > 1:
+        if None in known or len({dtype for _, dtype in known}) > 1:
             return None
-        dtype = known[0][1]
         by_server = {}
-        for position, (key, (shape, key_dtype)) in enumerate(zip(keys, known)):
-            size = math.prod(shape)
-            placement = self._placement(key, size)
-            if key_dtype != dtype or size * dtype.itemsize >= DATACHAN_MIN_BYTES or len(placement) > 1:
+        for position, (key, (shape, _)) in enumerate(zip(keys, known)):
+            placement = self._placement(key, math.prod(shape))
+            if len(placement) > 1:
                 return None
             by_server.setdefault(placement[0][0], []).append(position)
         parts = []
         for index, positions in sorted(by_server.items()):
-            conn = self._conns[index]
-            layout = conn.layout([keys[p] for p in positions], [known[p][0] for p in positions], dtype)
-            if len(positions) < PACK_MIN_VALUES or layout is None or conn.session is None \
-                    or not conn.session.calls_on_channel or dtype.byteorder == ">":
+            layout = self._conns[index].packed_layout([keys[p] for p in positions], [known[p] for p in positions])
+            if layout is None:
                 return None
             parts.append((index, positions, layout))
-        return FusedList(type(keys[0]), [shape for shape, _ in known], dtype, parts)
+        return FusedList(type(keys[0]), [shape for shape, _ in known], known[0][1], parts)
 
     def _pushpull(self, pairs, fresh, outs=None):
         merged = self._merged(pairs)

@@ -25,7 +25,8 @@ import numpy as np
 
 from .server_conn import PACK_MIN_VALUES
 
-# Lists a store keeps (fused or not): a worker has a few (its parameters, perhaps grouped).
+# Lists a store keeps (fused or not): a worker has a few (its parameters, perhaps grouped);
+# past this many, the one kept first makes room.
 MAX_LISTS = 64
 
 _shape = operator.attrgetter("shape")
@@ -87,9 +88,15 @@ class FusedLists:
 
     def learn(self, keys, fuse):
         """After a call of ``keys`` that succeeded: keep ``fuse(keys)`` (a FusedList, or None) as
-        the list's, the first time."""
-        if type(keys) not in (list, tuple) or len(keys) < PACK_MIN_VALUES or len(self._lists) >= MAX_LISTS:
+        the list's, the first time; past MAX_LISTS, in the place of the list kept first. Only
+        lists of plain ints or of strs are kept: the general way turns a NumPy integer key into
+        an int, which hashes to another server, and ``1 == np.int64(1)`` as a dict key."""
+        if type(keys) not in (list, tuple) or len(keys) < PACK_MIN_VALUES \
+                or set(map(type, keys)) not in ({int}, {str}):
             return
         signature = tuple(keys)
-        if signature not in self._lists:
-            self._lists[signature] = fuse(list(keys))
+        if signature in self._lists:
+            return
+        if len(self._lists) >= MAX_LISTS:
+            del self._lists[next(iter(self._lists))]
+        self._lists[signature] = fuse(list(keys))

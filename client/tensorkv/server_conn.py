@@ -23,7 +23,8 @@ from google.protobuf import message
 from . import packed, rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import (
-    DeadlineExceededError, FailedPreconditionError, InternalError, KVStoreError, ServerUnavailableError, key_repr,
+    DeadlineExceededError, FailedPreconditionError, InternalError, KVStoreError, ServerUnavailableError,
+    ShapeMismatchError, key_repr,
 )
 from .rpc import (
     CHANNEL_OPTIONS, READ_ONLY_CALLS, Deferred, Session, Stub, connection_lost, error_from_code, error_from_rpc,
@@ -55,7 +56,7 @@ RETRY_MAX = 1.0
 # The Session op of each kind of call that may travel on a Session stream.
 _SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
                 "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL,
-                "row_sparse_pull": kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL}
+                "row_sparse_pull": kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL, "barrier": kvstore_pb2.SESSION_OP_BARRIER}
 _PACKED_KINDS = ("push", "pull", "pushpull")
 _PULLS = (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL, kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL)
 log = logging.getLogger(__name__)
@@ -397,8 +398,13 @@ class ServerConn:
         sizes = [math.prod(shape) * layout.dtype.itemsize for shape in layout.shapes]
         items = self._pull_once(timeout, part, [[target] for target in targets], sizes, shapes, pull_sequence)
         for item, target in zip(items, targets):
-            if item.array is not target:
-                np.copyto(target, item.array)
+            if item.array is target:
+                continue
+            if item.array.shape != target.shape or item.array.dtype != target.dtype:
+                raise ShapeMismatchError(
+                    f"key {key_repr(item.key)}: server {self.address} holds shape {tuple(item.array.shape)} and dtype "
+                    f"{item.array.dtype}, where this worker knew {target.shape} and {target.dtype}")
+            np.copyto(target, item.array)
 
     def row_sparse_push(self, values):
         """RowSparsePush of ``values`` [(key, full shape, row ids, rows)] (rows only, in plain messages)."""
@@ -459,7 +465,8 @@ class ServerConn:
         self._call("barrier", self._barrier_once)
 
     def _barrier_once(self, timeout):
-        self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
+        if self._session("barrier", [], timeout) is None:
+            self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
 
     def _unary_once(self, timeout, kind, method, request):
         """The answer of the stub's ``method`` to ``request`` (a list of messages for a stream
@@ -529,7 +536,7 @@ class ServerConn:
         session = self.session
         if session is None:
             return None
-        layout = self._layout(session, part, keys, shapes) if kind in _PACKED_KINDS else None
+        layout = self._layout(part, keys, shapes) if kind in _PACKED_KINDS else None
         if layout is not None:
             values = None if kind == "pull" else layout.pack([item.array for _, item in part])
             targets = None if kind == "push" else _targets(layout, part, outs)
@@ -612,42 +619,37 @@ class ServerConn:
                             kind, defer=defer, read_only=kind in READ_ONLY_CALLS)
 
 
-    def _layout(self, session, part, keys, shapes):
+    def _layout(self, part, keys, shapes):
         """The packed.Layout of the values of ``part`` (or, for a pull, of ``keys`` with their
-        ``shapes``) when they pack on ``session``; else None."""
-        if len(part) < max(PACK_MIN_VALUES, 1) or not session.calls_on_channel:
-            return None
+        ``shapes``) when they pack (:meth:`packed_layout`); else None."""
         if keys is None:
             items = [item for _, item in part]
-            dtype = items[0].array.dtype
             for item in items:
                 array = item.array
-                if type(array) is not np.ndarray or array.dtype != dtype or item.slice is not None \
-                        or item.two_bit is not None or not array.flags.c_contiguous \
-                        or array.nbytes >= DATACHAN_MIN_BYTES:
+                if type(array) is not np.ndarray or item.slice is not None or item.two_bit is not None \
+                        or not array.flags.c_contiguous:
                     return None
-            keys, shapes = [item.key for item in items], [item.shape for item in items]
-        else:
-            if shapes is None:
-                return None
-            dtype = shapes[0][1]
-            if any(value_dtype != dtype or math.prod(shape) * dtype.itemsize >= DATACHAN_MIN_BYTES
-                   for shape, value_dtype in shapes):
-                return None
-            shapes = [shape for shape, _ in shapes]
-        if dtype.byteorder == ">" or len(set(keys)) < len(keys):
-            return None
-        return self.layout(keys, shapes, dtype)
+            keys, shapes = [item.key for item in items], [(item.shape, item.array.dtype) for item in items]
+        return self.packed_layout(keys, shapes) if shapes is not None else None
 
-    def layout(self, keys, shapes, dtype):
-        """The packed.Layout of ``keys`` with ``shapes`` and ``dtype``, the same object for the same
-        list; None once MAX_KNOWN_LAYOUTS are known."""
-        signature = packed.signature(keys, shapes, dtype)
+    def packed_layout(self, keys, shapes):
+        """The packed.Layout of ``keys`` whose whole values have ``shapes`` [(shape, dtype)] when
+        they pack on this server's session: PACK_MIN_VALUES at least, distinct, of one dtype (not
+        big-endian), each under DATACHAN_MIN_BYTES, with calls on the data channel; the same
+        object for the same list; else None (also once MAX_KNOWN_LAYOUTS are known)."""
+        if len(keys) < max(PACK_MIN_VALUES, 1) or self.session is None or not self.session.calls_on_channel:
+            return None
+        dtype = shapes[0][1]
+        if dtype.byteorder == ">" or len(set(keys)) < len(keys) or any(
+                value_dtype != dtype or math.prod(shape) * dtype.itemsize >= DATACHAN_MIN_BYTES
+                for shape, value_dtype in shapes):
+            return None
+        signature = packed.signature(keys, [shape for shape, _ in shapes], dtype)
         layout = self._layouts.get(signature)
         if layout is None:
             if len(self._layouts) >= MAX_KNOWN_LAYOUTS:
                 return None
-            layout = self._layouts[signature] = packed.Layout(keys, shapes, dtype)
+            layout = self._layouts[signature] = packed.Layout(*signature)
         return layout
 
     def _packed(self, session, kind, layout, values, targets, timeout, sequence, pull_sequence, defer):

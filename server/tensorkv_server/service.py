@@ -45,7 +45,8 @@ _ONE_MESSAGE = 1 << 62
 # Bytes of an entry besides its key and data, at most: tags, lengths, dtype, shape, slice, refs.
 _ENTRY_ROOM = 256
 _OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
-                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT}
+                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT,
+                       kvstore_pb2.SESSION_OP_BARRIER}
 # The ops that may name a packed layout (SessionRequest.layout_id), and those of them that pull.
 _PACKED_OPS = {kvstore_pb2.SESSION_OP_PUSH, kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 _PACKED_PULLS = {kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
@@ -504,6 +505,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             return await self.coordinator.pushpull(request.rank, request.incarnation, items, request.sequence)
         if request.op == kvstore_pb2.SESSION_OP_INIT:
             await self.coordinator.init(request.rank, request.incarnation, items, request.wait_only, request.sequence)
+            return []
+        if request.op == kvstore_pb2.SESSION_OP_BARRIER:
+            await self.coordinator.barrier(request.rank, request.incarnation)
             return []
         if request.op == kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL:
             requests = [(item.key, _row_ids(item)) for item in items]
