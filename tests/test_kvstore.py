@@ -268,6 +268,17 @@ def test_errors_name_the_key_shapes_and_dtypes(kv):
         kv.pull(3, out=np.zeros(3, np.float32))
     with pytest.raises(tensorkv.DtypeMismatchError, match="out array of dtype int32"):
         kv.pull(3, out=np.zeros(SHAPE, np.int32))
+    kv.init(5, ones(5))
+    writable, read_only = np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(tensorkv.InvalidArgumentError, match="key 5: the out array is read-only"):
+        kv.pull([3, 5], out=[writable, read_only])
+    assert not writable.any()  # checked before any out is written
+    before = kv.pull(3)
+    with pytest.raises(tensorkv.InvalidArgumentError, match="key 5: the out array is read-only"):
+        kv.pushpull([3, 5], [ones(7), ones(7)], out=[writable, read_only])
+    assert not writable.any()
+    np.testing.assert_array_equal(kv.pull(3), before)  # nothing pushed either
     with pytest.raises(tensorkv.KeyTypeError, match="cannot be mixed"):
         kv.init("w", ones(1))
     with pytest.raises(tensorkv.KeyTypeError, match="keys are int or str"):

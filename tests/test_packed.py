@@ -201,6 +201,11 @@ def test_a_list_called_again_is_fused_and_checked_as_a_whole(tmp_path, monkeypat
             with pytest.raises(tensorkv.ShapeMismatchError, match=r"key 5: out array of shape \(3,\)"):
                 kv.pull(keys, out=sentinel)
             assert all((out == -1).all() for out in sentinel)
+            sentinel[5] = np.full(4, -1, np.float32)
+            sentinel[5].flags.writeable = False
+            with pytest.raises(tensorkv.InvalidArgumentError, match="key 5: the out array is read-only"):
+                kv.pull(keys, out=sentinel)
+            assert all((out == -1).all() for out in sentinel)
             kv.pull(keys, out=outs)
             for out, want in zip(outs, values(3)):
                 np.testing.assert_array_equal(out, want)

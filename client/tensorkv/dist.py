@@ -507,8 +507,8 @@ class DistStore(KVStore):
 
     def _outs_fit(self, keys, outs):
         """Whether every out array of ``keys`` has the known dtype and shape of its key (all
-        keys known), so that values may be decoded straight into them: a pull then never
-        writes some outs and fails on another."""
+        keys known), and is writable, so that values may be decoded straight into them: a pull
+        then never writes some outs and fails on another."""
         meta = self._meta
         for key, targets in zip(keys, outs):
             known = meta.get(key)
@@ -517,7 +517,7 @@ class DistStore(KVStore):
             shape, dtype = known
             for target in targets:
                 if type(target) is np.ndarray:
-                    if target.shape != shape or target.dtype != dtype:
+                    if target.shape != shape or target.dtype != dtype or not target.flags.writeable:
                         return False
                 elif shape_dtype(target) != (shape, dtype):
                     return False

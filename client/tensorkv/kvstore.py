@@ -216,6 +216,7 @@ class KVStore:
         for (k, arrays), targets in zip(pairs, outs):
             shape, dtype = shape_dtype(arrays[0])
             _check_same(k, targets, "out array of", shape, dtype)
+            _check_writable(k, targets)
         values = self._pushpull(pairs, fresh=False, outs=outs)
         self._deliver(key, keys, outs, values)
 
@@ -420,6 +421,7 @@ class KVStore:
                     raise DtypeMismatchError(
                         f"key {key_repr(k)}: out array of dtype {dtype} does not match the stored dtype {value.dtype}"
                     )
+            _check_writable(k, targets)
         for targets, value in zip(outs, values):
             for target in targets:
                 if target is value:  # a store may have written the value into it already
@@ -429,6 +431,13 @@ class KVStore:
                 else:
                     write_into(target, value)
         return None
+
+
+def _check_writable(key, targets):
+    """InvalidArgumentError when one of the NumPy arrays ``targets``, the out arrays of ``key``,
+    is read-only."""
+    if any(isinstance(target, np.ndarray) and not target.flags.writeable for target in targets):
+        raise InvalidArgumentError(f"key {key_repr(key)}: the out array is read-only")
 
 
 def _write_rows(target, ids, rows):
