@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tensorkv import allocator
@@ -61,3 +62,25 @@ def test_when_tuning_applies(monkeypatch):
     assert allocator.wanted() == on_glibc
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
     assert not allocator.wanted()
+
+
+def test_receive_buffers_are_used_again_only_once_nothing_refers_to_them():
+    size = allocator.REUSE_MIN_BYTES
+    buffers = allocator.Buffers(max_idle_bytes=2 * size + 10)
+    first = buffers.empty(size)
+    view = first[5:].view(np.int8)
+    del first
+    second = buffers.empty(size)
+    assert second is not view.base  # a view keeps its buffer
+    memory = memoryview(second)
+    del second
+    third = buffers.empty(size)
+    assert third is not memory.obj and third is not view.base  # a memoryview too
+    del view, memory, third
+    assert buffers.empty(size) is buffers._kept[0] and len(buffers._kept) == 3
+    assert buffers.empty(100).nbytes == 100 and len(buffers._kept) == 3  # small ones are not kept
+    buffers._kept.clear()
+    for extra in range(4):  # idle at once; past the bound, the first made go first
+        buffers.empty(size + extra)
+    buffers.empty(size + 10)
+    assert [buffer.nbytes - size for buffer in buffers._kept] == [2, 3, 10]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import datachan
+from tensorkv import allocator, datachan
 from tensorkv.codec import Item, encode_stream, following
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
@@ -63,6 +63,35 @@ def test_values_over_the_channel_equal_those_of_grpc(tmp_path):
         assert tcp.dtype == grpc_value.dtype == value.dtype
         assert np.array_equal(tcp, grpc_value) and np.array_equal(tcp, value)
     assert all(log.count("data channel from") == 1 for log in logs)  # one channel per server, kept
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_large_values_in_reused_receive_buffers_stay_exact(tmp_path, transport):
+    """Values of 32 MiB or more are received into buffers the server uses again once nothing
+    refers to them (allocator.Buffers): two keys pushed in turn, assigned and then as SGD's
+    gradients (buffers let go after each update), stay exact round after round."""
+    size = (allocator.REUSE_MIN_BYTES >> 2) + 1000  # float32 elements
+    keys = ["a", "b"]
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport, timeout=60) as kv:
+            kv.init(keys, [np.zeros(size, np.float32)] * 2)
+            out = np.empty(size, np.float32)
+            for step in range(1, 4):
+                for i, key in enumerate(keys):
+                    kv.push(key, _value(size, np.float32, 10 * step + i))
+                for i, key in enumerate(keys):
+                    kv.pull(key, out=out)
+                    assert np.array_equal(out, _value(size, np.float32, 10 * step + i)), (step, key)
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
+            weights = [_value(size, np.float32, 30 + i) for i in range(2)]
+            for step in range(1, 4):
+                for i, key in enumerate(keys):
+                    gradient = _value(size, np.float32, step + i)
+                    kv.push(key, gradient)
+                    weights[i] = weights[i] - gradient
+                for i, key in enumerate(keys):
+                    kv.pull(key, out=out)
+                    assert np.array_equal(out, weights[i]), (step, key)
 
 
 def test_errors_over_the_channel_leave_values_and_the_channel_usable(tmp_path):

@@ -6,6 +6,10 @@ unmapped: the kernel's page clearing, not the copies, bounds large transfers (se
 docs/transport.md). Tuned, allocations up to 32 MiB (the most glibc allows) come from the
 heap and freed memory stays mapped up to a bound instead of going back to the kernel.
 
+Past 32 MiB every allocation is a fresh mapping all the same: a server receiving values of
+that size call after call takes its receive buffers from :class:`Buffers`, which hands a
+buffer out again once nothing refers to it.
+
 The server owns its process: it re-execs itself once with ``GLIBC_TUNABLES`` (glibc reads
 tunables only at start), which also caps its arenas. A client cannot restart its user's
 process, so a dist store sets the two thresholds with ``mallopt(3)`` when it is created,
@@ -19,6 +23,7 @@ import platform
 import sys
 
 MMAP_THRESHOLD = 32 << 20
+REUSE_MIN_BYTES = MMAP_THRESHOLD  # Buffers keeps those of this size or more
 SERVER_TRIM_THRESHOLD = 1 << 30
 CLIENT_TRIM_THRESHOLD = 256 << 20  # enough to keep a 64 MiB tensor's buffers (measured)
 SERVER_TUNABLES = (f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:"
@@ -60,3 +65,48 @@ def tune_this_process():
         return
     if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, CLIENT_TRIM_THRESHOLD):
         log.debug("malloc tuned: mmap_threshold=%d trim_threshold=%d", MMAP_THRESHOLD, CLIENT_TRIM_THRESHOLD)
+
+
+class Buffers:
+    """Receive buffers (uint8 arrays) of REUSE_MIN_BYTES or more, kept once made and handed
+    out again once nothing refers to them: no array, view or memoryview of one is alive
+    (CPython's reference count says so), so a stored value, a value being sent or written to
+    a snapshot keeps its buffer from being handed out. At most ``max_idle_bytes`` of buffers
+    that nothing refers to are kept (the first made go first); smaller buffers come from
+    ``np.empty``. For one thread (a server's event loop).
+
+    >>> buffers = Buffers(1 << 30)
+    >>> first = buffers.empty(REUSE_MIN_BYTES)
+    >>> held = first[:10]            # a view keeps it
+    >>> buffers.empty(REUSE_MIN_BYTES) is first
+    False
+    >>> del first, held
+    >>> len(buffers._kept), buffers.empty(REUSE_MIN_BYTES) is buffers._kept[0]
+    (2, True)
+    """
+
+    def __init__(self, max_idle_bytes):
+        self.max_idle_bytes = max_idle_bytes
+        self._kept = []
+
+    def empty(self, nbytes):
+        """A uint8 array of ``nbytes`` bytes, its contents undefined."""
+        import numpy as np  # not at the top: a server re-execs itself before it needs NumPy
+        if nbytes < REUSE_MIN_BYTES:
+            return np.empty(nbytes, np.uint8)
+        kept = self._kept
+        # Idle: the list's reference and getrefcount's argument are the only ones.
+        idle = [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
+        for i in idle:
+            if kept[i].nbytes == nbytes:
+                return kept[i]
+        idle_bytes = sum(kept[i].nbytes for i in idle)
+        dropped = set()
+        for i in idle:  # the first made go first
+            if idle_bytes <= self.max_idle_bytes:
+                break
+            idle_bytes -= kept[i].nbytes
+            dropped.add(i)
+        self._kept = [kept[i] for i in range(len(kept)) if i not in dropped]
+        self._kept.append(np.empty(nbytes, np.uint8))
+        return self._kept[-1]

@@ -235,7 +235,7 @@ class FrameDecoder:
 
     def __init__(self, max_bytes=None, with_data=True, destination=None, resolve=None,
                  copy_refs=False, channel=False, staging=None, max_key_bytes=None, max_keys=None,
-                 max_call_bytes=None, two_bit=False):
+                 max_call_bytes=None, two_bit=False, empty=None):
         self.max_bytes = math.inf if max_bytes is None else max_bytes
         self.max_key_bytes = math.inf if max_key_bytes is None else max_key_bytes
         self.max_keys = math.inf if max_keys is None else max_keys
@@ -252,6 +252,9 @@ class FrameDecoder:
         # writable C-contiguous array of that dtype that holds exactly the entry's elements
         # (the whole value, or the slice's), to receive its bytes; or None for a new array.
         self.destination = destination
+        # empty(nbytes): a new uint8 array to receive an entry's bytes into where there is no
+        # destination (a server's allocator.Buffers.empty; np.empty by default).
+        self.empty = empty or (lambda nbytes: np.empty(nbytes, np.uint8))
         # Whether entries may say that their bytes follow on the data channel; the uint8
         # buffers that receive those bytes, in entry order.
         self.channel = channel
@@ -469,7 +472,7 @@ class FrameDecoder:
             array = self.destination(index, header.key, header.dtype, header.shape, header.slice)
         if array is None:
             try:
-                return np.empty(header.nbytes, dtype=np.uint8), True
+                return self.empty(header.nbytes), True
             except MemoryError:
                 raise no_memory(header.key, header.shape, header.dtype, header.nbytes) from None
         return array.reshape(-1).view(np.uint8), False
@@ -758,7 +761,7 @@ class StreamDecoder:
 
     def __init__(self, message_class, frame_field, max_bytes=None, destination=None, with_data=None, resolve=None,
                  copy_refs=False, channel=False, staging=None, max_key_bytes=None, max_keys=None, max_call_bytes=None,
-                 two_bit=False):
+                 two_bit=False, empty=None):
         self.message_class = message_class
         self.frame_name = frame_field
         self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
@@ -767,7 +770,7 @@ class StreamDecoder:
         self._with_data = with_data
         self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
                                    channel=channel, staging=staging, max_key_bytes=max_key_bytes, max_keys=max_keys,
-                                   max_call_bytes=max_call_bytes, two_bit=two_bit)
+                                   max_call_bytes=max_call_bytes, two_bit=two_bit, empty=empty)
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""

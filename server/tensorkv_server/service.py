@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 from google.protobuf.message_factory import GetMessageClass
 
-from tensorkv import __version__, codec, packed, rowsparse_wire, states_wire
+from tensorkv import __version__, allocator, codec, packed, rowsparse_wire, states_wire
 from tensorkv.backend import on_gpu
 from tensorkv.engine import dtype_mismatch
 from tensorkv.errors import (
@@ -186,6 +186,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # Pinned buffers and a CUDA stream between the wire and a GPU engine, or None.
         xp = coordinator.engine.xp
         self.staging = Staging(xp) if xp is not np else None
+        # Receive buffers of 32 MiB or more, used again once nothing refers to them (as much
+        # idle as glibc is told to keep of freed memory).
+        self.buffers = allocator.Buffers(allocator.SERVER_TRIM_THRESHOLD)
 
     def _decoder(self, message_class, **options):
         """A decoder of a stream of serialized ``message_class`` (see codec.StreamDecoder) within
@@ -194,7 +197,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         limits = self.limits
         return codec.StreamDecoder(message_class, "frame", max_bytes=limits.max_value_bytes,
                                    max_key_bytes=limits.max_key_bytes, max_keys=limits.max_keys_per_call,
-                                   max_call_bytes=limits.max_inflight_bytes, two_bit=True,
+                                   max_call_bytes=limits.max_inflight_bytes, two_bit=True, empty=self.buffers.empty,
                                    staging=self.staging.receiver if self.staging else None, **options)
 
     async def _apply(self, requests, message_class, call, with_data=None):
@@ -367,7 +370,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             incoming = decoder.frames.incoming
             layout = self._layout(request, items, layouts, channel) if request.layout_id else None
             if layout is not None and request.op != kvstore_pb2.SESSION_OP_PULL:
-                incoming = [np.empty(layout.nbytes, np.uint8)]  # the packed values follow the request
+                incoming = [self.buffers.empty(layout.nbytes)]  # the packed values follow the request
             uses_channel = bool(incoming or request.data_channel_min_bytes or layout)
             in_step = not incoming
             if request.op in _OPS_WITHOUT_VALUES and items:  # bytes it announced would stay unread on the channel
