@@ -1,6 +1,7 @@
 """The raw-TCP data channel (a client on another host, or transport='tcp'), with real server
 processes on 127.0.0.1: values equal those of plain gRPC, errors, negotiation and fallback,
 and failures of either side."""
+import os
 import signal
 import socket
 import struct
@@ -92,6 +93,35 @@ def test_large_values_in_reused_receive_buffers_stay_exact(tmp_path, transport):
                 for i, key in enumerate(keys):
                     kv.pull(key, out=out)
                     assert np.array_equal(out, weights[i]), (step, key)
+
+
+def _timers(port):
+    """{(local port, remote port): the kernel's timer kind} of the established IPv4 TCP
+    sockets with ``port`` at either end (/proc/net/tcp: 2 is keepalive's, 0 none)."""
+    timers = {}
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            local, remote = (int(address.rsplit(":", 1)[1], 16) for address in fields[1:3])
+            if fields[3] == "01" and port in (local, remote):
+                timers[local, remote] = int(fields[5].split(":")[0], 16)
+    return timers
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_both_ends_of_the_channel_keep_it_alive_while_idle(tmp_path):
+    """TCP keepalive is on at the worker's end and the server's (datachan.keep_alive): an idle
+    channel has its keepalive timer armed on both, with the idle time the module sets."""
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", timeout=30) as kv:
+            kv.init("w", np.zeros(1 << 17, np.float32))  # 512 KiB: on the data channel
+            kv.pull("w")
+            sock = channels(kv)[0]._sock
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == datachan.KEEPALIVE_IDLE
+            data_port = kv._sessions[0].data_port
+            ends = _timers(data_port)
+            assert len(ends) == 2 and set(ends.values()) == {2}, ends  # the worker's end and the server's
 
 
 def test_errors_over_the_channel_leave_values_and_the_channel_usable(tmp_path):

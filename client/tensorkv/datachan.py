@@ -24,6 +24,14 @@ FRAME_HEADER = 4  # bytes of the little-endian length before each call and answe
 CONNECT_TIMEOUT = 10.0
 TLS_WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
 TLS_RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
+# TCP keepalive on both ends: a channel may sit idle through a long wait (a sync pull or a
+# barrier waiting for the other workers), which gRPC's pings keep alive on the stream but
+# not here. Probed after this many idle seconds, then every KEEPALIVE_INTERVAL, a
+# connection stays known to the NATs and firewalls on its way, and a peer that vanished is
+# found within about a minute (as gRPC's keepalive on the stream: rpc.py).
+KEEPALIVE_IDLE = 30
+KEEPALIVE_INTERVAL = 10
+KEEPALIVE_PROBES = 3
 IOV_MAX = 1024  # buffers one recvmsg_into fills at most (Linux's UIO_MAXIOV, macOS's IOV_MAX)
 
 
@@ -58,6 +66,7 @@ class Channel:
         self._sock = socket.create_connection((host, port), min(timeout, CONNECT_TIMEOUT))
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(self._sock)
             if tls is not None:
                 self._sock = TlsSocket(self._sock, tls, host)
             self._sock.sendall(token)
@@ -204,6 +213,16 @@ class Channel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def keep_alive(sock):
+    """Turn on TCP keepalive for ``sock``, one end of a data channel (KEEPALIVE_*, where the
+    platform has the options)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _bytes(buffer):

@@ -8,6 +8,8 @@ import asyncio
 import socket
 import ssl
 
+from tensorkv.datachan import keep_alive
+
 RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
 WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
 
@@ -107,6 +109,7 @@ async def accept(sock, tls_context):
     """The link of a new connection ``sock``: TLS (handshake done) with ``tls_context``, else plaintext."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    keep_alive(sock)
     if tls_context is None:
         return PlainLink(sock)
     link = TlsLink(sock, tls_context)
