@@ -66,7 +66,7 @@ def test_when_tuning_applies(monkeypatch):
 
 def test_receive_buffers_are_used_again_only_once_nothing_refers_to_them():
     size = allocator.REUSE_MIN_BYTES
-    buffers = allocator.Buffers(max_idle_bytes=2 * size + 10)
+    buffers = allocator.Buffers(max_bytes=3 * size + 10)
     first = buffers.empty(size)
     view = first[5:].view(np.int8)
     del first
@@ -79,8 +79,14 @@ def test_receive_buffers_are_used_again_only_once_nothing_refers_to_them():
     del view, memory, third
     assert buffers.empty(size) is buffers._kept[0] and len(buffers._kept) == 3
     assert buffers.empty(100).nbytes == 100 and len(buffers._kept) == 3  # small ones are not kept
-    buffers._kept.clear()
-    for extra in range(4):  # idle at once; past the bound, the first made go first
-        buffers.empty(size + extra)
-    buffers.empty(size + 10)
-    assert [buffer.nbytes - size for buffer in buffers._kept] == [2, 3, 10]
+
+
+def test_receive_buffers_kept_take_max_bytes_at_most():
+    size = allocator.REUSE_MIN_BYTES
+    buffers = allocator.Buffers(max_bytes=3 * size + 10)
+    burst = [buffers.empty(size + extra) for extra in range(5)]  # in use: the last two not kept
+    assert [buffer.nbytes - size for buffer in buffers._kept] == [0, 1, 2]
+    del burst
+    buffers.empty(size + 10)  # idle ones, the first made first, make room
+    assert [buffer.nbytes - size for buffer in buffers._kept] == [2, 10]
+    assert sum(buffer.nbytes for buffer in buffers._kept) <= buffers.max_bytes

@@ -279,6 +279,13 @@ def test_errors_name_the_key_shapes_and_dtypes(kv):
         kv.pushpull([3, 5], [ones(7), ones(7)], out=[writable, read_only])
     assert not writable.any()
     np.testing.assert_array_equal(kv.pull(3), before)  # nothing pushed either
+    with pytest.raises(tensorkv.InvalidArgumentError, match="key 5: the out array is read-only"):
+        kv.row_sparse_pull([3, 5], out=[writable, read_only], row_ids=[[0], [1]])
+    assert not writable.any()
+    with pytest.raises(tensorkv.InvalidArgumentError, match="key 6: the out array is read-only"):
+        kv.broadcast(6, ones(1), out=read_only)
+    kv.broadcast(6, ones(1), out=writable)  # the refused broadcast initialized nothing
+    np.testing.assert_array_equal(writable, ones(1))
     with pytest.raises(tensorkv.KeyTypeError, match="cannot be mixed"):
         kv.init("w", ones(1))
     with pytest.raises(tensorkv.KeyTypeError, match="keys are int or str"):

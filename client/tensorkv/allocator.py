@@ -71,9 +71,10 @@ class Buffers:
     """Receive buffers (uint8 arrays) of REUSE_MIN_BYTES or more, kept once made and handed
     out again once nothing refers to them: no array, view or memoryview of one is alive
     (CPython's reference count says so), so a stored value, a value being sent or written to
-    a snapshot keeps its buffer from being handed out. At most ``max_idle_bytes`` of buffers
-    that nothing refers to are kept (the first made go first); smaller buffers come from
-    ``np.empty``. For one thread (a server's event loop).
+    a snapshot keeps its buffer from being handed out. The buffers kept, in use or idle,
+    take ``max_bytes`` at most: idle ones, the first made first, make room for a new one,
+    and a buffer there is no room for is not kept (it is freed once released). Smaller
+    buffers come from ``np.empty``. For one thread (a server's event loop).
 
     >>> buffers = Buffers(1 << 30)
     >>> first = buffers.empty(REUSE_MIN_BYTES)
@@ -85,8 +86,8 @@ class Buffers:
     (2, True)
     """
 
-    def __init__(self, max_idle_bytes):
-        self.max_idle_bytes = max_idle_bytes
+    def __init__(self, max_bytes):
+        self.max_bytes = max_bytes
         self._kept = []
 
     def empty(self, nbytes):
@@ -100,13 +101,15 @@ class Buffers:
         for i in idle:
             if kept[i].nbytes == nbytes:
                 return kept[i]
-        idle_bytes = sum(kept[i].nbytes for i in idle)
+        total = sum(buffer.nbytes for buffer in kept) + nbytes
         dropped = set()
         for i in idle:  # the first made go first
-            if idle_bytes <= self.max_idle_bytes:
+            if total <= self.max_bytes:
                 break
-            idle_bytes -= kept[i].nbytes
+            total -= kept[i].nbytes
             dropped.add(i)
         self._kept = [kept[i] for i in range(len(kept)) if i not in dropped]
-        self._kept.append(np.empty(nbytes, np.uint8))
-        return self._kept[-1]
+        buffer = np.empty(nbytes, np.uint8)
+        if total <= self.max_bytes:
+            self._kept.append(buffer)
+        return buffer

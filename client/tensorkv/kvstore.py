@@ -154,6 +154,8 @@ class KVStore:
         """
         self._check_open()
         requests, deliveries = self._row_sparse_targets(key, out, row_ids)
+        for position, target in deliveries or ():
+            _check_writable(requests[position][0], [target])
         # The first out array of each request may receive its rows straight from the wire.
         results = self._row_sparse_pull(requests, {} if deliveries is None else dict(reversed(deliveries)))
         if deliveries is None:
@@ -232,6 +234,7 @@ class KVStore:
         if outs is not None:
             for item, targets in zip(items, outs):
                 _check_same(item.key, targets, "out array of", *shape_dtype(item.array))
+                _check_writable(item.key, targets)
         self._init(items)
         return self.pull(key, out=out)
 

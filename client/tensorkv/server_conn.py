@@ -23,8 +23,8 @@ from google.protobuf import message
 from . import packed, rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import (
-    DeadlineExceededError, FailedPreconditionError, InternalError, KVStoreError, ServerUnavailableError,
-    ShapeMismatchError, key_repr,
+    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
+    ServerUnavailableError, ShapeMismatchError, key_repr,
 )
 from .rpc import (
     CHANNEL_OPTIONS, READ_ONLY_CALLS, Deferred, Session, Stub, connection_lost, error_from_code, error_from_rpc,
@@ -131,6 +131,7 @@ class ServerConn:
         memory, then the data channel, tried lazily by the first call that moves enough bytes
         (the proof of the same host happens then: tensorkv.shm)."""
         self._transport = transport
+        self._session_barrier = True  # until the server says it has no SESSION_OP_BARRIER
         # A copy of each push is kept for a restart only where one can restore rounds to line up.
         self._realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1 and info.snapshots
         if self.session is not None:
@@ -465,8 +466,15 @@ class ServerConn:
         self._call("barrier", self._barrier_once)
 
     def _barrier_once(self, timeout):
-        if self._session("barrier", [], timeout) is None:
-            self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
+        if self._session_barrier:
+            try:
+                if self._session("barrier", [], timeout) is not None:
+                    return
+            except InvalidArgumentError as error:
+                if "unknown session op" not in str(error):
+                    raise
+                self._session_barrier = False  # a server from before SESSION_OP_BARRIER: it entered nothing
+        self._rpc("barrier", self.stub.Barrier, kvstore_pb2.BarrierRequest(**self._caller()), timeout)
 
     def _unary_once(self, timeout, kind, method, request):
         """The answer of the stub's ``method`` to ``request`` (a list of messages for a stream

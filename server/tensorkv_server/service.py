@@ -186,8 +186,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # Pinned buffers and a CUDA stream between the wire and a GPU engine, or None.
         xp = coordinator.engine.xp
         self.staging = Staging(xp) if xp is not np else None
-        # Receive buffers of 32 MiB or more, used again once nothing refers to them (as much
-        # idle as glibc is told to keep of freed memory).
+        # Receive buffers of 32 MiB or more, used again once nothing refers to them (as many
+        # bytes kept as glibc is told to keep of freed memory).
         self.buffers = allocator.Buffers(allocator.SERVER_TRIM_THRESHOLD)
 
     def _decoder(self, message_class, **options):
