@@ -30,7 +30,7 @@ from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, tou
 from .lease import Heartbeat
 from .security import Security
 from .rpc import CHANNEL_OPTIONS, Stub, error_from_rpc
-from .server_conn import ServerConn
+from .server_conn import ServerConn, receivable
 from .v1 import kvstore_pb2
 from .words import plural
 
@@ -141,13 +141,6 @@ def _env_int(name, value):
         return int(value)
     text = os.environ.get(name)
     return int(text) if text else None
-
-
-def _receivable(target, dtype, shape):
-    """Whether the pulled value of ``dtype`` and full ``shape`` may be decoded straight into
-    ``target``, the caller's out array."""
-    return type(target) is np.ndarray and target.dtype == dtype and target.shape == tuple(shape) \
-        and target.flags.c_contiguous and target.flags.writeable
 
 
 def _grouped(pairs):
@@ -336,7 +329,7 @@ class DistStore(KVStore):
         for index, answered in results.items():
             for (position, _), item in zip(plan[index], answered):
                 if outs is not None and (item.array is outs[position][0] or (
-                        _receivable(outs[position][0], item.array.dtype, item.shape)
+                        receivable(outs[position][0], item.array.dtype, item.shape)
                         and np.may_share_memory(outs[position][0], item.array))):
                     values[position] = outs[position][0]
                     continue
@@ -592,7 +585,7 @@ class DistStore(KVStore):
                                         f"{rows.shape} {rows.dtype} for {len(ids)} rows of {shape} {dtype}")
                 if where is None:
                     target = outs.get(position)
-                    received = _receivable(target, dtype, rows.shape) and np.may_share_memory(target, rows)
+                    received = receivable(target, dtype, rows.shape) and np.may_share_memory(target, rows)
                     results[position] = (shape, target if received else rows, None)
                 else:
                     place(results[position][1], positions, ids, rows, where)

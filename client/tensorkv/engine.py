@@ -232,10 +232,12 @@ class Engine:
 
     def _apply_dense(self, key, value, merged, owned):
         """:meth:`apply` of a dense ``merged`` to the Stored ``value`` of ``key``, on the engine's device."""
-        if self.updater is None and owned and type(merged) is type(value.array) \
-                and merged.dtype == value.array.dtype and merged.shape == value.array.shape \
-                and merged.flags.c_contiguous:
-            value.array = merged
+        if self.updater is None and type(merged) is type(value.array) is self.xp.ndarray \
+                and merged.shape == value.array.shape:
+            if owned and merged.dtype == value.array.dtype and merged.flags.c_contiguous:
+                value.array = merged
+            else:  # kernels.sum_into's copy of one value, without its per-call setup (once per key of a list)
+                self.xp.copyto(self._writable(value), merged, casting="unsafe")
             return
         stored = self._writable(value)
         if self.updater is None:
@@ -251,21 +253,13 @@ class Engine:
         together (Updater.update_each)."""
         updates = []  # for an Updater: (key, value, stored array), updated together
         batch = isinstance(self.updater, Updater)
-        assign = self.updater is None
-        xp = self.xp
         with self.on_device():
             for item in items:
                 value = self._values.get(item.key)
                 array = item.array
-                if value is not None and type(array) is type(value.array) is xp.ndarray:
-                    if batch:
-                        updates.append((item.key, self.merge([array]), self._writable(value)))
-                        continue
-                    if assign and not item.owned and array.shape == value.array.shape:
-                        # _apply_dense's copy (kernels.sum_into of one value), without its
-                        # per-call checks: once per key of a list
-                        xp.copyto(self._writable(value), array, casting="unsafe")
-                        continue
+                if batch and value is not None and type(array) is type(value.array) is self.xp.ndarray:
+                    updates.append((item.key, self.merge([array]), self._writable(value)))
+                    continue
                 if updates:  # the updates before this one first: a schedule reads their counts
                     self.updater.update_each(updates)
                     updates = []

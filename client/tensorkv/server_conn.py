@@ -286,10 +286,14 @@ class ServerConn:
         sequence = next(self._sequences)
         deferred = None
         if defer and sum(item.array.nbytes for _, item in part) <= DEFER_MAX_BYTES:
-            deferred = Deferred(lambda request: self._sent(sequence, request, undo), lambda: self._settled(sequence),
-                                lambda error: self._failed(sequence, [item.key for _, item in part], error))
+            deferred = self._deferred(sequence, [item.key for _, item in part], undo)
         self._call("push", self._push_once, part, sequence, deferred)
         self._last_pushes.update(self._copies(part, sequence))
+
+    def _deferred(self, sequence, keys, undo=None):
+        """The Deferred of the push ``sequence`` of ``keys``, to be sent without waiting."""
+        return Deferred(lambda request: self._sent(sequence, request, undo), lambda: self._settled(sequence),
+                        lambda error: self._failed(sequence, keys, error))
 
     def _sent(self, sequence, request, undo):
         """The push ``sequence`` was sent without waiting: keep what sends it again, and its undo."""
@@ -370,14 +374,10 @@ class ServerConn:
         (a fused list, tensorkv.fusion): sent without waiting as :meth:`push` is, when it has
         DEFER_MAX_BYTES at most."""
         sequence = next(self._sequences)
-        deferred = None
-        if layout.nbytes <= DEFER_MAX_BYTES:
-            deferred = Deferred(lambda request: self._sent(sequence, request, None), lambda: self._settled(sequence),
-                                lambda error: self._failed(sequence, layout.keys, error))
+        deferred = self._deferred(sequence, layout.keys) if layout.nbytes <= DEFER_MAX_BYTES else None
         self._call("push", self._push_packed_once, layout, values, sequence, deferred)
         if self._realign:  # views of ``values``, which nothing changes
-            self._last_pushes.update((key, (sequence, Item(key, value)))
-                                     for key, value in zip(layout.keys, layout.views(values)))
+            self._last_pushes.update((item.key, (sequence, item)) for item in _pushed_items((layout, values)))
 
     def _push_packed_once(self, timeout, layout, values, sequence, deferred):
         session = self.session
@@ -701,17 +701,21 @@ class ServerConn:
             raise InternalError(f"server {self.address} answered session call {response.id}, not {call_id}")
 
 
+def receivable(target, dtype, shape):
+    """Whether a pulled value of ``dtype`` and full ``shape`` may be received straight into
+    ``target``, the caller's out array."""
+    return type(target) is np.ndarray and target.dtype == dtype and target.shape == tuple(shape) \
+        and target.flags.c_contiguous and target.flags.writeable
+
+
 def _targets(layout, part, outs):
     """The arrays that the values of ``layout`` are pulled into: the out array of each
-    (``outs[position][0]`` of its (position, key) in ``part``) where that is a writable
-    C-contiguous NumPy array of its dtype and shape, else a new array."""
+    (``outs[position][0]`` of its (position, key) in ``part``) where it is :func:`receivable`,
+    else a new array."""
     targets = []
     for (position, _), shape in zip(part, layout.shapes):
         target = outs[position][0] if outs is not None else None
-        if not (type(target) is np.ndarray and target.shape == shape and target.dtype == layout.dtype
-                and target.flags.writeable and target.flags.c_contiguous):
-            target = np.empty(shape, layout.dtype)
-        targets.append(target)
+        targets.append(target if receivable(target, layout.dtype, shape) else np.empty(shape, layout.dtype))
     return targets
 
 
@@ -771,8 +775,8 @@ def _decoder(message_type, part, outs, resolve=None, channel=False):
         expected = []
         for position, asked in part:
             target = outs[position][0]
-            receivable = type(target) is np.ndarray and target.flags.c_contiguous and target.flags.writeable
-            expected.append((asked.key if isinstance(asked, Item) else asked, target if receivable else None))
+            writable = type(target) is np.ndarray and target.flags.c_contiguous and target.flags.writeable
+            expected.append((asked.key if isinstance(asked, Item) else asked, target if writable else None))
 
         def destination(index, key, dtype, shape, slice):
             if index >= len(expected):
