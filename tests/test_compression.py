@@ -93,6 +93,21 @@ def test_the_compiled_host_pass_is_quantize_then_pack(size, ranges):
         assert kept.tolist() == residual.tolist()
 
 
+@pytest.mark.parametrize("size", [0, 1, 3, 4, 5, 33, 1 << 16])
+def test_the_compiled_host_pass_reads_codes_as_dequantize(size):
+    """A server's host codes take one compiled pass (numba); CuPy codes take dequantize: both
+    give the same values, bit for bit, for every byte, from read-only bytes too (as they come
+    off the wire)."""
+    rng = np.random.default_rng(size)
+    packed = rng.integers(0, 256, -(-size // 4), dtype=np.uint8)
+    for threshold in (0.5, 0.3, 1e-3):
+        expected = compression.dequantize(packed, size, threshold)
+        for codes in (packed, np.frombuffer(packed.tobytes(), np.uint8)):
+            got = compression.values(codes, size, threshold)
+            assert got.dtype == np.float32 and got.shape == (size,)
+            assert got.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+
+
 def expected_rounds(num_workers, size, key, threshold):
     """The value pulled after each round: the sum over workers of what each sent."""
     residuals = [np.zeros(size, np.float32) for _ in range(num_workers)]

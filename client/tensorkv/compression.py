@@ -9,9 +9,10 @@ bytes than float32; a server turns them back into float32 values (:func:`decompr
 merges them as any push. The layout is TwoBitCodes in protos/tensorkv/v1/tensor.proto (and
 docs/protocol.md).
 
-Each function works on NumPy or CuPy arrays alike, in the namespace of its input. A worker's
-host values take one compiled pass instead (:class:`Compressor`, with numba); the tests hold
-it to these functions, which CuPy values go through.
+Each function works on NumPy or CuPy arrays alike, in the namespace of its input. Host
+arrays take one compiled pass instead (numba): a worker's values to quantize
+(:class:`Compressor`) and a server's codes to read (:func:`values`); the tests hold these
+passes to the functions, which CuPy arrays go through.
 
 >>> import numpy as np
 >>> residual = np.zeros(5, np.float32)
@@ -123,11 +124,29 @@ def pack(codes):
 def dequantize(packed, count, threshold):
     """The float32 values of the first ``count`` codes in ``packed`` (see :func:`pack`)."""
     xp = array_module(packed)
+    return xp.take(xp.asarray(_byte_values(threshold)), packed, axis=0).reshape(-1)[:count]
+
+
+def values(packed, count, threshold):
+    """What :func:`dequantize` gives, through one compiled pass for host codes (what a
+    server reads)."""
+    if array_module(packed) is not np:
+        return dequantize(packed, count, threshold)
+    packed = np.ascontiguousarray(packed).reshape(-1)
+    result = np.empty(4 * packed.size, np.float32)
+    # 16 bytes per byte of codes, copied as two 8-byte words: the values' bits, whatever they are
+    _host_dequantizer()(packed, _byte_values(threshold).view(np.uint64), result.view(np.uint64).reshape(-1, 2))
+    return result[:count]
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_values(threshold):
+    """The float32 values (256 x 4, read-only) of each byte's four codes: 0b00 and 0b01 -> 0
+    (as MXNet's dequantize_2bit reads them), 0b10 -> -threshold, 0b11 -> +threshold."""
     value = np.float32(threshold)
-    # code -> value: 0b00 and 0b01 -> 0 (as MXNet's dequantize_2bit reads them), 0b10 ->
-    # -threshold, 0b11 -> +threshold; then byte -> the values of its 4 codes
-    table = xp.asarray(np.array([0, 0, -value, value], np.float32)[_UNPACKED])
-    return xp.take(table, packed, axis=0).reshape(-1)[:count]
+    table = np.array([0, 0, -value, value], np.float32)[_UNPACKED]
+    table.flags.writeable = False
+    return table
 
 
 _UNPACKED = np.array([[(byte >> shift) & 0b11 for shift in (6, 4, 2, 0)] for byte in range(256)], np.uint8)
@@ -188,7 +207,7 @@ class Compressor:
 
     def values(self, packed, shape):
         """The float32 values of ``shape`` that ``packed`` codes stand for (what a server reads)."""
-        return dequantize(packed, math.prod(shape), self.threshold).reshape(shape)
+        return values(packed, math.prod(shape), self.threshold).reshape(shape)
 
 
 @functools.cache
@@ -226,12 +245,32 @@ def _host_quantizer():
     return quantize_packed
 
 
+@functools.cache
+def _host_dequantizer():
+    """:func:`dequantize` of host codes in one compiled pass (numba; about 1.3x faster than
+    NumPy's take, which first widens every byte to an index): ``dequantize_words(packed,
+    table, words)`` writes row ``table[b]`` (two uint64 words: the four float32 values of
+    byte b) to ``words[j]`` for each byte ``b = packed[j]``."""
+    import numba
+
+    readonly = functools.partial(numba.types.Array, layout="C", readonly=True)  # codes may be read-only bytes
+
+    @numba.njit(numba.void(readonly(numba.uint8, 1), readonly(numba.uint64, 2), numba.uint64[:, ::1]), nogil=True)
+    def dequantize_words(packed, table, words):
+        for j in range(packed.size):
+            byte = packed[j]
+            words[j, 0] = table[byte, 0]
+            words[j, 1] = table[byte, 1]
+
+    return dequantize_words
+
+
 def decompressed(item, xp=np):
     """``item`` with the float32 values its 2-bit codes stand for, in namespace ``xp``; an item
     without codes as it is."""
     if item.two_bit is None:
         return item
     count = math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0]
-    values = dequantize(to_namespace(item.array, xp), count, item.two_bit)
-    return Item(item.key, values.reshape(item.shape if item.slice is None else (count,)), item.shape, item.slice,
+    result = values(to_namespace(item.array, xp), count, item.two_bit)
+    return Item(item.key, result.reshape(item.shape if item.slice is None else (count,)), item.shape, item.slice,
                 owned=True)

@@ -25,6 +25,7 @@ from tensorkv.rpc import error_status
 from tensorkv.v1 import kvstore_pb2
 
 from . import datalink
+from .deadline import within
 
 log = logging.getLogger(__name__)
 
@@ -213,15 +214,15 @@ class StreamChannel:
 
     async def _io(self, work, timeout):
         try:
-            await asyncio.wait_for(work, timeout)
+            await within(work, timeout)
         except asyncio.TimeoutError:
             self.close()
             raise DeadlineExceededError(f"the data channel did not move the bytes within {timeout:g} s") from None
         except (OSError, EOFError) as error:
             self.close()
-            # The failed read's (or write's) asyncio future, and wait_for's task, hold this error,
-            # whose traceback holds the frames that awaited them: reference cycles that would keep
-            # the frames' buffers (a whole value) until the cyclic GC runs. Their locals go now.
+            # The failed read's (or write's) asyncio future holds this error, whose traceback
+            # holds the frames that awaited it: reference cycles that would keep the frames'
+            # buffers (a whole value) until the cyclic GC runs. Their locals go now.
             traceback.clear_frames(error.__traceback__)
             raise ServerUnavailableError(f"the data channel broke: {error}") from None
 

@@ -27,6 +27,7 @@ from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv.words import plural
 
 from . import datachan, logs, metrics, shm
+from .deadline import within
 from .limits import Limits
 from .membership import FAIL, REPLACE, RESUME
 from .staging import Staging
@@ -50,18 +51,6 @@ _OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSI
 # The ops that may name a packed layout (SessionRequest.layout_id), and those of them that pull.
 _PACKED_OPS = {kvstore_pb2.SESSION_OP_PUSH, kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 _PACKED_PULLS = {kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
-
-
-if hasattr(asyncio, "timeout"):  # Python 3.11+
-    async def _within(work, seconds):
-        """``await work``, cancelled after ``seconds`` (asyncio.TimeoutError). It runs in the
-        caller's task: no task of its own and no extra turn of the event loop, which
-        asyncio.wait_for costs on every call."""
-        async with asyncio.timeout(seconds):
-            return await work
-else:
-    async def _within(work, seconds):
-        return await asyncio.wait_for(work, seconds)
 
 
 def _ms(seconds):
@@ -408,7 +397,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             work = self._session_work(request, items, layout)
             if timeout is not None:
                 try:
-                    items = await _within(work, timeout)
+                    items = await within(work, timeout)
                 except asyncio.TimeoutError:
                     raise DeadlineExceededError(f"the call took longer than its {request.timeout_ms} ms") from None
             else:
