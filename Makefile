@@ -88,8 +88,8 @@ run-dist: $(STAMP)
 	$(PY) -c '$(WAIT_PORT)' $$port && \
 	TENSORKV_SERVERS=127.0.0.1:$$port $(PY) examples/tutorial_dist.py
 
-# `make bench`: tensorkv next to raw TCP, plain gRPC and (when `make bench-mxnet`
-# has written bench-results/mxnet.json) MXNet 1.9.1, measured on 127.0.0.1;
+# `make bench`: tensorkv next to raw TCP, plain gRPC and (once `make bench-mxnet` has
+# made .venv-mxnet) MXNet 1.9.1, taking turns row by row, measured on 127.0.0.1;
 # writes bench-results/bench.json and bench-results/throughput.png; then the update
 # engine's rows (bench/engine.py: CuPy on a GPU, else NumPy) -> bench-results/engine.md;
 # then the Trainer's (bench/trainer.py) -> bench-results/trainer.md; then row_sparse_pull's
@@ -107,10 +107,11 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
-# MXNet's columns are measured in the same run once `make bench-mxnet` has made its venv.
+# MXNet's columns are measured in the same run once `make bench-mxnet` has made its venv:
+# run.py's rows take turns with MXNet's; bench-mxnet's JSON gives compression.py MXNet's 2-bit push.
 bench: $(BENCH_STAMP)
 	@if [ -x $(MXNET_VENV)/bin/python ]; then $(MAKE) --no-print-directory bench-mxnet; fi
-	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) bench/run.py $(BENCH_ARGS) $(if $(wildcard $(MXNET_VENV)/bin/python),--mxnet-python $(MXNET_VENV)/bin/python)
 	$(PY) bench/engine.py $(BENCH_ARGS)
 	$(PY) bench/trainer.py $(BENCH_ARGS)
 	$(PY) bench/row_sparse.py $(BENCH_ARGS)

@@ -1,8 +1,10 @@
-"""What the bench scripts share: loopback ports, stopping processes, medians, GB/s, and the
-command line and result files of the scripts `make bench` runs after run.py."""
+"""What the bench scripts share: loopback ports, stopping processes, workers that measure on
+command, medians, GB/s, and the command line and result files of the scripts `make bench`
+runs after run.py."""
 import argparse
 import json
 import os
+import select
 import socket
 import statistics
 import subprocess
@@ -39,6 +41,71 @@ def tail(path, lines=30):
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
+
+
+def spawn_on_command(cmd, env, log_path):
+    """A process of ``cmd`` that measures on command (:func:`ask`, :func:`serve_commands`),
+    its stderr in ``log_path``."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                text=True, bufsize=1)
+    proc.log = log_path
+    return proc
+
+
+def ask(procs, command, timeout):
+    """Send ``command`` (a dict) to each of ``procs`` (:func:`spawn_on_command`) at once, then
+    each one's answer (a dict), waited for until ``timeout`` seconds from now."""
+    line = json.dumps(command) + "\n"
+    for proc in procs:
+        proc.stdin.write(line)
+        proc.stdin.flush()
+    deadline = time.monotonic() + timeout
+    answers = []
+    for proc in procs:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        answer = proc.stdout.readline() if ready else ""
+        if not answer:
+            what = "did not answer within" if not ready else "exited before answering, within"
+            raise RuntimeError(f"{' '.join(proc.args[:3])} ... (pid {proc.pid}) {what} {timeout:.0f}s "
+                               f"{command}\n{tail(proc.log)}")
+        answers.append(json.loads(answer))
+    return answers
+
+
+def wait_ready(procs, timeout):
+    """Wait until each of ``procs`` (:func:`spawn_on_command`) has started: it answers ``{}``."""
+    ask(procs, {}, timeout)
+
+
+def serve_commands(start):
+    """In a process of :func:`spawn_on_command`: ``start()`` gives ``answer``; then
+    ``answer(command)`` (a dict) for each command read on stdin, written back as one line,
+    until stdin closes; ``{}`` is answered ``{}`` once ``start`` returned (:func:`wait_ready`).
+    Whatever else writes to stdout (a library's messages, from ``start`` on) goes to stderr."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    answer = start()
+    for line in sys.stdin:
+        command = json.loads(line)
+        replies.write(json.dumps(answer(command) if command else {}) + "\n")  # {}: ready?
+        replies.flush()
+
+
+def stop_on_command(procs):
+    """Close the stdin of each of ``procs`` (its last command) and stop it by its PID."""
+    for proc in procs:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        stop(proc)
 
 
 def median_time(fn, repeats, warmup=1):

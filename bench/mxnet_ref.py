@@ -8,6 +8,10 @@ The launcher starts a ps-lite scheduler, one server and the workers as
 separate processes of this interpreter with the DMLC_* variables set, waits
 for each with a deadline, and stops any still running by its PID (terminate,
 then kill).  A push+pull round trip of N bytes counts 2*N bytes.
+
+bench/run.py, in tensorkv's venv, uses :class:`OnCommand` instead: a cluster
+of the .venv-mxnet interpreter whose workers stay up and measure the round
+trips it asks for, so that its rows take turns with MXNet's.
 """
 
 import argparse
@@ -67,21 +71,11 @@ def run_all(repeats=REPEATS, small_repeats=SMALL_REPEATS, big=64 * MiB):
 def run_cluster(test, workers, repeats, small_repeats, big):
     """Starts scheduler, server and `workers` workers on 127.0.0.1; returns
     the list of what each worker measured for `test`."""
-    env = dict(os.environ,
-               DMLC_PS_ROOT_URI="127.0.0.1",
-               DMLC_PS_ROOT_PORT=str(common.free_port()),
-               DMLC_NODE_HOST="127.0.0.1",
-               DMLC_INTERFACE="lo",
-               DMLC_NUM_SERVER="1",
-               DMLC_NUM_WORKER=str(workers))
-    procs = []
+    env = _cluster_env(workers)
     with tempfile.TemporaryDirectory(prefix="mxnet-ref-") as tmp:
+        procs = []
         try:
-            # With DMLC_ROLE set to scheduler or server, `import mxnet` runs
-            # that role until the workers finish.
-            for role in ("scheduler", "server"):
-                procs.append(_spawn([sys.executable, "-c", "import mxnet"],
-                                    env, role, tmp))
+            procs += _start_roles(sys.executable, env, tmp)
             outs = [os.path.join(tmp, f"worker{i}.json")
                     for i in range(workers)]
             worker_procs = [_spawn(
@@ -97,6 +91,61 @@ def run_cluster(test, workers, repeats, small_repeats, big):
         finally:
             for proc in procs:
                 common.stop(proc)
+
+
+class OnCommand:
+    """An MXNet dist_sync cluster on 127.0.0.1 (a scheduler, a server and ``workers``
+    workers, processes of ``python``: the .venv-mxnet interpreter) whose workers measure
+    on command, for bench/run.py, which runs in tensorkv's venv, to take turns with
+    tensorkv's round trips. Logs go to ``logdir``."""
+
+    def __init__(self, python, workers, big, logdir):
+        self.python, self.workers, self.big, self.logdir = python, workers, big, logdir
+        self._roles, self._workers = [], []
+
+    def __enter__(self):
+        env = _cluster_env(self.workers)
+        try:
+            self._roles = _start_roles(self.python, env, self.logdir)
+            self._workers = [common.spawn_on_command(
+                [self.python, os.path.abspath(__file__), "--on-command", "--big", str(self.big)],
+                dict(env, DMLC_ROLE="worker"),
+                os.path.join(self.logdir, f"mxnet-{self.workers}-worker{i}-{time.monotonic_ns()}.log"))
+                for i in range(self.workers)]
+            common.wait_ready(self._workers, CLUSTER_TIMEOUT)  # no start-up beside the first turns
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def seconds(self, row, count):
+        """Each worker's seconds of ``count`` timed round trips of ``row``: 'single' (4 MiB),
+        'big', '16f', 'list' or 'local' (4 MiB on MXNet's 'local' store in the worker);
+        the first command of a row initializes its key(s) and makes one untimed round trip."""
+        answers = common.ask(self._workers, {"row": row, "count": count}, CLUSTER_TIMEOUT)
+        return [answer["seconds"] for answer in answers]
+
+    def __exit__(self, *exc):
+        common.stop_on_command(self._workers)  # a worker that ends lets the scheduler and server end
+        for proc in self._roles:
+            common.stop(proc)
+
+
+def _cluster_env(workers):
+    return dict(os.environ,
+                DMLC_PS_ROOT_URI="127.0.0.1",
+                DMLC_PS_ROOT_PORT=str(common.free_port()),
+                DMLC_NODE_HOST="127.0.0.1",
+                DMLC_INTERFACE="lo",
+                DMLC_NUM_SERVER="1",
+                DMLC_NUM_WORKER=str(workers))
+
+
+def _start_roles(python, env, logdir):
+    """The scheduler and the server: with DMLC_ROLE set to either, `import mxnet` runs that
+    role until the workers finish."""
+    return [_spawn([python, "-c", "import mxnet"], env, role, logdir)
+            for role in ("scheduler", "server")]
 
 
 def _spawn(cmd, env, role, logdir):
@@ -137,6 +186,13 @@ def _mxnet_version():
 def _kv_rtt(kv, key, nbytes, repeats, p99=False):
     """Median seconds for kv.push then kv.pull of one float32 key (and the 99th percentile
     with ``p99``)."""
+    seconds = _round_trips(kv, key, nbytes)(repeats)
+    return (statistics.median(seconds), common.p99(seconds)) if p99 else statistics.median(seconds)
+
+
+def _round_trips(kv, key, nbytes):
+    """A function of ``count``: the seconds of each of ``count`` push+pull round trips of one
+    float32 key of ``nbytes``, initialized here, with one untimed round trip."""
     import mxnet as mx
     value = mx.nd.ones(nbytes // 4)
     out = mx.nd.zeros(nbytes // 4)
@@ -147,12 +203,17 @@ def _kv_rtt(kv, key, nbytes, repeats, p99=False):
         kv.pull(key, out=out)
         out.wait_to_read()
 
-    seconds = common.times(round_trip, repeats)
-    return (statistics.median(seconds), common.p99(seconds)) if p99 else statistics.median(seconds)
+    round_trip()
+    return lambda count: common.times(round_trip, count, warmup=0)
 
 
 def _list_rtt(kv, repeats):
     """Median seconds for one list push then pull of 1000 keys of 1 KiB."""
+    return statistics.median(_list_round_trips(kv)(repeats))
+
+
+def _list_round_trips(kv):
+    """As :func:`_round_trips`, for one list push then pull of 1000 keys of 1 KiB."""
     import mxnet as mx
     keys = list(range(1000, 1000 + LIST_KEYS))
     values = [mx.nd.ones(LIST_FLOATS) for _ in keys]
@@ -164,7 +225,8 @@ def _list_rtt(kv, repeats):
         kv.pull(keys, out=outs)
         mx.nd.waitall()
 
-    return common.median_time(round_trip, repeats)
+    round_trip()
+    return lambda count: common.times(round_trip, count, warmup=0)
 
 
 def _push_times(kv, repeats):
@@ -198,6 +260,29 @@ def _local_rtt(repeats):
     return _kv_rtt(mx.kv.create("local"), 0, 4 * MiB, repeats)
 
 
+def _on_command(big):
+    """A worker of :class:`OnCommand`: the seconds of the round trips each command asks for."""
+    def start():
+        import mxnet as mx
+        kv = mx.kv.create("dist_sync")
+        makers = {"single": lambda: _round_trips(kv, 0, 4 * MiB),
+                  "big": lambda: _round_trips(kv, 1, big),
+                  "16f": lambda: _round_trips(kv, 2, 64),
+                  "list": lambda: _list_round_trips(kv),
+                  "local": lambda: _round_trips(mx.kv.create("local"), 0, 4 * MiB)}
+        rows = {}
+
+        def answer(command):
+            row = command["row"]
+            if row not in rows:
+                rows[row] = makers[row]()
+            return {"seconds": rows[row](command["count"])}
+
+        return answer
+
+    common.serve_commands(start)
+
+
 def _worker(test, repeats, small_repeats, big):
     """Runs in a worker process: measures `test` on a dist_sync store."""
     import mxnet as mx
@@ -219,6 +304,7 @@ def main(argv=None):
                         help="16 MiB instead of 64 MiB, fewer repeats")
     parser.add_argument("--worker", choices=("single", "pair", "compression"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--on-command", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help=argparse.SUPPRESS)
@@ -227,6 +313,9 @@ def main(argv=None):
     parser.add_argument("--big", type=int, default=64 * MiB,
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.on_command:
+        _on_command(args.big)
+        return 0
     if args.worker:
         result = _worker(args.worker, args.repeats, args.small_repeats,
                          args.big)

@@ -1,6 +1,6 @@
 """`make bench`: tensorkv next to its references, measured in one run on 127.0.0.1.
 
-    python bench/run.py [--quick] [--out-dir bench-results] [--mxnet-json FILE]
+    python bench/run.py [--quick] [--out-dir bench-results] [--mxnet-python PYTHON]
 
 tensorkv is measured through its public API only (tensorkv.create, init, push,
 pull, pushpull).  Rows, all medians, for one float32 key unless said:
@@ -11,8 +11,9 @@ pull, pushpull).  Rows, all medians, for one float32 key unless said:
     (`python -m tensorkv_server`) and this process as the worker;
   * a 16-float key: push+pull round trip in µs (and fused pushpull);
   * 1000 keys x 1 KiB: one list push then one list pull, in ms;
-  * two worker processes on one 4 MiB key in dist_sync: aggregate GB/s
-    (2 x 2*N / the slower worker's median round trip, as bench/mxnet_ref.py);
+  * two worker processes on one 4 MiB key in dist_sync, measuring on command:
+    aggregate GB/s (2 x 2*N / the slower worker's median round trip, as
+    bench/mxnet_ref.py);
   * the embedded 'local' store at 4 MiB, GB/s.
 
 Every dist row is run once per transport path in PATHS (the same-host default,
@@ -22,9 +23,16 @@ the run), each on a fresh server; each TLS row is printed next to its
 plaintext row with the ratio TLS / plaintext.  The references are measured in
 this run: a raw loopback TCP echo and a plain gRPC-Python echo (unary, and
 1 MiB-chunked streaming) from bench/references.py, and a NumPy copy.  MXNet
-1.9.1's numbers come from bench-results/mxnet.json when `make bench-mxnet` has
-written it.  Ratios are "how many times better tensorkv is": tensorkv/reference
-for throughput, reference/tensorkv for times, so > 1 always favours tensorkv.
+1.9.1 is measured in this run too, given --mxnet-python (the interpreter of the
+venv `make bench-mxnet` makes; `make bench` passes it): a ps-lite cluster of one
+worker and one of two stay up for the run (bench/mxnet_ref.py, workers that
+measure on command), and each row MXNet has takes TURNS turns with MXNet's same
+round trips, tensorkv first, then MXNet twice, then tensorkv, ... (an idle
+process of one side waits while the other measures): both meet the same moments
+of a shared machine, whose speed drifts by tens of percent over minutes.  Each
+row's MXNet column is the median of its own turns.  Ratios are "how many times
+better tensorkv is": tensorkv/reference for throughput, reference/tensorkv for
+times, so > 1 always favours tensorkv.
 
 Each timed round trip pushes one of two distinct patterns, alternately, and
 checks every element pulled back after the clock stops: a stale, partial,
@@ -95,6 +103,7 @@ LIST_FLOATS = 256  # 1 KiB per key
 SERVER_START_TIMEOUT = 30.0  # seconds for the server to accept connections
 WORKERS_TIMEOUT = 300.0  # seconds for the two-worker run
 STEP_TIMEOUT = 600.0  # seconds for any one in-process step (SIGALRM)
+TURNS = 3  # turns of each row and of MXNet's (bench/mxnet_ref.py), when MXNet is measured
 
 # The issues' goals (4, and 15 for both transports): (text, row, path, reference,
 # how many times better than the reference).
@@ -146,32 +155,52 @@ def _check(what, got, expected):
             f"[{bad[0]}]: {got[bad[0]]!r} where {expected[bad[0]]!r} expected")
 
 
-def _timed(repeats, warmup, prepare, op, check):
-    """Seconds of each of `repeats` calls of op(i) after `warmup` calls;
-    prepare(i) runs before and check(i) after each call, off the clock."""
-    times = []
-    for i in range(warmup + repeats):
-        prepare(i)
-        start = time.perf_counter()
-        op(i)
-        elapsed = time.perf_counter() - start
-        check(i)
-        if i >= warmup:
-            times.append(elapsed)
-    return times
+class RoundTrips:
+    """Timed round trips of one kind, a number at a time (:meth:`seconds`), so that a row can
+    take turns with MXNet's: ``prepare(i)`` runs before and ``check(i)`` after round trip
+    ``i`` (counted on across calls), off the clock; the first call makes ``warmup``
+    untimed round trips first."""
 
+    def __init__(self, prepare, op, check, warmup=2):
+        self._prepare, self._op, self._check = prepare, op, check
+        self._warmup, self._done = warmup, 0
+
+    def seconds(self, count):
+        times = []
+        first, self._warmup = self._warmup, 0
+        for n in range(first + count):
+            i = self._done
+            self._prepare(i)
+            start = time.perf_counter()
+            self._op(i)
+            elapsed = time.perf_counter() - start
+            self._check(i)
+            self._done += 1
+            if n >= first:
+                times.append(elapsed)
+        return times
+
+
+def take_turns(tensorkv, mxnet, repeats, turns=TURNS):
+    """(tensorkv's seconds, MXNet's seconds or None) of ``repeats`` round trips of each:
+    ``tensorkv(count)`` and ``mxnet(count)`` (None: not measured) each give one list of
+    seconds per worker. With MXNet, the round trips go in ``turns`` turns each, in the order
+    tensorkv, MXNet, MXNet, tensorkv, ...: both meet the same moments of a noisy machine."""
+    counts = [repeats // turns + (i < repeats % turns) for i in range(turns)] if mxnet is not None else [repeats]
+    sides = [tensorkv] if mxnet is None else [tensorkv, mxnet]
+    seconds = [None, None]  # tensorkv's, MXNet's
+    for turn, count in enumerate(counts):
+        for index in (range(len(sides)) if turn % 2 == 0 else reversed(range(len(sides)))):
+            got = sides[index](count)
+            seconds[index] = got if seconds[index] is None else [a + b for a, b in zip(seconds[index], got)]
+    return seconds[0], seconds[1]
 
 
 # ---- one-key and list round trips on a store -----------------------------------------
 
 
-def key_rtt(kv, key, n_floats, repeats, fused=False, scale=1.0, warmup=2):
-    """Median seconds of push+pull (or pushpull) of one float32 key."""
-    return statistics.median(key_times(kv, key, n_floats, repeats, fused, scale, warmup))
-
-
-def key_times(kv, key, n_floats, repeats, fused=False, scale=1.0, warmup=2):
-    """Seconds of each push+pull (or pushpull) of one float32 key."""
+def key_round_trips(kv, key, n_floats, fused=False, scale=1.0, warmup=2):
+    """RoundTrips of push+pull (or pushpull) of one float32 key, initialized here."""
     values, expected = _patterns(n_floats, scale)
     out = np.zeros(n_floats, np.float32)
     kv.init(key, values[0])
@@ -191,11 +220,11 @@ def key_times(kv, key, n_floats, repeats, fused=False, scale=1.0, warmup=2):
         _check(f"key {key!r} ({n_floats * 4} bytes) {verb} #{i}", out,
                expected[i % 2])
 
-    return _timed(repeats, warmup, prepare, op, check)
+    return RoundTrips(prepare, op, check, warmup)
 
 
-def list_rtt(kv, repeats, first_key=100000, warmup=2):
-    """Median seconds of one list push then one list pull of 1000 x 1 KiB."""
+def list_round_trips(kv, first_key=100000, warmup=2):
+    """RoundTrips of one list push then one list pull of 1000 x 1 KiB, initialized here."""
     keys = list(range(first_key, first_key + LIST_KEYS))
     base = np.arange(LIST_FLOATS, dtype=np.float32)
     values = [[base + 256.0 * j + 1.0 for j in range(LIST_KEYS)],
@@ -215,7 +244,7 @@ def list_rtt(kv, repeats, first_key=100000, warmup=2):
         for key, out, want in zip(keys, outs, values[i % 2]):
             _check(f"list push+pull #{i}, key {key}", out, want)
 
-    return statistics.median(_timed(repeats, warmup, prepare, op, check))
+    return RoundTrips(prepare, op, check, warmup)
 
 
 # ---- server and worker processes -----------------------------------------------------
@@ -286,62 +315,56 @@ def _path_setup(path, logdir):
     return env, ["--tls-cert", files["cert"], "--tls-key", files["key"]]
 
 
-def pair_rtt(path, options, repeats, logdir):
-    """Two worker processes push+pull one 4 MiB key in dist_sync on a fresh
-    server; returns each worker's median round-trip seconds."""
+@contextlib.contextmanager
+def pair_workers(path, options, logdir):
+    """Two worker processes on a fresh server in dist_sync, each measuring push+pull of one
+    4 MiB key (summed over both) on command: yields a function of ``count``, each worker's
+    seconds of ``count`` round trips (:func:`worker_main`)."""
     extra, args = _path_setup(path, logdir)
     env = _env(extra)
     with server(2, env, logdir, args) as address:
-        procs, outs = [], []
+        procs = []
         try:
             for rank in range(2):
-                out = os.path.join(logdir, f"pair-{path}-{rank}.json")
-                log = os.path.join(logdir, f"pair-{path}-{rank}.log")
-                outs.append((out, log))
-                procs.append(_spawn(
+                procs.append(common.spawn_on_command(
                     [sys.executable, os.path.join(HERE, "run.py"), "--worker",
-                     "--servers", address, "--options", json.dumps(options),
-                     "--repeats", str(repeats), "--out", out], env, log))
-            deadline = time.monotonic() + WORKERS_TIMEOUT
-            for proc, (out, log) in zip(procs, outs):
-                try:
-                    proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise RuntimeError(
-                        f"worker (pid {proc.pid}) did not finish within "
-                        f"{WORKERS_TIMEOUT:.0f}s\n{common.tail(log)}")
-                if proc.returncode == 2:
-                    raise CheckError(f"worker (pid {proc.pid}):\n{common.tail(log)}")
-                if proc.returncode != 0:
-                    raise RuntimeError(f"worker (pid {proc.pid}) exited with "
-                                       f"{proc.returncode}\n{common.tail(log)}")
+                     "--servers", address, "--options", json.dumps(options)], env,
+                    os.path.join(logdir, f"pair-{path}-{rank}.log")))
+            common.wait_ready(procs, WORKERS_TIMEOUT)
+
+            def seconds(count):
+                answers = common.ask(procs, {"count": count}, WORKERS_TIMEOUT)
+                for proc, answer in zip(procs, answers):
+                    if "check_failed" in answer:
+                        raise CheckError(f"worker (pid {proc.pid}): {answer['check_failed']}")
+                return [answer["seconds"] for answer in answers]
+
+            yield seconds
         finally:
-            for proc in procs:
-                common.stop(proc)
-    results = []
-    for out, _ in outs:
-        with open(out) as f:
-            results.append(json.load(f)["rtt_s"])
-    return results
+            common.stop_on_command(procs)
 
 
 def worker_main(args):
     """A worker process of the two-worker row: dist_sync, one 4 MiB key,
-    pushes summed over both workers."""
+    pushes summed over both workers, measured on command."""
     import tensorkv
     options = json.loads(args.options)
-    try:
-        with tensorkv.create("dist_sync", servers=args.servers,
-                             **options) as kv:
+    with contextlib.ExitStack() as stack:
+        def start():
+            kv = stack.enter_context(tensorkv.create("dist_sync", servers=args.servers, **options))
             if kv.num_workers != 2:
                 raise RuntimeError(f"num_workers is {kv.num_workers}, not 2")
-            rtt = key_rtt(kv, 0, 4 * MiB // 4, args.repeats, scale=2.0)
-            rank = kv.rank
-    except CheckError as err:
-        print(f"value check failed: {err}", file=sys.stderr)
-        return 2
-    with open(args.out, "w") as f:
-        json.dump({"rtt_s": rtt, "rank": rank}, f)
+            round_trips = key_round_trips(kv, 0, 4 * MiB // 4, scale=2.0)
+
+            def answer(command):
+                try:
+                    return {"seconds": round_trips.seconds(command["count"])}
+                except CheckError as err:
+                    return {"check_failed": str(err)}
+
+            return answer
+
+        common.serve_commands(start)
     return 0
 
 
@@ -382,14 +405,18 @@ def dist_available():
 
 
 class Run:
-    """Collects the steps of one bench run and their results."""
+    """Collects the steps of one bench run and their results. With ``mxnet_python`` (the
+    .venv-mxnet interpreter), every row compared with MXNet takes turns (:func:`take_turns`)
+    with MXNet's same round trips on clusters of bench/mxnet_ref.py kept up for the run."""
 
-    def __init__(self, cfg, logdir):
+    def __init__(self, cfg, logdir, mxnet_python=None):
         self.cfg = cfg
         self.logdir = logdir
-        self.results = {"refs": {}, "local": {}, "paths": {}}
+        self.mxnet_python = mxnet_python
+        self.results = {"refs": {}, "local": {}, "paths": {}, "mxnet_version": None}
         self.notes = []
         self.stack = contextlib.ExitStack()
+        self._mxnet = {}  # workers (1 or 2) -> mxnet_ref.OnCommand
 
     def steps(self):
         cfg, steps = self.cfg, []
@@ -412,6 +439,8 @@ class Run:
             lambda: references.memcpy(4 * MiB, cfg["ref_repeats"]))
         ref("memcpy_64MiB",
             lambda: references.memcpy(64 * MiB, cfg["ref_repeats"]))
+        if self.mxnet_python:
+            steps.append(("MXNet: start clusters", self.start_mxnet))
         steps.append(("local 4 MiB", self.local))
         if not dist_available():
             self.notes.append("dist rows not measured: tensorkv_server or "
@@ -433,11 +462,30 @@ class Run:
                           lambda path=path: self.pair(path)))
         return steps
 
+    def start_mxnet(self):
+        import mxnet_ref
+        self.results["mxnet_version"] = subprocess.run(
+            [self.mxnet_python, "-c", "import mxnet; print(mxnet.__version__)"],
+            capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+        for workers in (1, 2):
+            self._mxnet[workers] = self.stack.enter_context(
+                mxnet_ref.OnCommand(self.mxnet_python, workers, self.cfg["big"], self.logdir))
+
+    def _turns(self, round_trips, mxnet_row, repeats, workers=1):
+        """(tensorkv's seconds, MXNet's seconds or None) of ``repeats`` round trips each, of
+        ``round_trips`` (a RoundTrips, or for 2 workers a function giving both workers'
+        seconds) and of MXNet's ``mxnet_row`` (None: none) with as many workers, taking turns."""
+        ours = round_trips if workers == 2 else lambda count: [round_trips.seconds(count)]
+        cluster = self._mxnet.get(workers)
+        theirs = None if cluster is None or mxnet_row is None else lambda count: cluster.seconds(mxnet_row, count)
+        return take_turns(ours, theirs, repeats)
+
     def local(self):
         import tensorkv
         with tensorkv.create("local") as kv:
-            rtt = key_rtt(kv, 0, 4 * MiB // 4, self.cfg["repeats"])
-        self.results["local"] = {"4MiB_gbps": common.gbps(4 * MiB, rtt)}
+            ours, theirs = self._turns(key_round_trips(kv, 0, 4 * MiB // 4), "local", self.cfg["repeats"])
+        self.results["local"] = {"4MiB_gbps": common.gbps(4 * MiB, statistics.median(ours[0])),
+                                 "mxnet_4MiB_gbps": _gbps(4 * MiB, theirs)}
 
     def open_path(self, path):
         import tensorkv
@@ -457,7 +505,7 @@ class Run:
             tensorkv.create("dist_sync", servers=address, **options))
         self.results["paths"][path] = {
             "options": options, "env": env, "notes": notes,
-            "throughput_gbps": {}}
+            "throughput_gbps": {}, "mxnet": {}}
         self._path_stack, self._kv = path_stack, kv
 
     def close_path(self, path):
@@ -465,33 +513,55 @@ class Run:
         self._kv = None
 
     def size(self, path, n):
+        r = self.results["paths"][path]
         big = n >= self.cfg["big"]
         repeats = self.cfg["big_repeats"] if big else self.cfg["repeats"]
-        rtt = key_rtt(self._kv, 10 + n.bit_length(), n // 4, repeats)
-        self.results["paths"][path]["throughput_gbps"][n] = common.gbps(n, rtt)
+        # MXNet's row of this size, and its name in the path's "mxnet" numbers
+        mxnet_row, name = {4 * MiB: ("single", "4MiB_gbps"), self.cfg["big"]: ("big", "big_gbps")}.get(n, (None, None))
+        ours, theirs = self._turns(key_round_trips(self._kv, 10 + n.bit_length(), n // 4), mxnet_row, repeats)
+        r["throughput_gbps"][n] = common.gbps(n, statistics.median(ours[0]))
+        if mxnet_row is not None:
+            r["mxnet"][name] = _gbps(n, theirs)
         if n == 4 * MiB:
-            rtt = key_rtt(self._kv, 3, n // 4, repeats, fused=True)
-            self.results["paths"][path]["4MiB_pushpull_gbps"] = common.gbps(n, rtt)
+            ours, theirs = self._turns(key_round_trips(self._kv, 3, n // 4, fused=True), "single", repeats)
+            r["4MiB_pushpull_gbps"] = common.gbps(n, statistics.median(ours[0]))
+            r["mxnet"]["4MiB_pushpull_gbps"] = _gbps(n, theirs)
 
     def small(self, path):
         r = self.results["paths"][path]
         reps = self.cfg["small_repeats"]
-        times = key_times(self._kv, 1, SMALL_FLOATS, reps)
-        r["16f_rtt_us"] = statistics.median(times) * 1e6
-        r["16f_p99_us"] = common.p99(times) * 1e6
-        r["16f_pushpull_us"] = key_rtt(self._kv, 2, SMALL_FLOATS, reps,
-                                       fused=True) * 1e6
+        ours, theirs = self._turns(key_round_trips(self._kv, 1, SMALL_FLOATS), "16f", reps)
+        r["16f_rtt_us"] = statistics.median(ours[0]) * 1e6
+        r["16f_p99_us"] = common.p99(ours[0]) * 1e6
+        if theirs is not None:
+            r["mxnet"].update({"16f_rtt_us": statistics.median(theirs[0]) * 1e6,
+                               "16f_p99_us": common.p99(theirs[0]) * 1e6})
+        ours, theirs = self._turns(key_round_trips(self._kv, 2, SMALL_FLOATS, fused=True), "16f", reps)
+        r["16f_pushpull_us"] = statistics.median(ours[0]) * 1e6
+        if theirs is not None:
+            r["mxnet"]["16f_pushpull_us"] = statistics.median(theirs[0]) * 1e6
 
     def list(self, path):
-        rtt = list_rtt(self._kv, self.cfg["list_repeats"])
-        self.results["paths"][path]["1000x1KiB_ms"] = rtt * 1e3
+        r = self.results["paths"][path]
+        ours, theirs = self._turns(list_round_trips(self._kv), "list", self.cfg["list_repeats"])
+        r["1000x1KiB_ms"] = statistics.median(ours[0]) * 1e3
+        if theirs is not None:
+            r["mxnet"]["1000x1KiB_ms"] = statistics.median(theirs[0]) * 1e3
 
     def pair(self, path):
-        options = self.results["paths"][path]["options"]
-        rtts = pair_rtt(path, options, self.cfg["pair_repeats"], self.logdir)
-        self.results["paths"][path]["2workers_4MiB_gbps"] = (
-            2 * common.gbps(4 * MiB, max(rtts)))
-        self.results["paths"][path]["2workers_rtt_s"] = rtts
+        r = self.results["paths"][path]
+        with pair_workers(path, r["options"], self.logdir) as seconds:
+            ours, theirs = self._turns(seconds, "single", self.cfg["pair_repeats"], workers=2)
+        # aggregate: both workers' bytes over the slower one's median round trip (as MXNet's)
+        r["2workers_4MiB_gbps"] = 2 * common.gbps(4 * MiB, max(map(statistics.median, ours)))
+        r["2workers_rtt_s"] = [statistics.median(times) for times in ours]
+        if theirs is not None:
+            r["mxnet"]["2workers_4MiB_gbps"] = 2 * common.gbps(4 * MiB, max(map(statistics.median, theirs)))
+
+
+def _gbps(nbytes, seconds):
+    """GB/s of the median of the one worker's ``seconds`` (None: not measured)."""
+    return None if seconds is None else common.gbps(nbytes, statistics.median(seconds[0]))
 
 
 @contextlib.contextmanager
@@ -521,24 +591,11 @@ def run_steps(run):
 # ---- the report ----------------------------------------------------------------------
 
 
-def load_mxnet(path, big):
-    """MXNet's numbers from `path` (bench/mxnet_ref.py --json), or None."""
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        mx = json.load(f)
-    mx["_file"] = path
-    mx["_measured"] = time.strftime("%Y-%m-%d %H:%M",
-                                    time.localtime(os.path.getmtime(path)))
-    mx["_big"] = mx.get(f"dist_sync_{big // MiB}MiB_gbps")
-    return mx
-
-
-def rows(results, mxnet, cfg):
+def rows(results, cfg):
     """The table: one entry per (row, path) with tensorkv's value and each
-    reference (value, ratio); ratios > 1 favour tensorkv."""
+    reference (value, ratio); ratios > 1 favour tensorkv. MXNet's numbers are
+    the path's own, measured taking turns with its rows."""
     refs, big = results["refs"], cfg["big"]
-    mx = mxnet or {}
 
     def get(d, *keys):
         for key in keys:
@@ -547,57 +604,51 @@ def rows(results, mxnet, cfg):
             d = d[key] if key in d else d.get(str(key))
         return d
 
+    def mxnet(name):
+        return lambda p: get(p, "mxnet", name)
+
+    def same(*keys):  # a reference measured once for every path
+        return lambda p: get(refs, *keys)
+
+    echoes = [("TCP echo", same("tcp_echo", 4 * MiB)),
+              ("gRPC unary", same("grpc_unary_echo", 4 * MiB)),
+              ("gRPC stream", same("grpc_stream_echo", 4 * MiB))]
+    small_echoes = [("TCP echo", same("tcp_small_rtt", "rtt_us")),
+                    ("gRPC unary", same("grpc_small_rtt", "rtt_us"))]
     specs = [
         # id, label, unit, higher is better, tensorkv getter, references
         ("4MiB", "push+pull 4 MiB", "GB/s", True,
-         lambda p: get(p, "throughput_gbps", 4 * MiB),
-         [("MXNet", mx.get("dist_sync_4MiB_gbps")),
-          ("TCP echo", get(refs, "tcp_echo", 4 * MiB)),
-          ("gRPC unary", get(refs, "grpc_unary_echo", 4 * MiB)),
-          ("gRPC stream", get(refs, "grpc_stream_echo", 4 * MiB))]),
+         lambda p: get(p, "throughput_gbps", 4 * MiB), [("MXNet", mxnet("4MiB_gbps")), *echoes]),
         ("4MiB_fused", "pushpull 4 MiB", "GB/s", True,
-         lambda p: get(p, "4MiB_pushpull_gbps"),
-         [("MXNet", mx.get("dist_sync_4MiB_gbps")),
-          ("TCP echo", get(refs, "tcp_echo", 4 * MiB)),
-          ("gRPC unary", get(refs, "grpc_unary_echo", 4 * MiB)),
-          ("gRPC stream", get(refs, "grpc_stream_echo", 4 * MiB))]),
+         lambda p: get(p, "4MiB_pushpull_gbps"), [("MXNet", mxnet("4MiB_pushpull_gbps")), *echoes]),
         ("big", f"push+pull {size_label(big)}", "GB/s", True,
          lambda p: get(p, "throughput_gbps", big),
-         [("MXNet", mx.get("_big")),
-          ("TCP echo", get(refs, "tcp_echo", big)),
-          ("gRPC unary", get(refs, "grpc_unary_echo", big)),
-          ("gRPC stream", get(refs, "grpc_stream_echo", big))]),
+         [("MXNet", mxnet("big_gbps")),
+          ("TCP echo", same("tcp_echo", big)),
+          ("gRPC unary", same("grpc_unary_echo", big)),
+          ("gRPC stream", same("grpc_stream_echo", big))]),
         ("16f", "push+pull 16 floats", "µs", False,
-         lambda p: get(p, "16f_rtt_us"),
-         [("MXNet", mx.get("dist_sync_16f_rtt_us")),
-          ("TCP echo", get(refs, "tcp_small_rtt", "rtt_us")),
-          ("gRPC unary", get(refs, "grpc_small_rtt", "rtt_us"))]),
+         lambda p: get(p, "16f_rtt_us"), [("MXNet", mxnet("16f_rtt_us")), *small_echoes]),
         ("16f_p99", "push+pull 16 floats p99", "µs", False,
-         lambda p: get(p, "16f_p99_us"),
-         [("MXNet", mx.get("dist_sync_16f_p99_us"))]),
+         lambda p: get(p, "16f_p99_us"), [("MXNet", mxnet("16f_p99_us"))]),
         ("16f_fused", "pushpull 16 floats", "µs", False,
-         lambda p: get(p, "16f_pushpull_us"),
-         [("MXNet", mx.get("dist_sync_16f_rtt_us")),
-          ("TCP echo", get(refs, "tcp_small_rtt", "rtt_us")),
-          ("gRPC unary", get(refs, "grpc_small_rtt", "rtt_us"))]),
+         lambda p: get(p, "16f_pushpull_us"), [("MXNet", mxnet("16f_pushpull_us")), *small_echoes]),
         ("list", "1000 x 1 KiB list", "ms", False,
-         lambda p: get(p, "1000x1KiB_ms"),
-         [("MXNet", mx.get("dist_sync_1000x1KiB_ms"))]),
+         lambda p: get(p, "1000x1KiB_ms"), [("MXNet", mxnet("1000x1KiB_ms"))]),
         ("pair", "2 workers 4 MiB aggr.", "GB/s", True,
          lambda p: get(p, "2workers_4MiB_gbps"),
-         [("MXNet", mx.get("dist_sync_2workers_4MiB_gbps")),
-          ("TCP echo", get(refs, "tcp_echo", 4 * MiB))]),
+         [("MXNet", mxnet("2workers_4MiB_gbps")), ("TCP echo", same("tcp_echo", 4 * MiB))]),
     ]
     table = []
     for rid, label, unit, higher, value, refs_ in specs:
         for path in PATHS:
             p = results["paths"].get(path)
-            table.append(_row(rid, label, unit, higher, path,
-                              value(p) if p else None, refs_))
+            table.append(_row(rid, label, unit, higher, path, value(p) if p else None,
+                              [(name, ref(p) if p else None) for name, ref in refs_]))
     table.append(_row(
         "local", "'local' 4 MiB", "GB/s", True, "embedded",
         get(results, "local", "4MiB_gbps"),
-        [("MXNet", mx.get("local_4MiB_gbps")),
+        [("MXNet", get(results, "local", "mxnet_4MiB_gbps")),
          ("NumPy copy", get(refs, "memcpy_4MiB", "gbps"))]))
     return table
 
@@ -613,7 +664,7 @@ def _row(rid, label, unit, higher, path, value, refs_):
             "tensorkv": value, "refs": cells}
 
 
-def goals(table, mxnet):
+def goals(table):
     """Each goal of the issue: met, missed or not evaluated, with its ratio."""
     by = {(r["id"], r["path"]): r for r in table}
     out = []
@@ -625,8 +676,8 @@ def goals(table, mxnet):
                           if c["ref"] == ref), None)
         if row is None or row["tensorkv"] is None:
             status = "not measured"
-        elif ref == "MXNet" and mxnet is None:
-            status = "not evaluated (MXNet not measured)"
+        elif ref == "MXNet" and ratio is None:
+            status = "not evaluated (MXNet not measured: make bench-mxnet)"
         elif ratio is None:
             status = f"not evaluated (no {ref} number for this row)"
         else:
@@ -669,7 +720,7 @@ def _fmt(value, unit=""):
     return f"{value:.3f}" if value < 10 else f"{value:.2f}"
 
 
-def format_report(table, goal_list, mxnet, results, notes):
+def format_report(table, goal_list, results, notes):
     names = ["MXNet", "TCP echo", "gRPC unary", "gRPC stream"]
     lines = ["Medians on 127.0.0.1. GB/s = 2 x payload / round trip. "
              "Ratios (x) = how many times better tensorkv is "
@@ -695,12 +746,7 @@ def format_report(table, goal_list, mxnet, results, notes):
     lines.append("")
     lines.append("'local' row: the TCP echo column holds a NumPy copy of "
                  "4 MiB (bytes copied / s).")
-    if mxnet is None:
-        lines.append("MXNet not measured: run make bench-mxnet")
-    else:
-        lines.append(f"MXNet {mxnet.get('mxnet_version', '?')} columns from "
-                     f"{mxnet['_file']} (measured {mxnet['_measured']} by "
-                     "make bench-mxnet, ps-lite dist_sync on 127.0.0.1).")
+    lines.append(mxnet_words(results))
     for path, p in results["paths"].items():
         opts = ", ".join(f"{k}={v!r}" for k, v in p["options"].items())
         lines.append(f"path {path}: create(..., {opts or 'no options'})"
@@ -719,15 +765,22 @@ def format_report(table, goal_list, mxnet, results, notes):
     return "\n".join(lines)
 
 
-def format_markdown(table, goal_list, mxnet, report):
+def mxnet_words(results):
+    version = results.get("mxnet_version")
+    if version is None:
+        return "MXNet not measured: run make bench-mxnet (once), then make bench."
+    return (f"MXNet {version} (ps-lite dist_sync on 127.0.0.1, 1 server) measured in this run: each row that "
+            f"MXNet has takes {TURNS} turns with MXNet's same round trips (tensorkv, MXNet, MXNet, tensorkv, ...), "
+            "so that both meet the same moments of the machine; a row's MXNet column is its own turns' median.")
+
+
+def format_markdown(table, goal_list, report):
     """The table and the goals as Markdown, for the README."""
     names = ["MXNet", "TCP echo", "gRPC unary", "gRPC stream"]
     m = report["machine"]
     lines = [f"`{report['command']}` on {m['cpus']} CPUs, {m['platform']}, "
              f"Python {m['python']}, grpcio {m['grpcio']}, NumPy {m['numpy']}; "
-             "127.0.0.1, medians"
-             + (f"; MXNet {mxnet.get('mxnet_version')} from `make bench-mxnet`"
-                if mxnet else "; MXNet not measured") + ".", "",
+             "127.0.0.1, medians. " + mxnet_words(report["results"]), "",
              "| row | unit | path | tensorkv | " + " | ".join(
                  f"{n} | x" for n in names) + " |",
              "| --- | --- | --- | ---: | " + " | ".join(
@@ -772,7 +825,7 @@ def _version(module):
         return None
 
 
-def plot(results, mxnet, path, cfg):
+def plot(results, path, cfg):
     series = {}
     for name, p in results["paths"].items():
         if p["throughput_gbps"]:
@@ -782,12 +835,11 @@ def plot(results, mxnet, path, cfg):
     for name, label in labels.items():
         if name in results["refs"]:
             series[label] = results["refs"][name]
-    if mxnet is not None:
-        points = {4 * MiB: mxnet.get("dist_sync_4MiB_gbps"),
-                  cfg["big"]: mxnet.get("_big")}
-        points = {n: v for n, v in points.items() if v is not None}
-        if points:
-            series[f"MXNet {mxnet.get('mxnet_version', '')} dist_sync"] = points
+    measured = results["paths"].get("tcp-only", {}).get("mxnet", {})  # taking turns with the tcp-only rows
+    points = {n: measured.get(name) for n, name in ((4 * MiB, "4MiB_gbps"), (cfg["big"], "big_gbps"))}
+    points = {n: v for n, v in points.items() if v is not None}
+    if points:
+        series[f"MXNet {results['mxnet_version']} dist_sync"] = points
     return plot_throughput(series, path)
 
 
@@ -808,13 +860,12 @@ def main(argv=None):
                         help="a fast smoke run: fewer sizes and repeats, "
                              "16 MiB in place of 64 MiB")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "bench-results"))
-    parser.add_argument("--mxnet-json", default=None,
-                        help="MXNet's numbers (default <out-dir>/mxnet.json)")
+    parser.add_argument("--mxnet-python", default=None,
+                        help="the interpreter of .venv-mxnet (make bench-mxnet): MXNet's "
+                             "rows, measured taking turns with tensorkv's")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--servers", help=argparse.SUPPRESS)
     parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
-    parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(args)
@@ -824,17 +875,15 @@ def main(argv=None):
     suffix = "-quick" if args.quick else ""
     json_path = os.path.join(args.out_dir, f"bench{suffix}.json")
     png_path = os.path.join(args.out_dir, f"throughput{suffix}.png")
-    mxnet = load_mxnet(args.mxnet_json
-                       or os.path.join(args.out_dir, "mxnet.json"), cfg["big"])
     command = "python " + " ".join(shlex.quote(a) for a in
                                    [os.path.relpath(sys.argv[0], ROOT)]
                                    + sys.argv[1:])
     report = {"command": command, "quick": args.quick, "machine": machine(),
-              "config": cfg, "paths": PATHS, "mxnet": mxnet,
+              "config": cfg, "paths": PATHS,
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     status, error = 0, None
     with tempfile.TemporaryDirectory(prefix="tensorkv-bench-") as logdir:
-        run = Run(cfg, logdir)
+        run = Run(cfg, logdir, args.mxnet_python)
         try:
             run_steps(run)
         except CheckError as err:
@@ -844,19 +893,19 @@ def main(argv=None):
     if error and len(error) > 2000:
         error = error[:2000] + " ..."
     results = run.results
-    table = rows(results, mxnet, cfg)
-    goal_list = goals(table, mxnet)
+    table = rows(results, cfg)
+    goal_list = goals(table)
     report.update(results=results, table=table, goals=goal_list,
                   notes=run.notes, failed=status != 0, error=error)
-    print(format_report(table, goal_list, mxnet, results, run.notes))
+    print(format_report(table, goal_list, results, run.notes))
     with open(json_path, "w") as f:
         json.dump(_jsonable(report), f, indent=2)
         f.write("\n")
     md_path = os.path.join(args.out_dir, f"bench{suffix}.md")
     with open(md_path, "w") as f:
-        f.write(format_markdown(table, goal_list, mxnet, report))
+        f.write(format_markdown(table, goal_list, report))
     print(f"\nresults: {os.path.relpath(json_path)}, {os.path.relpath(md_path)}")
-    if plot(results, mxnet, png_path, cfg):
+    if plot(results, png_path, cfg):
         print(f"plot: {os.path.relpath(png_path)}")
     if error:
         print(f"\nbench FAILED: {error}", file=sys.stderr)

@@ -1,0 +1,82 @@
+"""bench/run.py's rows taking turns with MXNet's, and bench/common.py's processes that
+measure on command (what `make bench` runs them with; MXNet itself is not needed here)."""
+import os
+import sys
+import textwrap
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+
+import common  # noqa: E402  (bench/common.py)
+import run  # noqa: E402  (bench/run.py)
+
+
+def side(name, calls):
+    """A side of take_turns: one worker whose round trips are numbered in order."""
+    def seconds(count):
+        done = sum(n for who, n in calls if who == name)
+        calls.append((name, count))
+        return [[float(done + i) for i in range(count)]]
+    return seconds
+
+
+def test_rows_take_turns_with_mxnets_in_abba_order():
+    calls = []
+    ours, theirs = run.take_turns(side("tensorkv", calls), side("mxnet", calls), 16, turns=3)
+    assert calls == [("tensorkv", 6), ("mxnet", 6), ("mxnet", 5), ("tensorkv", 5), ("tensorkv", 5), ("mxnet", 5)]
+    assert ours == theirs == [[float(i) for i in range(16)]]
+
+
+def test_without_mxnet_a_row_is_one_turn_of_its_own():
+    calls = []
+    ours, theirs = run.take_turns(side("tensorkv", calls), None, 7, turns=3)
+    assert calls == [("tensorkv", 7)] and theirs is None and ours == [[float(i) for i in range(7)]]
+
+
+def test_round_trips_warm_up_once_and_count_on_across_turns():
+    seen = []
+    trips = run.RoundTrips(prepare=lambda i: seen.append(("prepare", i)), op=lambda i: None,
+                           check=lambda i: seen.append(("check", i)), warmup=2)
+    assert len(trips.seconds(3)) == 3 and len(trips.seconds(2)) == 2
+    assert [i for what, i in seen if what == "check"] == list(range(7))  # 2 untimed, then 3 and 2 timed
+
+
+WORKER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import common
+
+    def start():
+        print("a library's message on stdout")
+        return lambda command: {"twice": 2 * command["n"]} if command["n"] >= 0 else sys.exit(3)
+
+    common.serve_commands(start)
+""")
+
+
+def test_processes_answer_commands_on_their_own_lines(tmp_path):
+    procs = [common.spawn_on_command([sys.executable, "-c", WORKER, BENCH], dict(os.environ),
+                                     str(tmp_path / f"worker{i}.log")) for i in range(2)]
+    try:
+        common.wait_ready(procs, timeout=60)
+        assert common.ask(procs, {"n": 4}, timeout=60) == [{"twice": 8}, {"twice": 8}]
+        assert common.ask(procs, {"n": 5}, timeout=60) == [{"twice": 10}, {"twice": 10}]
+        with pytest.raises(RuntimeError, match="exited before answering"):
+            common.ask(procs, {"n": -1}, timeout=60)
+    finally:
+        common.stop_on_command(procs)
+    assert [proc.poll() for proc in procs] == [3, 3]
+    assert "a library's message on stdout" in (tmp_path / "worker0.log").read_text()
+
+
+def test_a_process_that_does_not_answer_in_time_is_named(tmp_path):
+    proc = common.spawn_on_command([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ),
+                                   str(tmp_path / "silent.log"))
+    try:
+        with pytest.raises(RuntimeError, match=f"pid {proc.pid}.* did not answer within 1s"):
+            common.ask([proc], {"n": 1}, timeout=1)
+    finally:
+        common.stop_on_command([proc])
+    assert proc.poll() is not None
