@@ -47,30 +47,50 @@ def spawn_on_command(cmd, env, log_path):
     """A process of ``cmd`` that measures on command (:func:`ask`, :func:`serve_commands`),
     its stderr in ``log_path``."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0)
     proc.log = log_path
     return proc
 
 
 def ask(procs, command, timeout):
     """Send ``command`` (a dict) to each of ``procs`` (:func:`spawn_on_command`) at once, then
-    each one's answer (a dict), waited for until ``timeout`` seconds from now."""
-    line = json.dumps(command) + "\n"
+    each one's answer (a dict, one line), all waited for together until ``timeout`` seconds
+    from now. RuntimeError, with the process's log, for one that exited, did not answer in
+    time or answered something else."""
+    line = (json.dumps(command) + "\n").encode()
     for proc in procs:
-        proc.stdin.write(line)
-        proc.stdin.flush()
+        try:
+            proc.stdin.write(line)
+        except BrokenPipeError:
+            raise _failed(proc, "exited before answering", command) from None
     deadline = time.monotonic() + timeout
+    received = {proc: b"" for proc in procs}
+    waiting = list(procs)
+    while waiting:
+        ready, _, _ = select.select([proc.stdout for proc in waiting], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            exited = [proc for proc in waiting if proc.poll() is not None]  # the cause, when one of them is gone
+            raise _failed((exited or waiting)[0], "exited before answering" if exited else
+                          f"did not answer within {timeout:.0f}s", command)
+        for proc in [proc for proc in waiting if proc.stdout in ready]:
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise _failed(proc, "exited before answering", command)
+            received[proc] += chunk
+            if chunk.endswith(b"\n"):
+                waiting.remove(proc)
     answers = []
     for proc in procs:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        answer = proc.stdout.readline() if ready else ""
-        if not answer:
-            what = "did not answer within" if not ready else "exited before answering, within"
-            raise RuntimeError(f"{' '.join(proc.args[:3])} ... (pid {proc.pid}) {what} {timeout:.0f}s "
-                               f"{command}\n{tail(proc.log)}")
-        answers.append(json.loads(answer))
+        try:
+            answers.append(json.loads(received[proc]))
+        except ValueError:
+            raise _failed(proc, f"answered {received[proc][:200]!r}, not one JSON line,", command) from None
     return answers
+
+
+def _failed(proc, what, command):
+    return RuntimeError(f"{' '.join(map(str, proc.args[:3]))} ... (pid {proc.pid}) {what} {command}\n"
+                        f"{tail(proc.log)}")
 
 
 def wait_ready(procs, timeout):
@@ -99,6 +119,7 @@ def stop_on_command(procs):
             proc.stdin.close()
         except OSError:
             pass
+        proc.stdout.close()
     deadline = time.monotonic() + STOP_TIMEOUT
     for proc in procs:
         try:

@@ -1,6 +1,8 @@
-# `make bench-mxnet`: MXNet 1.9.1's KVStore reference numbers (bench/mxnet_ref.py)
-# in a venv of their own, as MXNet 1.9.1 needs numpy<1.24 and tensorkv needs
-# numpy>=1.24.  Included by the main Makefile.
+# `make bench-mxnet`: MXNet 1.9.1 in a venv of its own (.venv-mxnet), as MXNet 1.9.1
+# needs numpy<1.24 and tensorkv needs numpy>=1.24; `make bench` then has bench/run.py's
+# rows take turns with MXNet's clusters of that venv.  The target itself writes MXNet's
+# plain and 2-bit pushes (bench/mxnet_ref.py), which bench/compression.py prints.
+# Included by the main Makefile.
 MXNET_PYTHON ?= python3
 MXNET_VENV := .venv-mxnet
 MXNET_STAMP := $(MXNET_VENV)/.installed

@@ -181,13 +181,13 @@ class RoundTrips:
         return times
 
 
-def take_turns(tensorkv, mxnet, repeats, turns=TURNS):
+def take_turns(ours, theirs, repeats, turns=TURNS):
     """(tensorkv's seconds, MXNet's seconds or None) of ``repeats`` round trips of each:
-    ``tensorkv(count)`` and ``mxnet(count)`` (None: not measured) each give one list of
+    ``ours(count)`` and ``theirs(count)`` (None: MXNet not measured) each give one list of
     seconds per worker. With MXNet, the round trips go in ``turns`` turns each, in the order
     tensorkv, MXNet, MXNet, tensorkv, ...: both meet the same moments of a noisy machine."""
-    counts = [repeats // turns + (i < repeats % turns) for i in range(turns)] if mxnet is not None else [repeats]
-    sides = [tensorkv] if mxnet is None else [tensorkv, mxnet]
+    counts = [repeats // turns + (i < repeats % turns) for i in range(turns)] if theirs is not None else [repeats]
+    sides = [ours] if theirs is None else [ours, theirs]
     seconds = [None, None]  # tensorkv's, MXNet's
     for turn, count in enumerate(counts):
         for index in (range(len(sides)) if turn % 2 == 0 else reversed(range(len(sides)))):
@@ -416,7 +416,7 @@ class Run:
         self.results = {"refs": {}, "local": {}, "paths": {}, "mxnet_version": None}
         self.notes = []
         self.stack = contextlib.ExitStack()
-        self._mxnet = {}  # workers (1 or 2) -> mxnet_ref.OnCommand
+        self._mxnet = {}  # workers (1 or 2) -> mxnet_ref.Cluster
 
     def steps(self):
         cfg, steps = self.cfg, []
@@ -469,7 +469,7 @@ class Run:
             capture_output=True, text=True, check=True, timeout=120).stdout.strip()
         for workers in (1, 2):
             self._mxnet[workers] = self.stack.enter_context(
-                mxnet_ref.OnCommand(self.mxnet_python, workers, self.cfg["big"], self.logdir))
+                mxnet_ref.Cluster(self.mxnet_python, workers, self.cfg["big"], self.logdir))
 
     def _turns(self, round_trips, mxnet_row, repeats, workers=1):
         """(tensorkv's seconds, MXNet's seconds or None) of ``repeats`` round trips each, of
@@ -484,8 +484,9 @@ class Run:
         import tensorkv
         with tensorkv.create("local") as kv:
             ours, theirs = self._turns(key_round_trips(kv, 0, 4 * MiB // 4), "local", self.cfg["repeats"])
-        self.results["local"] = {"4MiB_gbps": common.gbps(4 * MiB, statistics.median(ours[0])),
-                                 "mxnet_4MiB_gbps": _gbps(4 * MiB, theirs)}
+        self.results["local"] = {"4MiB_gbps": common.gbps(4 * MiB, statistics.median(ours[0])), "mxnet": {}}
+        if theirs is not None:
+            self.results["local"]["mxnet"]["4MiB_gbps"] = common.gbps(4 * MiB, statistics.median(theirs[0]))
 
     def open_path(self, path):
         import tensorkv
@@ -516,16 +517,16 @@ class Run:
         r = self.results["paths"][path]
         big = n >= self.cfg["big"]
         repeats = self.cfg["big_repeats"] if big else self.cfg["repeats"]
-        # MXNet's row of this size, and its name in the path's "mxnet" numbers
-        mxnet_row, name = {4 * MiB: ("single", "4MiB_gbps"), self.cfg["big"]: ("big", "big_gbps")}.get(n, (None, None))
+        mxnet_row = {4 * MiB: "4MiB", self.cfg["big"]: "big"}.get(n)  # its number: "<row>_gbps"
         ours, theirs = self._turns(key_round_trips(self._kv, 10 + n.bit_length(), n // 4), mxnet_row, repeats)
         r["throughput_gbps"][n] = common.gbps(n, statistics.median(ours[0]))
-        if mxnet_row is not None:
-            r["mxnet"][name] = _gbps(n, theirs)
+        if theirs is not None:
+            r["mxnet"][f"{mxnet_row}_gbps"] = common.gbps(n, statistics.median(theirs[0]))
         if n == 4 * MiB:
-            ours, theirs = self._turns(key_round_trips(self._kv, 3, n // 4, fused=True), "single", repeats)
+            ours, theirs = self._turns(key_round_trips(self._kv, 3, n // 4, fused=True), "4MiB_pushpull", repeats)
             r["4MiB_pushpull_gbps"] = common.gbps(n, statistics.median(ours[0]))
-            r["mxnet"]["4MiB_pushpull_gbps"] = _gbps(n, theirs)
+            if theirs is not None:
+                r["mxnet"]["4MiB_pushpull_gbps"] = common.gbps(n, statistics.median(theirs[0]))
 
     def small(self, path):
         r = self.results["paths"][path]
@@ -536,7 +537,7 @@ class Run:
         if theirs is not None:
             r["mxnet"].update({"16f_rtt_us": statistics.median(theirs[0]) * 1e6,
                                "16f_p99_us": common.p99(theirs[0]) * 1e6})
-        ours, theirs = self._turns(key_round_trips(self._kv, 2, SMALL_FLOATS, fused=True), "16f", reps)
+        ours, theirs = self._turns(key_round_trips(self._kv, 2, SMALL_FLOATS, fused=True), "16f_pushpull", reps)
         r["16f_pushpull_us"] = statistics.median(ours[0]) * 1e6
         if theirs is not None:
             r["mxnet"]["16f_pushpull_us"] = statistics.median(theirs[0]) * 1e6
@@ -551,17 +552,12 @@ class Run:
     def pair(self, path):
         r = self.results["paths"][path]
         with pair_workers(path, r["options"], self.logdir) as seconds:
-            ours, theirs = self._turns(seconds, "single", self.cfg["pair_repeats"], workers=2)
+            ours, theirs = self._turns(seconds, "4MiB", self.cfg["pair_repeats"], workers=2)
         # aggregate: both workers' bytes over the slower one's median round trip (as MXNet's)
         r["2workers_4MiB_gbps"] = 2 * common.gbps(4 * MiB, max(map(statistics.median, ours)))
         r["2workers_rtt_s"] = [statistics.median(times) for times in ours]
         if theirs is not None:
             r["mxnet"]["2workers_4MiB_gbps"] = 2 * common.gbps(4 * MiB, max(map(statistics.median, theirs)))
-
-
-def _gbps(nbytes, seconds):
-    """GB/s of the median of the one worker's ``seconds`` (None: not measured)."""
-    return None if seconds is None else common.gbps(nbytes, statistics.median(seconds[0]))
 
 
 @contextlib.contextmanager
@@ -648,7 +644,7 @@ def rows(results, cfg):
     table.append(_row(
         "local", "'local' 4 MiB", "GB/s", True, "embedded",
         get(results, "local", "4MiB_gbps"),
-        [("MXNet", get(results, "local", "mxnet_4MiB_gbps")),
+        [("MXNet", get(results, "local", "mxnet", "4MiB_gbps")),
          ("NumPy copy", get(refs, "memcpy_4MiB", "gbps"))]))
     return table
 

@@ -80,3 +80,31 @@ def test_a_process_that_does_not_answer_in_time_is_named(tmp_path):
     finally:
         common.stop_on_command([proc])
     assert proc.poll() is not None
+
+
+def test_a_process_that_dies_is_named_not_the_one_left_waiting(tmp_path):
+    """One worker of a pair exits on its command while the other waits for it (as a ps-lite
+    worker would): the one that exited is named, with its log, at once."""
+    dying = common.spawn_on_command(
+        [sys.executable, "-c", "import sys; sys.stdin.readline(); print('the cause', file=sys.stderr); sys.exit(1)"],
+        dict(os.environ), str(tmp_path / "dying.log"))
+    waiting = common.spawn_on_command([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ),
+                                      str(tmp_path / "waiting.log"))
+    try:
+        with pytest.raises(RuntimeError, match=f"(?s)pid {dying.pid}.* exited before answering.*the cause"):
+            common.ask([waiting, dying], {"n": 1}, timeout=60)
+    finally:
+        common.stop_on_command([dying, waiting])
+    assert dying.poll() == 1 and waiting.poll() is not None
+
+
+def test_an_answer_that_is_not_json_is_named(tmp_path):
+    proc = common.spawn_on_command(
+        [sys.executable, "-c", "import sys; sys.stdin.readline(); print('garbage', flush=True); sys.stdin.read()"],
+        dict(os.environ), str(tmp_path / "garbage.log"))
+    try:
+        with pytest.raises(RuntimeError, match=f"pid {proc.pid}.* answered b'garbage\\\\n', not one JSON line"):
+            common.ask([proc], {"n": 1}, timeout=60)
+    finally:
+        common.stop_on_command([proc])
+    assert proc.poll() == 0

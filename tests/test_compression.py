@@ -103,7 +103,7 @@ def test_the_compiled_host_pass_reads_codes_as_dequantize(size):
     for threshold in (0.5, 0.3, 1e-3):
         expected = compression.dequantize(packed, size, threshold)
         for codes in (packed, np.frombuffer(packed.tobytes(), np.uint8)):
-            got = compression.values(codes, size, threshold)
+            got = compression.Compressor(threshold).values(codes, (size,))
             assert got.dtype == np.float32 and got.shape == (size,)
             assert got.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
 

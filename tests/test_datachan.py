@@ -1,6 +1,8 @@
 """The raw-TCP data channel (a client on another host, or transport='tcp'), with real server
 processes on 127.0.0.1: values equal those of plain gRPC, errors, negotiation and fallback,
 and failures of either side."""
+import asyncio
+import errno
 import os
 import signal
 import socket
@@ -16,8 +18,10 @@ import pytest
 import tensorkv
 from tensorkv import allocator, datachan
 from tensorkv.codec import Item, encode_stream, following
+from tensorkv.errors import DeadlineExceededError, ServerUnavailableError
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
+from tensorkv_server.datachan import _io_error
 
 from cluster import WAIT, Cluster, rss, stop, wait_until
 
@@ -122,6 +126,16 @@ def test_both_ends_of_the_channel_keep_it_alive_while_idle(tmp_path):
             data_port = kv._sessions[0].data_port
             ends = _timers(data_port)
             assert len(ends) == 2 and set(ends.values()) == {2}, ends  # the worker's end and the server's
+
+
+def test_a_sockets_own_timeout_is_a_broken_channel_not_a_deadline():
+    """TCP keepalive's ETIMEDOUT (the peer is gone) is a TimeoutError with an errno; the
+    deadline of asyncio.timeout is a TimeoutError (from Python 3.11) without one."""
+    gone = _io_error(TimeoutError(errno.ETIMEDOUT, "Connection timed out"), 30.0)
+    late = _io_error(asyncio.TimeoutError(), 30.0)
+    assert isinstance(gone, ServerUnavailableError) and "Connection timed out" in str(gone)
+    assert isinstance(_io_error(TimeoutError(errno.ETIMEDOUT, "Connection timed out"), None), ServerUnavailableError)
+    assert isinstance(late, DeadlineExceededError) and "within 30 s" in str(late)
 
 
 def test_errors_over_the_channel_leave_values_and_the_channel_usable(tmp_path):

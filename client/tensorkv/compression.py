@@ -10,8 +10,8 @@ merges them as any push. The layout is TwoBitCodes in protos/tensorkv/v1/tensor.
 docs/protocol.md).
 
 Each function works on NumPy or CuPy arrays alike, in the namespace of its input. Host
-arrays take one compiled pass instead (numba): a worker's values to quantize
-(:class:`Compressor`) and a server's codes to read (:func:`values`); the tests hold these
+arrays take one compiled pass instead (numba): a worker's values to quantize and a
+server's codes to read (:class:`Compressor`, :func:`decompressed`); the tests hold these
 passes to the functions, which CuPy arrays go through.
 
 >>> import numpy as np
@@ -127,9 +127,8 @@ def dequantize(packed, count, threshold):
     return xp.take(xp.asarray(_byte_values(threshold)), packed, axis=0).reshape(-1)[:count]
 
 
-def values(packed, count, threshold):
-    """What :func:`dequantize` gives, through one compiled pass for host codes (what a
-    server reads)."""
+def _dequantized(packed, count, threshold):
+    """What :func:`dequantize` gives, through one compiled pass for host codes."""
     if array_module(packed) is not np:
         return dequantize(packed, count, threshold)
     packed = np.ascontiguousarray(packed).reshape(-1)
@@ -207,7 +206,7 @@ class Compressor:
 
     def values(self, packed, shape):
         """The float32 values of ``shape`` that ``packed`` codes stand for (what a server reads)."""
-        return values(packed, math.prod(shape), self.threshold).reshape(shape)
+        return _dequantized(packed, math.prod(shape), self.threshold).reshape(shape)
 
 
 @functools.cache
@@ -245,6 +244,17 @@ def _host_quantizer():
     return quantize_packed
 
 
+def host_reader_ready():
+    """Whether the compiled pass that reads host codes is there (:func:`load_host_reader`)."""
+    return _host_dequantizer.cache_info().currsize > 0
+
+
+def load_host_reader():
+    """Import numba and compile the pass that reads host codes (about 0.5 s, once): a server
+    does it in a thread, not on its event loop."""
+    _host_dequantizer()
+
+
 @functools.cache
 def _host_dequantizer():
     """:func:`dequantize` of host codes in one compiled pass (numba; about 1.3x faster than
@@ -271,6 +281,6 @@ def decompressed(item, xp=np):
     if item.two_bit is None:
         return item
     count = math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0]
-    result = values(to_namespace(item.array, xp), count, item.two_bit)
-    return Item(item.key, result.reshape(item.shape if item.slice is None else (count,)), item.shape, item.slice,
+    values = _dequantized(to_namespace(item.array, xp), count, item.two_bit)
+    return Item(item.key, values.reshape(item.shape if item.slice is None else (count,)), item.shape, item.slice,
                 owned=True)

@@ -215,16 +215,9 @@ class StreamChannel:
     async def _io(self, work, timeout):
         try:
             await within(work, timeout)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, OSError, EOFError) as error:
             self.close()
-            raise DeadlineExceededError(f"the data channel did not move the bytes within {timeout:g} s") from None
-        except (OSError, EOFError) as error:
-            self.close()
-            # The failed read's (or write's) asyncio future holds this error, whose traceback
-            # holds the frames that awaited it: reference cycles that would keep the frames'
-            # buffers (a whole value) until the cyclic GC runs. Their locals go now.
-            traceback.clear_frames(error.__traceback__)
-            raise ServerUnavailableError(f"the data channel broke: {error}") from None
+            raise _io_error(error, timeout) from None
 
     def close(self):
         calls, self._calls = self._calls, None
@@ -240,6 +233,20 @@ class StreamChannel:
             else:
                 waiter.cancel()
         self._token = self._waiter = None
+
+
+def _io_error(error, timeout):
+    """The KVStoreError of a data-channel read or write that failed with ``error``: its
+    deadline passed (DeadlineExceededError), or the connection broke (ServerUnavailableError),
+    which a socket's own timeout is too: TCP keepalive's ETIMEDOUT is a TimeoutError, as
+    asyncio's is from Python 3.11, but with an errno."""
+    if isinstance(error, asyncio.TimeoutError) and getattr(error, "errno", None) is None:
+        return DeadlineExceededError(f"the data channel did not move the bytes within {timeout:g} s")
+    # The failed read's (or write's) asyncio future holds this error, whose traceback holds
+    # the frames that awaited it: reference cycles that would keep the frames' buffers (a
+    # whole value) until the cyclic GC runs. Their locals go now.
+    traceback.clear_frames(error.__traceback__)
+    return ServerUnavailableError(f"the data channel broke: {error}")
 
 
 def _refusal(error):

@@ -282,6 +282,9 @@ class Coordinator:
     async def push(self, rank, incarnation, items, sequence=0):
         """Merge ``items`` (codec.Item) into their keys: in async mode at once, in sync mode
         into each key's current round, applied when all workers have pushed."""
+        if self.engine.xp is np and not compression.host_reader_ready() and \
+                any(item.two_bit is not None for item in items):
+            await asyncio.to_thread(compression.load_host_reader)  # the other calls go on meanwhile
         self.members.check(rank, incarnation)
         if self.members.applied(rank, sequence):
             return
