@@ -108,6 +108,17 @@ def test_get_values_only_when_asked(job):
     assert code == 1 and err == "tensorkv: no server that answered holds key 'nothing'\n"
 
 
+def test_options_go_before_or_after_the_command(job):
+    cluster, _, _ = job
+    servers = ",".join(cluster.addresses)
+    after = subprocess.run([sys.executable, "-m", "tensorkv.ctl", "get", "bias", "--values", "--servers", servers,
+                            "-o", "json"], capture_output=True, text=True, timeout=60)
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout) == ctl_json("get", "bias", "--values", servers=cluster.addresses)
+    code, out, _ = ctl("get", "bias", "--values", servers=cluster.addresses)  # the values on the row's line
+    assert code == 0 and len(out.splitlines()) == 2 and out.rstrip().endswith("[-7.5  0.  10.  20. ]")
+
+
 def test_health_and_workers(job):
     cluster, _, _ = job
     assert ctl_json("health", servers=cluster.addresses) == [
@@ -150,6 +161,8 @@ def test_a_killed_server_is_named_and_the_other_still_reported(job):
     dropped = ctl_json("reset", servers=cluster.addresses[:1])  # the job is over: allowed
     assert dropped[0]["keys_dropped"] in (1, 2)
     assert ctl_json("keys", servers=cluster.addresses[:1]) == []
+    assert ctl("keys", servers=cluster.addresses[:1])[:2] == (0, "(no keys)\n")
+    assert ctl("workers", servers=cluster.addresses[:1])[:2] == (0, "(no workers)\n")
 
 
 def test_usage_errors_exit_2(monkeypatch):

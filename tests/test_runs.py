@@ -61,7 +61,8 @@ def test_fail_refuses_the_keys_of_an_earlier_run_and_changes_nothing(tmp_path):
             assert result["error"] == "KeyExistsError"
             assert result["message"] == (
                 "key 0 (and 2 more keys) holds what an earlier run left on this server (3 rounds applied to it): "
-                "pass if_exists='resume' to continue from it, or if_exists='replace' to start afresh")
+                "pass if_exists='resume' to continue from it, or if_exists='replace' to start afresh (a script "
+                "that does not pass it: set TENSORKV_IF_EXISTS)")
         with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0) as kv:
             with pytest.raises(tensorkv.KeyTypeError, match="the keys on this server are those an earlier run "
                                                             "left; pass if_exists='replace' to start afresh"):

@@ -80,32 +80,48 @@ def main(argv=None):
 def _parser():
     parser = argparse.ArgumentParser(prog="tensorkv", description="Inspect and operate tensorkv servers.",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", default=os.environ.get("TENSORKV_SERVERS"),
-                        help="HOST:PORT,... (default: TENSORKV_SERVERS)")
-    parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="default: table")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds for each call (default %(default)s)")
-    parser.add_argument("--tls-ca", help="CA of the servers' certificates (default: TENSORKV_TLS_CA)")
-    parser.add_argument("--tls-cert", help="client certificate, for mutual TLS (default: TENSORKV_TLS_CERT)")
-    parser.add_argument("--tls-key", help="its key (default: TENSORKV_TLS_KEY)")
-    parser.add_argument("--token", help="bearer token (default: TENSORKV_TOKEN, which other users cannot "
-                                        "see in the process list)")
+    _options(parser, defaults=True)
+    options = argparse.ArgumentParser(add_help=False)  # the same options after the command too
+    _options(options, defaults=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("status", help="mode, workers, keys, run, optimizer, version of each server"
-                        ).set_defaults(run=status)
-    commands.add_parser("health", help="the gRPC health status of each server").set_defaults(run=health)
-    commands.add_parser("keys", help="every key: dtype, shape, slice, updates").set_defaults(run=keys)
-    get = commands.add_parser("get", help="one key's dtype and shape; its statistics or values on request")
+
+    def command(name, run, help):
+        sub = commands.add_parser(name, help=help, parents=[options])
+        sub.set_defaults(run=run)
+        return sub
+
+    command("status", status, "mode, workers, keys, run, optimizer, version of each server")
+    command("health", health, "the gRPC health status of each server")
+    command("keys", keys, "every key: dtype, shape, slice, updates")
+    get = command("get", get_key, "one key's dtype and shape; its statistics or values on request")
     get.add_argument("key", help="the key, as `tensorkv keys` shows it")
     get.add_argument("--stats", action="store_true", help="min, max, mean and L2 norm of the value")
     get.add_argument("--values", action="store_true", help="the value itself")
-    get.set_defaults(run=get_key)
-    commands.add_parser("workers", help="the registered ranks of each server").set_defaults(run=workers)
-    commands.add_parser("reset", help="drop every key, the optimizer and its states (no run may be registered)"
-                        ).set_defaults(run=reset)
+    command("workers", workers, "the registered ranks of each server")
+    command("reset", reset, "drop every key, the optimizer and its states (no run may be registered)")
     snapshot = commands.add_parser("snapshot", help="snapshots of the servers' state")
     snapshot.add_subparsers(dest="action", required=True, metavar="ACTION").add_parser(
-        "save", help="each server writes its state to its --state-dir").set_defaults(run=snapshot_save)
+        "save", help="each server writes its state to its --state-dir", parents=[options]
+    ).set_defaults(run=snapshot_save)
     return parser
+
+
+def _options(parser, defaults):
+    """The options of every command; with ``defaults`` False, an option not given leaves the
+    value given before the command (or its default) as it is."""
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--servers", default=default(os.environ.get("TENSORKV_SERVERS")),
+                        help="HOST:PORT,... (default: TENSORKV_SERVERS)")
+    parser.add_argument("-o", "--output", choices=("table", "json"), default=default("table"), help="default: table")
+    parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds for each call (default 10.0)")
+    parser.add_argument("--tls-ca", default=default(None), help="CA of the servers' certificates (default: TENSORKV_TLS_CA)")
+    parser.add_argument("--tls-cert", default=default(None),
+                        help="client certificate, for mutual TLS (default: TENSORKV_TLS_CERT)")
+    parser.add_argument("--tls-key", default=default(None), help="its key (default: TENSORKV_TLS_KEY)")
+    parser.add_argument("--token", default=default(None), help="bearer token (default: TENSORKV_TOKEN, which other "
+                                                               "users cannot see in the process list)")
 
 
 # ---- the commands: each returns the exit status ----------------------------------------
@@ -159,7 +175,7 @@ def get_key(args, servers):
         values = value.astype(np.float64)
         row.update(min=values.min(), max=values.max(), mean=values.mean(), l2_norm=float(np.linalg.norm(values)))
     if args.values and value is not None:
-        row["values"] = value.tolist() if args.output == "json" else str(value)
+        row["values"] = value.tolist() if args.output == "json" else np.array2string(value, max_line_width=sys.maxsize)
     return max(_show(args, [row]), OK if value is not None else FAILED)
 
 
@@ -282,7 +298,10 @@ def _show(args, rows):
     server failed (see _answers)."""
     if args.output == "json":
         print(json.dumps(rows, indent=1, default=float))
-    elif rows:
+    elif not rows:
+        if args.command in ("keys", "workers") and not args.failures:  # every server answered: there are none
+            print(f"(no {args.command})")
+    else:
         columns = list(dict.fromkeys(name for row in rows for name in row))
         cells = [[_cell(row.get(name, "")) for name in columns] for row in rows]
         widths = [max(len(text) for text in column) for column in zip(columns, *cells)]

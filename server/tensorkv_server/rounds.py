@@ -47,6 +47,7 @@ from . import metrics
 from .membership import FAIL, REPLACE, Membership
 
 log = logging.getLogger(__name__)
+_IF_EXISTS_HINT = " (a script that does not pass it: set TENSORKV_IF_EXISTS)"
 
 SYNC, ASYNC = "sync", "async"
 
@@ -210,7 +211,7 @@ class Coordinator:
         except KeyTypeError as error:
             if self._left_by_earlier_runs(self.engine.keys()):  # which fixed the key type
                 raise KeyTypeError(f"{error}: the keys on this server are those an earlier run left; "
-                                   "pass if_exists='replace' to start afresh") from None
+                                   f"pass if_exists='replace' to start afresh{_IF_EXISTS_HINT}") from None
             raise
         if self.members.run.if_exists == FAIL:
             self._check_not_left_by_earlier_runs(keys)
@@ -257,7 +258,7 @@ class Coordinator:
             raise KeyExistsError(
                 f"key {earlier[0]!r}{more} holds what an earlier run left on this server ({updates} "
                 f"round{'' if updates == 1 else 's'} applied to it): pass if_exists='resume' to continue from "
-                "it, or if_exists='replace' to start afresh")
+                f"it, or if_exists='replace' to start afresh{_IF_EXISTS_HINT}")
 
     async def _wait_for_keys(self, keys):
         loop = asyncio.get_running_loop()
