@@ -52,7 +52,7 @@ class DataPort:
         self.port = self._listener.getsockname()[1]
         self.advertised = advertised or self.port
         self._tls_context = tls_context
-        self._pending = {}  # token -> future of the bound link
+        self._pending = {}  # token -> (future of the bound link, the peer of the stream it binds to)
         self._tasks = set()
         self._accepting = None
 
@@ -80,12 +80,12 @@ class DataPort:
     async def _bind(self, conn, peer):
         try:
             link, token = await asyncio.wait_for(self._handshake(conn), HANDSHAKE_TIMEOUT)
-            waiter = self._pending.pop(token, None)
+            waiter, stream = self._pending.pop(token, (None, None))
             if waiter is None or waiter.done():
                 raise ConnectionRefusedError("unknown or used token")
             waiter.set_result(link)  # bound before the client hears so and sends its next call
             await link.sendall(ACK)
-            log.info("data channel from %s bound", peer)
+            log.info("data channel from %s:%d bound to the stream of %s", *peer[:2], stream)
         except (OSError, EOFError, asyncio.TimeoutError) as error:  # ssl.SSLError is an OSError
             reason = f"no token within {HANDSHAKE_TIMEOUT:g} s" if isinstance(error, asyncio.TimeoutError) else error
             log.warning("data channel connection from %s refused: %s", peer, reason)
@@ -101,11 +101,12 @@ class DataPort:
         await link.read_into(memoryview(token))
         return link, bytes(token)
 
-    def offer(self):
-        """(a new token, the future of the socket that presents it)."""
+    def offer(self, stream):
+        """(a new token, the future of the socket that presents it) for the stream of peer
+        ``stream`` (its log lines name the channel by it)."""
         token = secrets.token_bytes(TOKEN_BYTES)
         waiter = asyncio.get_running_loop().create_future()
-        self._pending[token] = waiter
+        self._pending[token] = waiter, stream
         return token, waiter
 
     def withdraw(self, token):
@@ -131,7 +132,7 @@ class StreamChannel:
     def open(self):
         """A token for a new channel (the previous one is closed)."""
         self.close()
-        self._token, self._waiter = self._port.offer()
+        self._token, self._waiter = self._port.offer(self.peer)
         return self._token
 
     @property
