@@ -10,7 +10,9 @@ import contextlib
 import functools
 import multiprocessing
 import socket
+import statistics
 import struct
+import threading
 from concurrent import futures
 
 import grpc
@@ -40,6 +42,15 @@ def tcp_echo(sizes=SIZES, repeats=REPEATS):
     """Raw loopback TCP echo: returns {payload bytes: GB/s both ways}."""
     with _tcp_connection() as sock:
         return {n: common.gbps(n, _tcp_rtt(sock, n, repeats)) for n in sizes}
+
+
+@contextlib.contextmanager
+def tcp_echo_turns(nbytes):
+    """Raw loopback TCP echo of ``nbytes`` that takes turns with a row: yields a function of
+    ``count``, [the seconds of each of ``count`` round trips] (one worker's)."""
+    with _tcp_connection() as sock:
+        seconds = _echo_round_trips(sock, nbytes)
+        yield lambda count: [seconds(count)]
 
 
 def tcp_small_rtt(repeats=SMALL_REPEATS):
@@ -78,6 +89,38 @@ def grpc_small_rtt(repeats=SMALL_REPEATS):
         payload = bytes(SMALL)
         rtt = common.median_time(lambda: echo(payload, timeout=CALL_TIMEOUT), repeats)
         return {"rtt_us": rtt * 1e6}
+
+
+@contextlib.contextmanager
+def tcp_sum(nbytes, clients=2):
+    """Raw loopback TCP carrying a synchronous round of ``clients`` workers, as the two-worker
+    row does: each client process sends ``nbytes`` of float32 and gets back the sum of all
+    clients' values from a server with a thread per client (NumPy's add, the GIL released in
+    the socket calls). Yields a function of ``count``: each client's seconds of ``count``
+    round trips (after one warm-up round)."""
+    ctx = multiprocessing.get_context("spawn")
+    with _server_process(functools.partial(_sum_server, nbytes, clients)) as port:
+        pipes, procs = [], []
+        try:
+            for rank in range(clients):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_sum_client, args=(child, port, nbytes, rank, clients), daemon=True)
+                proc.start()
+                child.close()
+                pipes.append(parent)
+                procs.append(proc)
+
+            def seconds(count):
+                for pipe in pipes:
+                    pipe.send(count)
+                return [_answer(pipe, proc) for pipe, proc in zip(pipes, procs)]
+
+            yield seconds
+        finally:
+            for pipe in pipes:
+                pipe.close()
+            for proc in procs:
+                _stop(proc)
 
 
 def memcpy(nbytes=64 * MiB, repeats=REPEATS):
@@ -133,15 +176,26 @@ def _tcp_connection():
 
 def _tcp_rtt(sock, nbytes, repeats):
     """Median seconds to send `nbytes` and receive them back."""
+    return statistics.median(_echo_round_trips(sock, nbytes)(repeats))
+
+
+def _echo_round_trips(sock, nbytes):
+    """A function of ``count``: the seconds of each of ``count`` echoes of ``nbytes`` on
+    ``sock`` (the first call makes one untimed echo first)."""
     payload = bytes(nbytes)
     back = memoryview(bytearray(nbytes))
-    sock.sendall(_HEADER.pack(nbytes, repeats + 1))  # +1 warm-up round trip
+    warmup = [1]
 
     def round_trip():
         sock.sendall(payload)
         _recv_into(sock, back)
 
-    return common.median_time(round_trip, repeats)
+    def seconds(count):
+        first, warmup[0] = warmup[0], 0
+        sock.sendall(_HEADER.pack(nbytes, first + count))
+        return common.times(round_trip, count, warmup=first)
+
+    return seconds
 
 
 def _recv_into(sock, view):
@@ -174,6 +228,82 @@ def _tcp_server(conn):
             for _ in range(count):
                 _recv_into(sock, buf)
                 sock.sendall(buf)
+
+
+def _sum_server(nbytes, clients, conn):
+    """Sums one ``nbytes`` float32 message of each of ``clients`` connections and sends the sum
+    back to each, round after round, until a client closes."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(START_TIMEOUT)
+        conn.send(listener.getsockname()[1])
+        socks = [listener.accept()[0] for _ in range(clients)]
+    received = [np.empty(nbytes // 4, np.float32) for _ in socks]
+    total = np.empty_like(received[0])
+
+    def add():
+        np.add(received[0], received[1], out=total)
+        for more in received[2:]:
+            np.add(total, more, out=total)
+
+    summed = threading.Barrier(clients, action=add)
+
+    def serve(sock, values):
+        with sock:
+            sock.settimeout(CALL_TIMEOUT)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                while True:
+                    _recv_into(sock, memoryview(values).cast("B"))
+                    summed.wait(CALL_TIMEOUT)
+                    sock.sendall(total)  # the next add waits for every thread's next message
+            except (ConnectionError, threading.BrokenBarrierError, OSError):
+                summed.abort()
+
+    threads = [threading.Thread(target=serve, args=pair) for pair in zip(socks, received)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _sum_client(conn, port, nbytes, rank, clients):
+    """One client of :func:`tcp_sum`: times ``count`` round trips for each ``count`` received on
+    ``conn``, sends back the seconds (or what was wrong with the sum) until ``conn`` closes."""
+    values = np.full(nbytes // 4, rank + 1.0, np.float32)
+    back = np.empty_like(values)
+    expected = clients * (clients + 1) / 2
+    with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def round_trip():
+            sock.sendall(values)
+            _recv_into(sock, memoryview(back).cast("B"))
+
+        round_trip()
+        while True:
+            try:
+                count = conn.recv()
+            except EOFError:
+                return
+            seconds = common.times(round_trip, count, warmup=0)
+            if back[0] != expected or back[-1] != expected:
+                conn.send(f"the sum came back as {back[0]}..{back[-1]}, not {expected}")
+                return
+            conn.send(seconds)
+
+
+def _answer(pipe, proc):
+    """What :func:`_sum_client` ``proc`` answered: its seconds (RuntimeError for anything else)."""
+    try:
+        if not pipe.poll(CALL_TIMEOUT):
+            raise RuntimeError(f"TCP sum client (pid {proc.pid}) did not answer within {CALL_TIMEOUT:.0f}s")
+        answer = pipe.recv()
+    except (EOFError, OSError):
+        proc.join(STOP_TIMEOUT)
+        raise RuntimeError(f"TCP sum client (pid {proc.pid}) exited with {proc.exitcode}") from None
+    if isinstance(answer, str):
+        raise RuntimeError(f"TCP sum client (pid {proc.pid}): {answer}")
+    return answer
 
 
 @contextlib.contextmanager

@@ -24,15 +24,26 @@ def side(name, calls):
 
 def test_rows_take_turns_with_mxnets_in_abba_order():
     calls = []
-    ours, theirs = run.take_turns(side("tensorkv", calls), side("mxnet", calls), 16, turns=3)
+    ours, theirs = run.take_turns([side("tensorkv", calls), side("mxnet", calls)], 16, turns=3)
     assert calls == [("tensorkv", 6), ("mxnet", 6), ("mxnet", 5), ("tensorkv", 5), ("tensorkv", 5), ("mxnet", 5)]
     assert ours == theirs == [[float(i) for i in range(16)]]
 
 
 def test_without_mxnet_a_row_is_one_turn_of_its_own():
     calls = []
-    ours, theirs = run.take_turns(side("tensorkv", calls), None, 7, turns=3)
+    ours, theirs = run.take_turns([side("tensorkv", calls), None], 7, turns=3)
     assert calls == [("tensorkv", 7)] and theirs is None and ours == [[float(i) for i in range(7)]]
+
+
+def test_a_reference_takes_its_turns_with_both_in_mirrored_order():
+    calls = []
+    ours, theirs, raw = run.take_turns([side("tensorkv", calls), None, side("raw", calls)], 6, turns=3)
+    assert calls == [("tensorkv", 2), ("raw", 2), ("raw", 2), ("tensorkv", 2), ("tensorkv", 2), ("raw", 2)]
+    assert theirs is None and ours == raw == [[float(i) for i in range(6)]]
+    calls = []
+    run.take_turns([side("tensorkv", calls), side("mxnet", calls), side("raw", calls)], 3, turns=3)
+    assert calls == [("tensorkv", 1), ("mxnet", 1), ("raw", 1), ("raw", 1), ("mxnet", 1), ("tensorkv", 1),
+                     ("tensorkv", 1), ("mxnet", 1), ("raw", 1)]
 
 
 def test_round_trips_warm_up_once_and_count_on_across_turns():
@@ -41,6 +52,15 @@ def test_round_trips_warm_up_once_and_count_on_across_turns():
                            check=lambda i: seen.append(("check", i)), warmup=2)
     assert len(trips.seconds(3)) == 3 and len(trips.seconds(2)) == 2
     assert [i for what, i in seen if what == "check"] == list(range(7))  # 2 untimed, then 3 and 2 timed
+
+
+def test_batched_round_trips_run_back_to_back_between_their_prepares_and_checks():
+    seen = []
+    trips = run.RoundTrips(prepare=lambda i: seen.append(("prepare", i)), op=lambda i: seen.append(("op", i)),
+                           check=lambda i: seen.append(("check", i)), warmup=1, batched=True)
+    assert len(trips.seconds(2)) == 2
+    assert seen == [("prepare", 0), ("prepare", 1), ("prepare", 2), ("op", 0), ("op", 1), ("op", 2),
+                    ("check", 0), ("check", 1), ("check", 2)]
 
 
 WORKER = textwrap.dedent("""
@@ -108,3 +128,40 @@ def test_an_answer_that_is_not_json_is_named(tmp_path):
     finally:
         common.stop_on_command([proc])
     assert proc.poll() == 0
+
+
+def test_the_raw_tcp_sum_reference_sums_two_clients_and_stops_its_processes():
+    import multiprocessing
+    import references  # noqa: E402  (bench/references.py)
+    before = {child.pid for child in multiprocessing.active_children()}
+    with references.tcp_sum(64 << 10) as seconds:
+        first, second = seconds(3), seconds(2)  # each client checks the sum it got back (1 + 2)
+        started = [child for child in multiprocessing.active_children() if child.pid not in before]
+    assert [len(times) for times in first] == [3, 3] and [len(times) for times in second] == [2, 2]
+    assert len(started) == 3 and not any(child.is_alive() for child in started)
+
+
+def test_the_raw_tcp_echo_takes_turns_a_count_at_a_time():
+    import references  # noqa: E402  (bench/references.py)
+    with references.tcp_echo_turns(64 << 10) as seconds:
+        assert [len(times) for times in seconds(3)] == [3]
+        assert [len(times) for times in seconds(2)] == [2]
+
+
+def goal_row(tensorkv, mxnet, raw):
+    return run._row("pair", "2 workers 4 MiB aggr.", "GB/s", True, "tcp-only", tensorkv,
+                    [("MXNet", mxnet), ("TCP sum", raw)])
+
+
+def test_a_missed_goal_says_when_it_asks_more_than_raw_sockets_moved():
+    table = [goal_row(2.7, 2.25, 3.0)]
+    status = {g["goal"]: g["status"] for g in run.goals(table, run.FULL)}
+    assert status["2 workers, 4 MiB, aggregate >= 1.5x MXNet (tcp-only)"] == (
+        "missed (it asks 3.38 GB/s, 1.12x the raw TCP sum of this run)")
+    table = [goal_row(2.7, 1.9, 3.0)]  # 1.5x MXNet is within what the raw sum moved: a plain miss
+    status = {g["goal"]: g["status"] for g in run.goals(table, run.FULL)}
+    assert status["2 workers, 4 MiB, aggregate >= 1.5x MXNet (tcp-only)"] == "missed"
+    table = [run._row("local", "'local' 4 MiB", "GB/s", True, "embedded", 20.0,
+                      [("MXNet", 30.0), ("NumPy copy", 25.0)])]  # a copy in memory is no floor of the wire
+    status = {g["goal"]: g["status"] for g in run.goals(table, run.FULL)}
+    assert status["'local' 4 MiB >= 1.0x MXNet 'local'"] == "missed"
