@@ -93,26 +93,33 @@ def grpc_small_rtt(repeats=SMALL_REPEATS):
 
 @contextlib.contextmanager
 def tcp_sum(nbytes, clients=2):
-    """Raw loopback TCP carrying a synchronous round of ``clients`` workers, as the two-worker
-    row does: each client process sends ``nbytes`` of float32 and gets back the sum of all
-    clients' values from a server with a thread per client (NumPy's add, the GIL released in
-    the socket calls). Yields a function of ``count``: each client's seconds of ``count``
-    round trips (after one warm-up round)."""
+    """Raw loopback TCP carrying a synchronous round of ``clients`` (2 or more) workers, as the
+    two-worker row does: each client process sends ``nbytes`` of float32 and gets back the sum
+    of all clients' values from a server with a thread per client (NumPy's add, the GIL
+    released in the socket calls). Yields a function of ``count``: each client's seconds of
+    ``count`` round trips (after one warm-up round). Its sockets time out after CALL_TIMEOUT
+    seconds idle, longer than any turn of a row."""
+    if clients < 2:
+        raise ValueError(f"a sum of {clients} client(s): tcp_sum takes 2 or more")
     ctx = multiprocessing.get_context("spawn")
     with _server_process(functools.partial(_sum_server, nbytes, clients)) as port:
         pipes, procs = [], []
         try:
             for rank in range(clients):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_sum_client, args=(child, port, nbytes, rank, clients), daemon=True)
+                proc = ctx.Process(target=_sum_client, args=(child, port, nbytes, rank, clients), daemon=True,
+                                   name=f"tcp-sum-client-{rank}")
                 proc.start()
                 child.close()
                 pipes.append(parent)
                 procs.append(proc)
 
             def seconds(count):
-                for pipe in pipes:
-                    pipe.send(count)
+                for pipe, proc in zip(pipes, procs):
+                    try:
+                        pipe.send(count)
+                    except OSError:
+                        raise _client_gone(proc) from None
                 return [_answer(pipe, proc) for pipe, proc in zip(pipes, procs)]
 
             yield seconds
@@ -148,7 +155,7 @@ def _server_process(target):
     child.close()
     try:
         if not parent.poll(START_TIMEOUT):
-            raise RuntimeError(f"{target.__name__} (pid {proc.pid}) did not "
+            raise RuntimeError(f"{getattr(target, 'func', target).__name__} (pid {proc.pid}) did not "
                                f"start within {START_TIMEOUT:.0f}s")
         yield parent.recv()
     finally:
@@ -256,7 +263,7 @@ def _sum_server(nbytes, clients, conn):
                     _recv_into(sock, memoryview(values).cast("B"))
                     summed.wait(CALL_TIMEOUT)
                     sock.sendall(total)  # the next add waits for every thread's next message
-            except (ConnectionError, threading.BrokenBarrierError, OSError):
+            except (OSError, threading.BrokenBarrierError):
                 summed.abort()
 
     threads = [threading.Thread(target=serve, args=pair) for pair in zip(socks, received)]
@@ -271,7 +278,7 @@ def _sum_client(conn, port, nbytes, rank, clients):
     ``conn``, sends back the seconds (or what was wrong with the sum) until ``conn`` closes."""
     values = np.full(nbytes // 4, rank + 1.0, np.float32)
     back = np.empty_like(values)
-    expected = clients * (clients + 1) / 2
+    expected = np.full_like(values, clients * (clients + 1) / 2)
     with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -286,10 +293,17 @@ def _sum_client(conn, port, nbytes, rank, clients):
             except EOFError:
                 return
             seconds = common.times(round_trip, count, warmup=0)
-            if back[0] != expected or back[-1] != expected:
-                conn.send(f"the sum came back as {back[0]}..{back[-1]}, not {expected}")
+            if not np.array_equal(back, expected):  # the last round trip's, off the clock
+                wrong = np.flatnonzero(back != expected)
+                conn.send(f"{wrong.size} values of the sum wrong, first [{wrong[0]}] = {back[wrong[0]]}, "
+                          f"not {expected[0]}")
                 return
             conn.send(seconds)
+
+
+def _client_gone(proc):
+    proc.join(STOP_TIMEOUT)
+    return RuntimeError(f"TCP sum client (pid {proc.pid}) exited with {proc.exitcode}")
 
 
 def _answer(pipe, proc):
@@ -299,8 +313,7 @@ def _answer(pipe, proc):
             raise RuntimeError(f"TCP sum client (pid {proc.pid}) did not answer within {CALL_TIMEOUT:.0f}s")
         answer = pipe.recv()
     except (EOFError, OSError):
-        proc.join(STOP_TIMEOUT)
-        raise RuntimeError(f"TCP sum client (pid {proc.pid}) exited with {proc.exitcode}") from None
+        raise _client_gone(proc) from None
     if isinstance(answer, str):
         raise RuntimeError(f"TCP sum client (pid {proc.pid}): {answer}")
     return answer

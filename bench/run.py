@@ -164,14 +164,17 @@ class RoundTrips:
     take turns with MXNet's: ``prepare(i)`` runs before and ``check(i)`` after round trip
     ``i`` (counted on across calls), off the clock; the first call makes ``warmup``
     untimed round trips first. ``batched``: all of a call's round trips are prepared first
-    and checked after the last, so that nothing runs between two of them."""
+    and checked after the last, so that nothing runs between two of them (each call then
+    makes at least one untimed round trip first)."""
 
     def __init__(self, prepare, op, check, warmup=2, batched=False):
         self._prepare, self._op, self._check = prepare, op, check
         self._warmup, self._done, self._batched = warmup, 0, batched
 
     def seconds(self, count):
-        first, self._warmup = self._warmup, 0
+        # Batched, each call starts with an untimed round trip too: a worker's clock then
+        # starts with both workers past their prepares.
+        first, self._warmup = max(self._warmup, int(self._batched)), 0
         trips = range(self._done, self._done + first + count)
         self._done += first + count
         times = []
@@ -211,8 +214,8 @@ def key_round_trips(kv, key, n_floats, fused=False, scale=1.0, warmup=2, batched
     after the last, so that one worker's checks do not stretch the other's clock (a round
     waits for both pushes), and its workers run round trip after round trip as MXNet's do."""
     values, expected = _patterns(n_floats, scale)
-    out = np.zeros(n_floats, np.float32)
-    outs = {}  # batched: round trip -> its buffer, until checked
+    out = None if batched else np.zeros(n_floats, np.float32)
+    outs = {}  # batched: round trip -> its buffer (a fresh one, not in the cache as a reused one may be), until checked
     kv.init(key, values[0])
 
     def prepare(i):
@@ -534,8 +537,8 @@ class Run:
         big = n >= self.cfg["big"]
         repeats = self.cfg["big_repeats"] if big else self.cfg["repeats"]
         mxnet_row = {4 * MiB: "4MiB", self.cfg["big"]: "big"}.get(n)  # its number: "<row>_gbps"
-        with contextlib.ExitStack() as stack:  # the rows of the goals take turns with a raw TCP echo too
-            echo = stack.enter_context(references.tcp_echo_turns(n)) if mxnet_row else None
+        # The rows that goals name (those MXNet has) take turns with a raw TCP echo too.
+        with references.tcp_echo_turns(n) if mxnet_row else contextlib.nullcontext() as echo:
             ours, theirs, echoed = self._turns(key_round_trips(self._kv, 10 + n.bit_length(), n // 4), mxnet_row,
                                                repeats, others=[echo])
         r["throughput_gbps"][n] = common.gbps(n, statistics.median(ours[0]))
@@ -573,14 +576,14 @@ class Run:
     def pair(self, path):
         r = self.results["paths"][path]
         with pair_workers(path, r["options"], self.logdir) as seconds, references.tcp_sum(4 * MiB) as raw:
-            ours, theirs, floor = self._turns(seconds, "4MiB", self.cfg["pair_repeats"], workers=2, others=[raw])
+            ours, theirs, raw_sum = self._turns(seconds, "4MiB", self.cfg["pair_repeats"], workers=2, others=[raw])
 
         def aggregate(times):  # both workers' bytes over the slower one's median round trip (as MXNet's)
             return 2 * common.gbps(4 * MiB, max(map(statistics.median, times)))
 
         r["2workers_4MiB_gbps"] = aggregate(ours)
         r["2workers_rtt_s"] = [statistics.median(times) for times in ours]
-        r["2workers_tcp_sum_gbps"] = aggregate(floor)
+        r["2workers_tcp_sum_gbps"] = aggregate(raw_sum)
         if theirs is not None:
             r["mxnet"]["2workers_4MiB_gbps"] = aggregate(theirs)
 
@@ -715,11 +718,12 @@ def goals(table, cfg):
 
 
 def _beyond_raw(row, ref, need):
-    """For a missed goal of ``need`` x ``ref`` on a GB/s row: what the goal asks, in units of the
-    row's raw TCP reference of the same run, when that is more than raw sockets moved ('' when
-    not)."""
+    """For a missed goal of ``need`` x ``ref`` on a GB/s row of a path whose values cross TCP
+    (not shared memory): what the goal asks, in units of the row's raw TCP reference of the
+    same run, when that is more than raw sockets moved ('' when not)."""
     raw = _cells(row).get("TCP echo")
-    if row["unit"] != "GB/s" or raw is None or raw["value"] is None or raw["ref"] == "NumPy copy":
+    if (row["unit"] != "GB/s" or PATHS.get(row["path"], {}).get("options", {}).get("transport") is None
+            or raw is None or raw["value"] is None):
         return ""
     asked = need * next(c["value"] for c in row["refs"] if c["ref"] == ref)
     if asked <= raw["value"]:
@@ -770,19 +774,18 @@ def _cells(row):
 
 
 def format_report(table, goal_list, results, notes):
-    names = COLUMNS
     lines = ["Medians on 127.0.0.1. GB/s = 2 x payload / round trip. "
              "Ratios (x) = how many times better tensorkv is "
              "(tensorkv/ref for GB/s, ref/tensorkv for times).", ""]
     head = f"{'row':<24}{'unit':<6}{'path':<11}{'tensorkv':>10}"
-    for name in names:
+    for name in COLUMNS:
         head += f"{name:>12}{'x':>7}"
     lines += [head, "-" * len(head)]
     for r in table:
         line = (f"{r['row']:<24}{r['unit']:<6}{r['path']:<11}"
                 f"{_fmt(r['tensorkv'], r['unit']):>10}")
         cells = _cells(r)
-        for name in names:
+        for name in COLUMNS:
             c = cells.get(name)
             if c is None:
                 line += f"{'':>12}{'':>7}"
@@ -822,20 +825,19 @@ def mxnet_words(results):
 
 def format_markdown(table, goal_list, report):
     """The table and the goals as Markdown, for the README."""
-    names = COLUMNS
     m = report["machine"]
     lines = [f"`{report['command']}` on {m['cpus']} CPUs, {m['platform']}, "
              f"Python {m['python']}, grpcio {m['grpcio']}, NumPy {m['numpy']}; "
              "127.0.0.1, medians. " + mxnet_words(report["results"]), "",
              "| row | unit | path | tensorkv | " + " | ".join(
-                 f"{n} | x" for n in names) + " |",
+                 f"{n} | x" for n in COLUMNS) + " |",
              "| --- | --- | --- | ---: | " + " | ".join(
-                 "---: | ---:" for _ in names) + " |"]
+                 "---: | ---:" for _ in COLUMNS) + " |"]
     for r in table:
         cells = _cells(r)
         line = (f"| {r['row']} | {r['unit']} | {r['path']} | "
                 f"{_fmt(r['tensorkv'], r['unit'])} |")
-        for name in names:
+        for name in COLUMNS:
             c = cells.get(name)
             if c is None:
                 line += " | |"

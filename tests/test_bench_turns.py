@@ -61,6 +61,9 @@ def test_batched_round_trips_run_back_to_back_between_their_prepares_and_checks(
     assert len(trips.seconds(2)) == 2
     assert seen == [("prepare", 0), ("prepare", 1), ("prepare", 2), ("op", 0), ("op", 1), ("op", 2),
                     ("check", 0), ("check", 1), ("check", 2)]
+    seen.clear()  # a later call makes one untimed round trip first too, past both workers' prepares
+    assert len(trips.seconds(1)) == 1
+    assert seen == [("prepare", 3), ("prepare", 4), ("op", 3), ("op", 4), ("check", 3), ("check", 4)]
 
 
 WORKER = textwrap.dedent("""
@@ -135,10 +138,22 @@ def test_the_raw_tcp_sum_reference_sums_two_clients_and_stops_its_processes():
     import references  # noqa: E402  (bench/references.py)
     before = {child.pid for child in multiprocessing.active_children()}
     with references.tcp_sum(64 << 10) as seconds:
-        first, second = seconds(3), seconds(2)  # each client checks the sum it got back (1 + 2)
+        first, second = seconds(3), seconds(2)  # each client checks the last sum it got back (1 + 2)
         started = [child for child in multiprocessing.active_children() if child.pid not in before]
     assert [len(times) for times in first] == [3, 3] and [len(times) for times in second] == [2, 2]
     assert len(started) == 3 and not any(child.is_alive() for child in started)
+
+
+def test_a_raw_tcp_sum_client_that_died_is_named():
+    import references  # noqa: E402  (bench/references.py)
+    with references.tcp_sum(64 << 10) as seconds:
+        seconds(1)
+        import multiprocessing
+        client = next(child for child in multiprocessing.active_children() if child.name == "tcp-sum-client-1")
+        client.kill()
+        client.join(10)
+        with pytest.raises(RuntimeError, match=f"TCP sum client \\(pid {client.pid}\\) exited with -9"):
+            seconds(1)
 
 
 def test_the_raw_tcp_echo_takes_turns_a_count_at_a_time():
@@ -162,6 +177,9 @@ def test_a_missed_goal_says_when_it_asks_more_than_raw_sockets_moved():
     status = {g["goal"]: g["status"] for g in run.goals(table, run.FULL)}
     assert status["2 workers, 4 MiB, aggregate >= 1.5x MXNet (tcp-only)"] == "missed"
     table = [run._row("local", "'local' 4 MiB", "GB/s", True, "embedded", 20.0,
-                      [("MXNet", 30.0), ("NumPy copy", 25.0)])]  # a copy in memory is no floor of the wire
+                      [("MXNet", 30.0), ("NumPy copy", 25.0)]),  # a copy in memory is no bound of the wire
+             run._row("pair", "2 workers 4 MiB aggr.", "GB/s", True, "same-host", 2.7,
+                      [("MXNet", 2.25), ("TCP sum", 3.0)])]  # nor is TCP of shared memory
     status = {g["goal"]: g["status"] for g in run.goals(table, run.FULL)}
     assert status["'local' 4 MiB >= 1.0x MXNet 'local'"] == "missed"
+    assert status["2 workers, 4 MiB, aggregate >= 1.5x MXNet (same-host)"] == "missed"
