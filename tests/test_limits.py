@@ -462,3 +462,13 @@ def test_a_snapshot_over_max_memory_stops_the_server_naming_the_file(tmp_path):
     assert refused.stderr.strip().endswith(
         f"--state-dir {state}: snapshot-000000000001.tkv: key 'a': its value would bring what this server holds "
         "to 4096 bytes; this server's limit is 4095 bytes (--max-memory: stored values and optimizer states)")
+
+
+def test_the_limits_log_line_reads_in_units_and_names_each_flag():
+    from tensorkv.words import size
+    from tensorkv_server import limits
+    line = limits.describe(limits.Limits(max_inflight_bytes=(6 << 30) + (1 << 29)), 13743895347)
+    assert line == ("limits: 16 GiB per value (--max-value-bytes), 65536 keys per call (--max-keys-per-call), "
+                    "6.5 GiB of values per call (--max-inflight-bytes), 12.8 GiB stored (--max-memory)")
+    assert [size(n) for n in (1, 512, 1024, 1536, 64 << 20, 1 << 40)] == [
+        "1 byte", "512 bytes", "1 KiB", "1.5 KiB", "64 MiB", "1 TiB"]

@@ -8,7 +8,7 @@ whole, with a message naming the limit, its value and its flag.
 import dataclasses
 import os
 
-from tensorkv.words import plural
+from tensorkv.words import plural, size
 
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 16 << 30
@@ -88,5 +88,7 @@ def host_memory():
 
 def describe(limits, max_memory):
     """The limits in words, for the log line at start."""
-    return (f"limits: {limits.max_value_bytes} bytes per value, {plural(limits.max_keys_per_call, 'key')} and "
-            f"{limits.max_inflight_bytes} bytes per call, {max_memory} bytes stored")
+    return (f"limits: {size(limits.max_value_bytes)} per value (--max-value-bytes), "
+            f"{plural(limits.max_keys_per_call, 'key')} per call (--max-keys-per-call), "
+            f"{size(limits.max_inflight_bytes)} of values per call (--max-inflight-bytes), "
+            f"{size(max_memory)} stored (--max-memory)")
