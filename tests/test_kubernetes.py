@@ -136,3 +136,17 @@ def test_kubectl_kustomize_renders_the_same():
 
 def _kind_and_name(document):
     return document["kind"], document["metadata"]["name"]
+
+
+def test_the_servers_memory_limits_fit_its_container(rendered):
+    """What the server may hold at once fits the container's memory limit (docs/reference.md,
+    "Sizing a server's memory"): every worker's push in flight, up to 2 GiB of kept receive
+    buffers and glibc heap, 256 MiB for the process itself (60 MiB idle, measured), and what
+    it stores twice (a snapshot copies it while it writes)."""
+    container = rendered["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    held = (int(_option(args, "--num-workers")) * int(_option(args, "--max-inflight-bytes")) + (2 << 30) + (256 << 20)
+            + 2 * int(_option(args, "--max-memory")))
+    assert held <= int(limit[:-2]) << 30

@@ -472,3 +472,26 @@ def test_the_limits_log_line_reads_in_units_and_names_each_flag():
                     "6.5 GiB of values per call (--max-inflight-bytes), 12.8 GiB stored (--max-memory)")
     assert [size(n) for n in (1, 512, 1024, 1536, 64 << 20, 1 << 40)] == [
         "1 byte", "512 bytes", "1 KiB", "1.5 KiB", "64 MiB", "1 TiB"]
+
+
+def test_with_a_state_dir_the_default_memory_leaves_room_for_a_snapshots_copy(tmp_path):
+    """A snapshot holds a host copy of every stored value and state while it is written (the
+    server's peak RSS doubles): with --state-dir, the default --max-memory is half the share,
+    and an explicit one that leaves no room for the copy is warned about."""
+    from tensorkv_server import limits
+    from tensorkv_server.__main__ import parse_args
+
+    def memory(*argv):
+        args = parse_args(["--num-workers", "1", *argv])
+        return args, limits.from_args(args, np)[1]
+
+    host = limits.host_memory()
+    args, plain = memory()
+    assert plain == int(host * limits.MEMORY_SHARE) and limits.snapshot_room(args, np, plain) is None
+    args, durable = memory("--state-dir", str(tmp_path))
+    assert durable == int(host * limits.MEMORY_SHARE / 2) and limits.snapshot_room(args, np, durable) is None
+    args, crowded = memory("--state-dir", str(tmp_path), "--max-memory", str(host // 2 + 1))
+    assert re.fullmatch(rf"--max-memory {host // 2 + 1} \(.*\): a snapshot copies every stored value and state to "
+                        r"the host while it is written: up to .* of host memory with the stored values themselves, "
+                        r"more than this host's .* \(or its container's limit\): a full server may be stopped by the "
+                        r"kernel when it writes a snapshot", limits.snapshot_room(args, np, crowded))

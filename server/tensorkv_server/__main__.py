@@ -116,6 +116,9 @@ def _serve(args, reexec):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     request_limits, max_memory = limits.from_args(args, xp)
     log.info("%s", limits.describe(request_limits, max_memory))
+    crowded = limits.snapshot_room(args, xp, max_memory)
+    if crowded:
+        log.warning("%s", crowded)
     coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
                               args.lease_timeout, max_memory)
     snapshots = None
