@@ -175,3 +175,56 @@ def test_a_server_of_another_worker_count_refuses_the_snapshot(tmp_path):
     assert refused.stderr.strip().endswith(
         f"--state-dir {tmp_path / 'state'}: snapshot-000000000001.tkv: taken by a server with --mode sync --num-workers 1, "
         "not --mode sync --num-workers 2")
+
+
+def test_snapshots_take_turns_and_a_cancelled_one_finishes_its_file_first(tmp_path, monkeypatch):
+    """Each snapshot holds a copy of every value until its file is written: a second one asked
+    for meanwhile (a Snapshot call) copies nothing until the first file is done, and the
+    periodic one cancelled at SIGTERM keeps its turn until its file is written, so that the
+    last snapshot's copy is never held next to another."""
+    import asyncio
+    import threading
+
+    from tensorkv.codec import Item
+    from tensorkv.engine import Engine
+    from tensorkv_server import snapshot
+    from tensorkv_server.rounds import Coordinator
+
+    coordinator = Coordinator(Engine(np), 1, "sync", 60.0)
+    coordinator.engine.init([Item("a", np.ones(4, np.float32))])
+    snapshots = snapshot.Snapshots(coordinator, str(tmp_path))
+    events, release = [], threading.Event()
+    capture, write = snapshot.capture, snapshots._write
+
+    def recorded_capture(*args):
+        events.append("copy")
+        return capture(*args)
+
+    def held_write(name, header, arrays):
+        events.append("write starts")
+        release.wait(STOP_TIMEOUT)
+        write(name, header, arrays)
+        events.append("write ends")
+
+    monkeypatch.setattr(snapshot, "capture", recorded_capture)
+    snapshots._write = held_write
+
+    async def scenario():
+        first = asyncio.create_task(snapshots.take())
+        for _ in range(500):
+            if "write starts" in events:
+                break
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(snapshots.take())
+        await asyncio.sleep(0.2)
+        first.cancel()
+        await asyncio.sleep(0.2)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(first, STOP_TIMEOUT)
+        return await asyncio.wait_for(second, STOP_TIMEOUT)
+
+    name, num_keys, _ = asyncio.run(scenario())
+    assert events == ["copy", "write starts", "write ends", "copy", "write starts", "write ends"]
+    assert (name, num_keys) == ("snapshot-000000000002.tkv", 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-000000000001.tkv", "snapshot-000000000002.tkv"]

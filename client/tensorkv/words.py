@@ -9,6 +9,7 @@ def plural(count, noun):
 def size(nbytes):
     """``nbytes`` in the largest binary unit it fills, to a tenth: "512 bytes", "64 KiB", "12.8 GiB"."""
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f}".removesuffix(".0") + f" {unit}"
+        tenths = f"{nbytes / (1 << shift):.1f}"
+        if float(tenths) >= 1:  # 1048535 bytes: "1 MiB", not "1024 KiB"
+            return tenths.removesuffix(".0") + f" {unit}"
     return plural(nbytes, "byte")

@@ -16,7 +16,8 @@ MAX_KEYS_PER_CALL = 65536
 # Shares of the memory of the machine (or of the GPU the values live on): of --max-memory
 # and --max-inflight-bytes when they are not given. While a snapshot is written (--state-dir),
 # the server holds a host copy of every value and optimizer state as well: with the values in
-# host memory, the default --max-memory is half the share, so that the two fit in it.
+# host memory, the default --max-memory is half the share, so that the two fit in it; on a
+# GPU, at most the share of the host's memory.
 MEMORY_SHARE = 0.8
 INFLIGHT_SHARE = 0.25
 # cgroup (v2, then v1) files that hold a container's memory limit; an unlimited v1 cgroup says ~2**63.
@@ -54,8 +55,9 @@ def add_arguments(parser):
                              "(counted for every key as soon as an optimizer is installed; values of calls in "
                              "flight are not counted); an init or SetUpdater that would pass it is refused with "
                              "RESOURCE_EXHAUSTED (default: 80%% of the memory of the device the values live on: "
-                             "the host's, or the container's limit, or the GPU's; with --state-dir and the values in "
-                             "host memory 40%%, as a snapshot holds a copy of every value while it is written)")
+                             "the host's, or the container's limit, or the GPU's; with --state-dir, as a snapshot "
+                             "holds a host copy of every value while it is written, 40%% of the host's memory for "
+                             "values in host memory, and at most 80%% of it for values on a GPU)")
 
 
 def check(args, parser):
@@ -70,27 +72,29 @@ def from_args(args, xp):
     """(the :class:`Limits` of the parsed ``args``, --max-memory in bytes) for values that live
     in the array namespace ``xp`` (NumPy, or CuPy on the current GPU)."""
     inflight = args.max_inflight_bytes or int(host_memory() * INFLIGHT_SHARE)
-    on_host = xp.__name__ == "numpy"
-    device_memory = host_memory() if on_host else xp.cuda.Device().mem_info[1]
-    share = MEMORY_SHARE / 2 if on_host and args.state_dir is not None else MEMORY_SHARE
-    memory = args.max_memory or int(device_memory * share)
+    if args.max_memory:
+        memory = args.max_memory
+    elif xp.__name__ == "numpy":
+        memory = int(host_memory() * (MEMORY_SHARE / 2 if args.state_dir is not None else MEMORY_SHARE))
+    else:  # on the GPU; a snapshot's copy is on the host
+        memory = int(xp.cuda.Device().mem_info[1] * MEMORY_SHARE)
+        if args.state_dir is not None:
+            memory = min(memory, int(host_memory() * MEMORY_SHARE))
     return Limits(args.max_key_bytes, args.max_value_bytes, args.max_keys_per_call, inflight), memory
 
 
 def snapshot_room(args, xp, max_memory):
-    """A warning, or None: whether what ``max_memory`` lets the server store, copied to the
-    host by each snapshot (--state-dir), fits in the host's memory next to it."""
+    """A warning, or None: whether what ``max_memory`` lets the server store, with the host
+    copy each snapshot (--state-dir) holds while it is written, fits in the host's memory."""
     if args.state_dir is None:
         return None
     on_host = xp.__name__ == "numpy"
-    needed = 2 * max_memory if on_host else max_memory
-    if needed <= host_memory():
+    held, memory = (2 * max_memory if on_host else max_memory), host_memory()
+    if held <= memory:
         return None
-    return (f"--max-memory {max_memory} ({size(max_memory)}): a snapshot copies every stored value and state to the "
-            f"host while it is written: up to {size(needed)} of host memory"
-            f"{' with the stored values themselves' if on_host else ''}, more than this host's "
-            f"{size(host_memory())} (or its container's limit): a full server may be stopped by the kernel when it "
-            f"writes a snapshot")
+    return (f"--max-memory {size(max_memory)} leaves no room for a snapshot's copy: a full server holds up to "
+            f"{size(held)} of host memory while one is written, more than the {size(memory)} this server has; "
+            f"give at most {size(memory // 2 if on_host else memory)}")
 
 
 def host_memory():

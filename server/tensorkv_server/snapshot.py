@@ -253,7 +253,10 @@ def restore(coordinator, header, arrays):
     try:
         coordinator.check_memory(items, optimizer)
     except ResourceExhaustedError as error:
-        raise WrongServer(str(error)) from None
+        raise WrongServer(f"{error}. With --state-dir and the values in host memory, --max-memory defaults to 40% "
+                          f"of the memory (80% before 2026-11-26), since a snapshot holds a copy of every value "
+                          f"while it is written: pass a --max-memory that fits this snapshot, with as much again "
+                          f"free") from None
     coordinator.engine.init(items)
     for item, entry in zip(items, header["keys"]):
         coordinator._rounds[item.key] = rounds = _KeyRounds()
@@ -339,14 +342,22 @@ class Snapshots:
             return
 
     async def take(self):
-        """(file name, number of keys, run number) of a new snapshot of the current state."""
-        engine = self.coordinator.engine
-        buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
-        header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile are copied anew
-        self._sequence += 1
-        name = f"snapshot-{self._sequence:012d}.tkv"
+        """(file name, number of keys, run number) of a new snapshot of the current state.
+        One snapshot at a time, each holding a copy of every value until its file is written:
+        one asked for meanwhile (a Snapshot call, the last one at SIGTERM) waits, and one
+        cancelled while its file is written keeps its turn until the file is done."""
         async with self._lock:
-            await asyncio.to_thread(self._write, name, header, arrays)
+            engine = self.coordinator.engine
+            buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
+            header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile are copied anew
+            self._sequence += 1
+            name = f"snapshot-{self._sequence:012d}.tkv"
+            write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays))
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                await write
+                raise
         run = header["run"]["number"] if header["run"] else 0
         log.info("snapshot %s written: %s, run %d", name, plural(len(header["keys"]), "key"), run,
                  extra={"event": "snapshot_written"})
