@@ -5,11 +5,13 @@ import subprocess
 import sys
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tensorkv
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cluster import Cluster, check_workers, free_port
 
 KVSTORE = "tensorkv.v1.KVStoreService"
@@ -68,6 +70,30 @@ def test_counts_of_plain_rpcs(tmp_path):
     # Init, 3 pushes: at least their 4 x 24 bytes of values in; 3 pulls: 3 x 24 out.
     assert samples[("tensorkv_transport_bytes_total", (("direction", "in"), ("transport", "grpc")))] > 4 * 24
     assert samples[("tensorkv_transport_bytes_total", (("direction", "out"), ("transport", "grpc")))] > 3 * 24
+
+
+def test_refused_calls_are_counted_and_each_call_is_checked(tmp_path):
+    """With tokens, each call's own token decides it, whatever the calls before it got, and
+    refusals are counted with their codes (the metrics interceptor runs before the check)."""
+    token, read_only = "rw-token-0123456789abcdef", "ro-token-0123456789abcdef"
+    (tmp_path / "tokens").write_text(f"{token}\n{read_only} ro\n")
+    port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port), "--token-file",
+                                                 str(tmp_path / "tokens"))) as cluster, \
+            grpc.insecure_channel(cluster.addresses[0]) as channel:
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        codes = []
+        for metadata in ([("authorization", f"Bearer {token}")], [], [("authorization", f"Bearer {read_only}")],
+                         [("authorization", f"Bearer {token}")]):
+            try:
+                stub.Reset(kvstore_pb2.ResetRequest(), metadata=metadata, timeout=10)
+                codes.append("OK")
+            except grpc.RpcError as error:
+                codes.append(error.code().name)
+        _, samples = scrape(port)
+    assert codes == ["OK", "UNAUTHENTICATED", "PERMISSION_DENIED", "OK"]
+    for code, count in (("OK", 2), ("UNAUTHENTICATED", 1), ("PERMISSION_DENIED", 1)):
+        assert samples[("grpc_server_handled_total", grpc_labels("Reset", "unary", code))] == count
 
 
 @pytest.mark.parametrize("transport, counted", [("auto", "shm"), ("tcp", "datachan")])

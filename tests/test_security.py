@@ -268,11 +268,14 @@ def _raw_call(channel, method, metadata, request=b""):
     return grpc.StatusCode.OK, ""
 
 
-@pytest.fixture
-def token_server(tmp_path):
+@pytest.fixture(params=[False, True], ids=["", "metrics"])
+def token_server(request, tmp_path):
+    """A server with a read-write and a read-only token; and with --metrics-port, whose
+    interceptor sees each call before the token check does."""
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# training jobs\n{TOKEN}\n\n{READ_ONLY_TOKEN} ro  # dashboards\n")
-    with Cluster(tmp_path=tmp_path, server_args=["--token-file", str(tokens)]) as cluster:
+    metrics = ["--metrics-port", str(free_port())] if request.param else []
+    with Cluster(tmp_path=tmp_path, server_args=["--token-file", str(tokens), *metrics]) as cluster:
         yield cluster.addresses[0]
 
 
@@ -301,6 +304,24 @@ def test_every_method_needs_a_token_and_read_only_tokens_only_read(token_server)
             list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_each_call_is_checked_whatever_the_calls_before_it(token_server):
+    """The token decides each call: one call's answer is never reused for the next (the
+    metrics interceptor once kept the first handler a method got, a refusal or not)."""
+    rw, ro, none = (("authorization", f"Bearer {TOKEN}"),), (("authorization", f"Bearer {READ_ONLY_TOKEN}"),), ()
+    reset = SERVICE.methods_by_name["Reset"]
+    info = SERVICE.methods_by_name["Info"]
+    request = kvstore_pb2.InfoRequest().SerializeToString()
+    with grpc.insecure_channel(token_server) as channel:
+        for method, request, turns in (
+                (reset, b"", [(rw, grpc.StatusCode.OK), (none, grpc.StatusCode.UNAUTHENTICATED),
+                              (ro, grpc.StatusCode.PERMISSION_DENIED), (rw, grpc.StatusCode.OK)]),
+                (info, request, [(none, grpc.StatusCode.UNAUTHENTICATED), (ro, grpc.StatusCode.OK),
+                                 (rw, grpc.StatusCode.OK), (none, grpc.StatusCode.UNAUTHENTICATED)])):
+            for metadata, expected in turns:
+                code, details = _raw_call(channel, method, metadata, request)
+                assert code == expected, (method.name, metadata, code, details)
 
 
 def test_refusals_do_not_tell_whether_a_key_exists(token_server):
