@@ -180,3 +180,41 @@ def test_a_register_sent_again_with_its_request_id_gets_the_same_registration(tm
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "rank 1 is already taken by another worker" in refused.value.details()
         assert list(_info(cluster.addresses[0]).registered_ranks) == [0, 1]
+
+
+def test_a_restored_run_goes_on_with_its_workers_and_within_a_lease_with_new_ones(monkeypatch):
+    """The run a snapshot was taken in goes on after a restart (Membership.restore_run): with
+    a worker naming its previous incarnation at any time; with a new worker within a lease of
+    the restart, and after that only once one of its workers is back."""
+    import asyncio
+    import types
+
+    from tensorkv_server import membership
+
+    now = [100.0]
+    monkeypatch.setattr(membership, "time", types.SimpleNamespace(monotonic=lambda: now[0], time_ns=lambda: 0))
+
+    def restored():
+        members = membership.Membership(num_workers=2, lease_timeout=10.0)
+        members.restore_run(membership.Run(7, membership.FAIL), going=True)
+        members.restore_sequences([{"rank": 1, "incarnation": 55, "through": 3, "beyond": []}])
+        return members
+
+    async def registrations():
+        members = restored()
+        now[0] += 9.0  # within a lease: a new worker joins run 7
+        assert members.register(0)[2] is False and members.run.number == 7
+        members = restored()
+        now[0] += 11.0  # past it: a new worker starts run 8 ...
+        assert members.register(0)[2] is True and members.run.number == 8
+        members = restored()
+        now[0] += 60.0  # ... but a worker of run 7 naming its incarnation goes on in it
+        assert members.register(1, previous=55)[2] is False and members.run.number == 7
+        assert members.register(0)[2] is False and members.run.number == 7
+        with pytest.raises(tensorkv.FailedPreconditionError, match="restored from a snapshot"):
+            restored().register(1, if_exists=membership.RESUME, previous=55)
+        unfinished = membership.Membership(num_workers=2)
+        unfinished.restore_run(membership.Run(7, membership.FAIL), going=False)  # no rank was registered
+        assert unfinished.register(0)[2] is True and unfinished.run.number == 8
+
+    asyncio.run(registrations())

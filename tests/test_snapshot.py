@@ -91,6 +91,36 @@ def test_a_snapshot_survives_kill_9_and_a_resumed_run_goes_on_exactly(tmp_path):
     np.testing.assert_allclose(weights, _sgd([*range(1, 4), *range(1, 4)]), rtol=1e-5)
 
 
+def test_a_run_going_on_at_a_snapshot_goes_on_after_a_restart(tmp_path):
+    """A server restarted from its snapshot keeps the run it had (API.md): a worker of the run
+    goes on in it, and a replacement for a worker that left joins it, so its init with
+    if_exists='fail' is not refused as a new run's (it once started run 2 at the first
+    registration after the restart)."""
+    with Cluster(num_workers=2, tmp_path=tmp_path,
+                 server_args=["--state-dir", str(tmp_path / "state"), "--snapshot-interval", "0"]) as cluster:
+        address = cluster.addresses[0]
+        kv1 = tensorkv.create("dist_sync", servers=address, rank=1)
+        try:
+            with tensorkv.create("dist_sync", servers=address, rank=0) as kv0:
+                for kv in (kv0, kv1):
+                    kv.init("w", np.zeros(4, np.float32))
+                    kv.push("w", np.full(4, kv.rank + 1.0, np.float32))
+            assert _snapshot(cluster).run == 1  # rank 1 is registered: run 1 is going on
+            cluster.restart()  # SIGKILL
+            np.testing.assert_array_equal(kv1.pull("w"), [3.0] * 4)  # registers again, naming its incarnation
+            with tensorkv.create("dist_sync", servers=address, rank=0) as kv0:  # if_exists='fail'
+                kv0.init("w", np.full(4, 9.0, np.float32))  # joins run 1: the stored value stays
+                for kv in (kv0, kv1):
+                    kv.push("w", np.full(4, 10.0 * (kv.rank + 1), np.float32))
+                np.testing.assert_array_equal(kv0.pull("w"), [30.0] * 4)
+                info = _info(cluster)
+                assert (info.run, sorted(info.registered_ranks)) == (1, [0, 1])
+        finally:
+            kv1.close()
+        assert "run 1 goes on after this server's restart" in _log(cluster)
+        assert "run 2 starts" not in _log(cluster)
+
+
 def test_sigterm_writes_a_snapshot_that_a_restart_loads(tmp_path):
     with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
         first = _run(cluster)["weights"]

@@ -13,8 +13,9 @@ barrier_aborted), ``peer`` (null when the line has none), ``logger`` and ``messa
 handled (see :data:`PEER`) unless the call passes one.
 
 The events: server_started, server_stopping, server_stopped, worker_registered,
-worker_unregistered, worker_reregistered, lease_expired, round_aborted, barrier_aborted,
-optimizer_installed.
+worker_unregistered, worker_reregistered, lease_expired, run_started, run_resumed (a run
+restored from a snapshot goes on), run_ended, round_aborted, barrier_aborted,
+optimizer_installed, snapshot_written, snapshot_failed, snapshot_restored, snapshot_skipped.
 """
 import contextvars
 import datetime

@@ -27,7 +27,10 @@ A *run* is the set of workers registered together: it starts with a registration
 rank is registered, and ends when all of its ranks have been given back or have lost their
 lease. Its first registration chooses its ``if_exists``, what it does with the keys that
 earlier runs left (FAIL, RESUME or REPLACE), and the run's other registrations must ask for
-the same.
+the same. A server restarted from a snapshot taken while a run was going on keeps that run
+(:meth:`Membership.restore_run`): its workers register again naming their previous
+incarnations and go on in it, and a new worker that registers within a lease of the restart
+joins it too, as it would have joined before the restart.
 """
 import asyncio
 import logging
@@ -116,6 +119,10 @@ class Membership:
         self._restored = {}  # rank -> (incarnation, _Applied) saved in the snapshot this server restored
         self._request_ids = {}  # rank -> RegisterRequest.request_id of its registration
         self._on_expired = on_expired
+        # The run that was going on when the restored snapshot was taken, until it goes on
+        # with a registration, and the time.monotonic() until which a worker that names no
+        # previous incarnation joins it (after that, one of its workers must come back first).
+        self._restored_run, self._restored_until = None, None
 
     @property
     def ranks(self):
@@ -145,10 +152,12 @@ class Membership:
                 return rank, self._take_over(rank, previous), False
             if self._expired.get(rank) == previous:
                 self.check(rank, previous)  # raises: that lease expired
-        if self.running and if_exists != self.run.if_exists:
+        going = self.running or self._restored_run_goes_on(rank, previous)
+        if going and if_exists != self.run.if_exists:
+            registered = f"ranks {self.ranks} registered" if self.running else "restored from a snapshot"
             raise FailedPreconditionError(
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
-                f"(ranks {self.ranks} registered) started with if_exists={self.run.if_exists!r}: every worker "
+                f"({registered}) started with if_exists={self.run.if_exists!r}: every worker "
                 "of a run must ask for the same")
         if rank is None:
             free = [r for r in range(self.num_workers) if r not in self.incarnations]
@@ -158,10 +167,12 @@ class Membership:
         self._check_range(rank)
         if rank in self.incarnations:
             raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
-        started = not self.running
-        if started:
+        if not going:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists)
             log.info("run %d starts (if_exists=%r)", self.run.number, if_exists, extra={"event": "run_started"})
+        elif not self.running:
+            log.info("run %d goes on after this server's restart", self.run.number, extra={"event": "run_resumed"})
+        self._restored_run = None
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
         self._grant(rank, incarnation)
@@ -172,7 +183,16 @@ class Membership:
         log.info("worker registered with rank %d, incarnation %d (%d of %d)",
                  rank, incarnation, len(self.incarnations), self.num_workers,
                  extra={"event": "worker_registered", "rank": rank})
-        return rank, incarnation, started
+        return rank, incarnation, not going
+
+    def _restored_run_goes_on(self, rank, previous):
+        """Whether a registration of ``rank`` naming ``previous`` goes on with the run restored
+        from a snapshot: one of its workers, or any worker within a lease of the restart."""
+        if self._restored_run is None or self._restored_run is not self.run:
+            return False
+        if previous is not None and self._restored.get(rank, (None,))[0] == previous:
+            return True
+        return time.monotonic() < self._restored_until
 
     def _take_over(self, rank, previous):
         """The incarnation of a new registration of ``rank`` in the place of ``previous``."""
@@ -207,6 +227,13 @@ class Membership:
                 saved.append({"rank": rank, "incarnation": incarnation, "through": applied.through,
                               "beyond": sorted(applied.beyond)})
         return saved
+
+    def restore_run(self, run, going):
+        """Take ``run`` (a Run, or None) from a snapshot: the last run, going on when the
+        snapshot was taken if ``going``."""
+        self.run = run
+        if run is not None and going:
+            self._restored_run, self._restored_until = run, time.monotonic() + self.lease_timeout
 
     def restore_sequences(self, saved):
         """Keep the numbers of :meth:`saved_sequences` for each rank's worker, which gets them

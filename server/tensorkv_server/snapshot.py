@@ -73,7 +73,7 @@ def capture(coordinator, buffers):
     header = {"format": FORMAT, "version": VERSION, "mode": coordinator.mode, "num_workers": coordinator.num_workers,
               "key_type": engine._key_type and engine._key_type.__name__, "keys": keys,
               "optimizer": optimizer and states_file.optimizer_header(optimizer), "states": state_keys,
-              "run": run and {"number": run.number, "if_exists": run.if_exists},
+              "run": run and {"number": run.number, "if_exists": run.if_exists, "going": coordinator.members.running},
               "next_incarnation": coordinator.members._next_incarnation,
               "sequences": coordinator.members.saved_sequences(coordinator.open_sequences()),
               "barriers_done": coordinator._barriers_done}
@@ -266,8 +266,10 @@ def restore(coordinator, header, arrays):
     if optimizer is not None:
         coordinator.set_optimizer(optimizer, states)
     members = coordinator.members
-    if header["run"] is not None:
-        members.run = Run(header["run"]["number"], header["run"]["if_exists"])
+    run = header["run"]
+    if run is not None:
+        # Snapshots written before "going" was saved: going on if a rank's sequence numbers were saved.
+        members.restore_run(Run(run["number"], run["if_exists"]), run.get("going", bool(header.get("sequences"))))
     members._next_incarnation = max(members._next_incarnation, header["next_incarnation"])
     members.restore_sequences(header.get("sequences", []))
     coordinator._barriers_done = header["barriers_done"]
@@ -290,7 +292,7 @@ def _parse(header, arrays):
     for entry in header.get("sequences", []):
         int(entry["rank"]), int(entry["incarnation"]), int(entry["through"]), [int(number) for number in entry["beyond"]]
     if header["run"] is not None:
-        int(header["run"]["number"]), header["run"]["if_exists"]
+        int(header["run"]["number"]), header["run"]["if_exists"], bool(header["run"].get("going"))
     if header["optimizer"] is None:
         return items, None, {}
     by_key, states, index = {item.key: item for item in items}, {}, 0
