@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import tensorkv
 from tensorkv.security import Security
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,6 +222,21 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def rank_1_after_a_round(address):
+    """A dist_sync store of rank 1 on the two-worker server at ``address``, after one round
+    with a rank 0 that then closed its store: key 'w' holds 3 (1 + 2). The caller closes it."""
+    kv1 = tensorkv.create("dist_sync", servers=address, rank=1)
+    try:
+        with tensorkv.create("dist_sync", servers=address, rank=0) as kv0:
+            for kv in (kv0, kv1):
+                kv.init("w", np.zeros(4, np.float32))
+                kv.push("w", np.full(4, kv.rank + 1.0, np.float32))
+    except BaseException:
+        kv1.close()
+        raise
+    return kv1
 
 
 def check_workers(results):

@@ -10,7 +10,7 @@ import pytest
 import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import Cluster, check_workers
+from cluster import Cluster, check_workers, rank_1_after_a_round
 
 ROUNDS = 3
 BASE = np.array([1, -1, 2, 0.5])
@@ -125,12 +125,8 @@ def test_workers_of_one_run_ask_for_the_same_if_exists(tmp_path, monkeypatch):
 def test_a_rank_that_rejoins_a_run_going_on_is_not_a_new_run(tmp_path):
     with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
         address = cluster.addresses[0]
-        kv1 = tensorkv.create("dist_sync", servers=address, rank=1)
+        kv1 = rank_1_after_a_round(address)
         try:
-            with tensorkv.create("dist_sync", servers=address, rank=0) as kv0:
-                for kv in (kv0, kv1):
-                    kv.init("w", np.zeros(4, np.float32))
-                    kv.push("w", np.full(4, kv.rank + 1.0, np.float32))
             with tensorkv.create("dist_sync", servers=address, rank=0) as kv0:  # rank 1 stayed: the same run
                 kv0.init("w", np.full(4, 9, np.float32))  # the stored value stays
                 np.testing.assert_array_equal(kv0.pull("w"), [3.0] * 4)

@@ -14,7 +14,7 @@ import pytest
 import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import STOP_TIMEOUT, Cluster, check_workers, wait_until
+from cluster import STOP_TIMEOUT, Cluster, check_workers, rank_1_after_a_round, wait_until
 
 ROUNDS = 3
 BASE = np.array([1, -1, 2, 0.5])
@@ -99,12 +99,8 @@ def test_a_run_going_on_at_a_snapshot_goes_on_after_a_restart(tmp_path):
     with Cluster(num_workers=2, tmp_path=tmp_path,
                  server_args=["--state-dir", str(tmp_path / "state"), "--snapshot-interval", "0"]) as cluster:
         address = cluster.addresses[0]
-        kv1 = tensorkv.create("dist_sync", servers=address, rank=1)
+        kv1 = rank_1_after_a_round(address)
         try:
-            with tensorkv.create("dist_sync", servers=address, rank=0) as kv0:
-                for kv in (kv0, kv1):
-                    kv.init("w", np.zeros(4, np.float32))
-                    kv.push("w", np.full(4, kv.rank + 1.0, np.float32))
             assert _snapshot(cluster).run == 1  # rank 1 is registered: run 1 is going on
             cluster.restart()  # SIGKILL
             np.testing.assert_array_equal(kv1.pull("w"), [3.0] * 4)  # registers again, naming its incarnation
