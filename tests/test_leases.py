@@ -18,7 +18,8 @@ import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv_server.__main__ import parse_args
 
-from cluster import STOP_TIMEOUT, Cluster, DrivenWorker as Worker, stop, wait_until
+from cluster import STOP_TIMEOUT, Cluster, DrivenWorker as Worker, free_port, stop, wait_until
+from test_metrics import scrape
 
 def _info(cluster):
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
@@ -156,7 +157,9 @@ def test_workers_keep_their_ranks_when_the_server_was_paused_longer_than_the_lea
 
 
 def test_when_every_rank_lost_its_lease_the_run_ends(tmp_path, workers):
-    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--lease-timeout", "1")) as cluster:
+    port = free_port()
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--lease-timeout", "1", "--metrics-port", str(port))) \
+            as cluster:
         workers += [Worker(cluster, 0), Worker(cluster, 1)]
         workers[0].call("push 1", "pushed")  # a round that only rank 0 pushed to
         for worker in workers:
@@ -164,6 +167,7 @@ def test_when_every_rank_lost_its_lease_the_run_ends(tmp_path, workers):
             worker.process.wait(STOP_TIMEOUT)
         wait_until(lambda: not _holders(cluster), "every rank freed")
         assert _info(cluster).expired_leases == 2
+        assert scrape(port)[1][("tensorkv_expired_leases_total", ())] == 2
         with open(tmp_path / "server0.log") as log:
             text = log.read()
         assert "run 1 ended: every rank left or lost its lease" in text

@@ -142,6 +142,25 @@ def test_aborted_round(tmp_path):
     assert samples[("tensorkv_rounds_total", (("outcome", "completed"),))] == 0
 
 
+def test_restored_keys_and_the_errors_of_session_calls_are_counted(tmp_path):
+    port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port), "--state-dir", str(tmp_path / "state"),
+                                                  "--snapshot-interval", "0")) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:  # calls on its Session stream
+            kv.init(["a", "b"], [np.ones(3, np.float32), np.ones((2, 2), np.float64)])
+            with pytest.raises(tensorkv.KeyNotFoundError):  # the server's answer: the client knows no such key
+                kv.pull("missing")
+        _, before = scrape(port)
+        with grpc.insecure_channel(cluster.addresses[0]) as channel:
+            kvstore_pb2_grpc.KVStoreServiceStub(channel).Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+        cluster.restart()  # SIGKILL
+        _, after = scrape(port)
+    assert {labels: value for (name, labels), value in before.items() if name == "tensorkv_session_errors_total"} \
+        == {(("code", "NOT_FOUND"),): 1}
+    assert (after[("tensorkv_keys", ())], after[("tensorkv_stored_bytes", ())]) == (2, 3 * 4 + 4 * 8)
+    assert after[("tensorkv_snapshots_total", (("outcome", "written"),))] == 0  # this process wrote none yet
+
+
 def test_metrics_port_in_use_is_a_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -151,4 +170,5 @@ def test_metrics_port_in_use_is_a_clear_error():
                                  "--device", "cpu", "--metrics-port", str(port)],
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert result.stderr.splitlines()[-1].startswith(f"tensorkv-server: --metrics-port {port}: ")
+    assert result.stderr.splitlines() == [f"tensorkv-server: --metrics-port {port}: port {port} on 127.0.0.1 is in "
+                                          "use by another process (another tensorkv-server?)"]  # before it starts

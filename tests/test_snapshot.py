@@ -6,6 +6,7 @@ import io
 import json
 import signal
 import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -14,7 +15,9 @@ import pytest
 import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import STOP_TIMEOUT, Cluster, check_workers, rank_1_after_a_round, wait_until
+from cluster import STOP_TIMEOUT, Cluster, check_workers, free_port, rank_1_after_a_round, wait_until
+from test_ctl import ctl
+from test_metrics import scrape
 
 ROUNDS = 3
 BASE = np.array([1, -1, 2, 0.5])
@@ -253,4 +256,66 @@ def test_snapshots_take_turns_and_a_cancelled_one_finishes_its_file_first(tmp_pa
     name, num_keys, _ = asyncio.run(scenario())
     assert events == ["copy", "write starts", "write ends", "copy", "write starts", "write ends"]
     assert (name, num_keys) == ("snapshot-000000000002.tkv", 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-000000000001.tkv", "snapshot-000000000002.tkv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lock", "snapshot-000000000001.tkv",
+                                                          "snapshot-000000000002.tkv"]
+
+
+def test_a_failing_state_dir_shows_in_info_metrics_status_and_the_exit_status(tmp_path):
+    """Snapshots that fail (here: the state directory replaced by a file) are logged, counted,
+    and shown by Info and `tensorkv status` (exit 1) until one is written again; the Snapshot
+    RPC says why without the path; a last snapshot that fails at SIGTERM ends the server with
+    status 1 and one line, after its log says it stopped."""
+    port, state = free_port(), tmp_path / "state"
+    with _cluster(tmp_path, "--snapshot-interval", "0.2", "--metrics-port", str(port)) as cluster:
+        wait_until(lambda: _info(cluster).last_snapshot, "a periodic snapshot")
+        state.rename(tmp_path / "moved")
+        state.write_text("a file where the state directory was")
+        wait_until(lambda: _info(cluster).failed_snapshots >= 1, "a periodic snapshot that failed")
+        info = _info(cluster)
+        assert info.snapshot_error == "Not a directory" and info.last_snapshot.startswith("snapshot-")
+        code, out, err = ctl("status", servers=cluster.addresses)
+        assert code == 1 and "FAILING: Not a directory" in out
+        assert f"server {cluster.addresses[0]}: its last snapshot failed: Not a directory (" in err
+        with pytest.raises(grpc.RpcError) as raised:
+            _snapshot(cluster)
+        assert raised.value.code() == grpc.StatusCode.INTERNAL
+        assert raised.value.details() == \
+            "the snapshot could not be written: Not a directory (the server's log names the file)"
+        _, samples = scrape(port)
+        assert samples[("tensorkv_snapshots_total", (("outcome", "failed"),))] >= 2
+        assert samples[("tensorkv_snapshots_total", (("outcome", "written"),))] >= 1
+        assert samples[("tensorkv_last_snapshot_timestamp_seconds", ())] == \
+            pytest.approx(info.last_snapshot_unix_ms / 1000, abs=0.002)
+        assert f"failed: [Errno 20] Not a directory: '{state}/snapshot-" in _log(cluster)
+        assert "unexpected error" not in _log(cluster)
+
+        state.unlink()
+        (tmp_path / "moved").rename(state)
+        wait_until(lambda: not _info(cluster).snapshot_error, "a snapshot written again")
+        assert ctl("status", servers=cluster.addresses)[0] == 0
+
+        state.rename(tmp_path / "moved-again")
+        state.write_text("a file where the state directory was")
+        cluster.processes[0].send_signal(signal.SIGTERM)
+        assert cluster.processes[0].wait(STOP_TIMEOUT) == 1
+        lines = _log(cluster).splitlines()
+        assert lines[-1].startswith("tensorkv-server: the last snapshot failed: [Errno 20] Not a directory")
+        assert lines[-2].endswith("INFO tensorkv_server.server: stopped")
+        assert not any("Traceback" in line for line in lines)
+
+
+def test_a_state_dir_is_one_servers_and_a_directory(tmp_path):
+    state, plain = tmp_path / "state", tmp_path / "plain"
+    plain.write_text("")
+
+    def refusal(directory):
+        done = subprocess.run([sys.executable, "-m", "tensorkv_server", "--port", str(free_port()), "--device", "cpu",
+                               "--state-dir", str(directory)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done.stderr
+        return done.stderr.splitlines()[-1]
+
+    with _cluster(tmp_path) as cluster:
+        assert refusal(state) == (f"tensorkv-server: --state-dir {state}: another tensorkv-server (pid "
+                                  f"{cluster.processes[0].pid}) uses this state directory; give each server a "
+                                  "--state-dir of its own")
+    assert refusal(plain) == f"tensorkv-server: --state-dir {plain}: not a directory"

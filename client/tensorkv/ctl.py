@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,8 +23,8 @@ from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintena
 OK, FAILED, USAGE = 0, 1, 2
 EPILOG = """exit status:
   0  every server answered (and, for health, is SERVING)
-  1  a server could not be reached, is not SERVING, or refused the command (one line each
-     on stderr; the other servers are still reported)
+  1  a server could not be reached, is not SERVING, refused the command, or (status) failed
+     its last snapshot (one line each on stderr; the other servers are still reported)
   2  usage error
 
 -o json prints a list of objects, one a row; for status, each server's Info in protobuf's
@@ -133,8 +134,25 @@ def status(args, servers):
                "workers": f"{len(info.registered_ranks)}/{info.num_workers}", "ranks": _ranks(info.registered_ranks),
                "keys": info.num_keys, "run": info.run, "optimizer": info.optimizer or "-", "version": info.version}
         row.update((field, getattr(info, field)) for field in STATUS_EXTRAS if field in info.DESCRIPTOR.fields_by_name)
+        row["snapshot"] = _snapshot(info)
         rows.append(row if args.output == "table" else {"server": server.address, **_fields(info)})
+        if info.snapshot_error:
+            print(f"tensorkv: server {server.address}: its last snapshot failed: {info.snapshot_error} "
+                  f"({info.failed_snapshots} failed since it started; its log names the file)", file=sys.stderr)
+            args.failures.append(server.address)
     return _show(args, rows)
+
+
+def _snapshot(info):
+    """The status cell of a server's snapshots: off, none yet, the last one and its age, or failing."""
+    if not info.snapshots:
+        return "off"
+    if info.snapshot_error:
+        return f"FAILING: {info.snapshot_error}"
+    if not info.last_snapshot:
+        return "none yet"
+    age = max(0.0, time.time() - info.last_snapshot_unix_ms / 1000)
+    return f"{info.last_snapshot} ({age:.0f} s ago)"
 
 
 def health(args, servers):

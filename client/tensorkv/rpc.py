@@ -89,8 +89,8 @@ def _as_kvstore_error(error, where):
     return InternalError(f"{type(error).__name__}: {error}")
 
 
-async def _abort(context, error):
-    error = _as_kvstore_error(error, context)
+async def _abort(context, error, method):
+    error = _as_kvstore_error(error, method)
     await context.abort(
         grpc.StatusCode[error.code], str(error),
         trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),),
@@ -115,7 +115,7 @@ def translate_errors(handler, parse=None):
             except grpc.aio.AbortError:
                 raise
             except Exception as error:
-                await _abort(context, error)
+                await _abort(context, error, handler.__name__)
         return stream
 
     @functools.wraps(handler)
@@ -125,7 +125,7 @@ def translate_errors(handler, parse=None):
         except grpc.aio.AbortError:
             raise
         except Exception as error:
-            await _abort(context, error)
+            await _abort(context, error, handler.__name__)
     return unary
 
 

@@ -10,8 +10,8 @@ from tensorkv.engine import Engine
 
 from . import limits, logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator
-from .server import ListenError, check_free, serve
-from .snapshot import Snapshots, WrongServer
+from .server import ListenError, SnapshotFailed, check_free, serve
+from .snapshot import Snapshots, StateDirInUse, WrongServer
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
 # tensorkv_server logger hierarchy the other modules log in.
@@ -57,8 +57,8 @@ def parse_args(argv=None):
     limits.add_arguments(parser)
     parser.add_argument("--state-dir", metavar="DIR",
                         help="directory of snapshots of the server's state (values, rounds, optimizer and states, "
-                             "run): the newest whole one is restored at start, and new ones are written there "
-                             "(default: none, nothing survives a restart)")
+                             "run): the newest whole one is restored at start, and new ones are written there; "
+                             "one server per directory (default: none, nothing survives a restart)")
     parser.add_argument("--snapshot-interval", type=float, default=60.0, metavar="S",
                         help="seconds between snapshots to --state-dir; 0: only on SIGTERM/SIGINT and on a "
                              "Snapshot call (default %(default)s)")
@@ -98,7 +98,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         _serve(args, reexec=argv is None)
-    except ListenError as error:  # a port in use or not allowed: one line, no traceback
+    except (ListenError, SnapshotFailed) as error:  # one line, no traceback
         raise SystemExit(f"tensorkv-server: {error}") from None
 
 
@@ -106,6 +106,8 @@ def _serve(args, reexec):
     check_free(args.host, args.port, "--port")  # before the re-exec and the device: a port in use ends it at once
     if args.data_channel:
         check_free(args.host, args.data_port, "--data-port")
+    if args.metrics_port:
+        check_free(args.host, args.metrics_port, "--metrics-port")
     if reexec:  # a process of its own, not a call from Python
         allocator.reexec_with_tunables()
     logs.configure(args.log_format, args.log_level)
@@ -128,7 +130,7 @@ def _serve(args, reexec):
         try:
             snapshots = Snapshots(coordinator, args.state_dir)
             snapshots.load()
-        except (OSError, WrongServer) as error:
+        except (OSError, WrongServer, StateDirInUse) as error:
             raise SystemExit(f"tensorkv-server: --state-dir {args.state_dir}: {error}") from None
     try:
         interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []

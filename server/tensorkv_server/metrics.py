@@ -31,7 +31,11 @@ class Counts:
         self.rounds_completed = 0
         self.rounds_aborted = 0
         self.workers = 0  # ranks registered now
-        # Leases (issue 11) join here: workers alive, leases expired, snapshots written.
+        self.expired_leases = 0
+        self.snapshots_written = 0
+        self.snapshots_failed = 0
+        self.last_snapshot_time = 0.0  # Unix seconds of the last snapshot written (0: none)
+        self.session_errors = {}  # status code name -> calls on Session streams answered with it
         self.bytes_in = dict.fromkeys(TRANSPORTS, 0)
         self.bytes_out = dict.fromkeys(TRANSPORTS, 0)
 
@@ -60,6 +64,11 @@ def counting_shm(resolve):
         COUNTS.bytes_in["shm"] += length
         return resolve(region_id, offset, length)
     return counted
+
+
+def session_error(code):
+    """Count a call on a Session stream answered with the status ``code`` (its name)."""
+    COUNTS.session_errors[code] = COUNTS.session_errors.get(code, 0) + 1
 
 
 def cleared():
@@ -106,6 +115,21 @@ class _CountsCollector:
                 moved.add_metric([direction, transport], by_transport[transport])
         yield moved
         yield GaugeMetricFamily("tensorkv_registered_workers", "Ranks registered now.", value=counts.workers)
+        yield CounterMetricFamily("tensorkv_expired_leases", "Leases that expired: a worker not heard from "
+                                  "within --lease-timeout, whose rank was freed.", value=counts.expired_leases)
+        snapshots = CounterMetricFamily("tensorkv_snapshots", "Snapshots of the server's state (--state-dir), by "
+                                        "outcome; the log names each failure's error.", labels=["outcome"])
+        snapshots.add_metric(["written"], counts.snapshots_written)
+        snapshots.add_metric(["failed"], counts.snapshots_failed)
+        yield snapshots
+        yield GaugeMetricFamily("tensorkv_last_snapshot_timestamp_seconds", "When the last snapshot was written "
+                                "(Unix time; 0: none since the server started).", value=counts.last_snapshot_time)
+        errors = CounterMetricFamily(
+            "tensorkv_session_errors", "Calls on Session streams (and on their data channels) answered with an "
+            "error, by status code; the errors of the other RPCs are in grpc_server_handled_total.", labels=["code"])
+        for code, count in sorted(counts.session_errors.items()):
+            errors.add_metric([code], count)
+        yield errors
 
 
 REGISTRY.register(_CountsCollector())

@@ -125,7 +125,7 @@ class Coordinator:
         self.mode = mode
         self.round_timeout = round_timeout
         self.device = device
-        self.members = Membership(num_workers, lease_timeout, on_expired=self._forget)
+        self.members = Membership(num_workers, lease_timeout, on_expired=self._lease_expired)
         self.optimizer = None
         self._rounds = {}  # key -> _KeyRounds
         self._updates = {}  # key -> updates applied to it (sync rounds, async pushes)
@@ -152,6 +152,10 @@ class Coordinator:
     def unregister(self, rank, incarnation):
         """Give ``rank`` back: see :meth:`_forget`."""
         self._forget(rank, self.members.unregister(rank, incarnation))
+
+    def _lease_expired(self, rank, ended):
+        metrics.COUNTS.expired_leases += 1
+        self._forget(rank, ended)
 
     def _forget(self, rank, ended):
         """After ``rank`` was given back or lost its lease: its next holder may init its keys

@@ -60,14 +60,19 @@ def check_free(host, port, flag):
                 raise _listen_error(flag, host, port, error) from None
 
 
+class SnapshotFailed(Exception):
+    """The snapshot at stop could not be written: what changed since the last one is lost."""
+
+
 async def _every(seconds, take):
-    """Call ``take`` every ``seconds`` for ever; a failure is logged and the next one tried."""
+    """Call ``take`` every ``seconds`` for ever; after a failure (which ``take`` logs and
+    counts), the next one is tried."""
     while True:
         await asyncio.sleep(seconds)
         try:
             await take()
-        except OSError as error:
-            log.error("snapshot failed: %s", error, extra={"event": "snapshot_failed"})
+        except OSError:
+            pass
 
 
 async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, limits=Limits(), security=None,
@@ -133,6 +138,12 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     if data_port is not None:
         data_port.close()  # no new channels; the streams' own close as they end
     await server.stop(grace)
+    failed = None
     if snapshots is not None:
-        await snapshots.take()
+        try:
+            await snapshots.take()
+        except OSError as error:  # logged by take; the process then ends with status 1
+            failed = error
     log.info("stopped", extra={"event": "server_stopped"})
+    if failed is not None:
+        raise SnapshotFailed(f"the last snapshot failed: {failed}")

@@ -19,7 +19,8 @@ from tensorkv import __version__, allocator, codec, packed, rowsparse_wire, stat
 from tensorkv.backend import on_gpu
 from tensorkv.engine import dtype_mismatch
 from tensorkv.errors import (
-    DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, ShapeMismatchError, key_repr,
+    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError, ShapeMismatchError,
+    key_repr,
 )
 from tensorkv.rowsparse import RowSparse
 from tensorkv.rpc import error_status, translate_errors
@@ -51,6 +52,7 @@ _OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSI
 # The ops that may name a packed layout (SessionRequest.layout_id), and those of them that pull.
 _PACKED_OPS = {kvstore_pb2.SESSION_OP_PUSH, kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 _PACKED_PULLS = {kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # status number -> its name, for metrics
 
 
 def _ms(seconds):
@@ -250,9 +252,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             data_port=self.data_port.advertised if self.data_port else 0,
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, server_id=self.server_id,
-            restored_from=self.snapshots.restored_from if self.snapshots else "",
-            restored_round=self.snapshots.restored_round if self.snapshots else 0,
-            snapshots=self.snapshots is not None, **info)
+            snapshots=self.snapshots is not None, **_snapshot_info(self.snapshots), **info)
 
     async def Init(self, request_iterator, context):
         await self._apply(request_iterator, kvstore_pb2.InitRequest,
@@ -425,6 +425,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             # keep it when every byte the request announced was read (no answer bytes follow an error).
             close = uses_channel and channel is not None and not (on_channel and in_step)
             code, message, error_class = error_status(error)
+            metrics.session_error(_CODE_NAMES[code])
             return kvstore_pb2.SessionResponse(
                 id=call_id, code=code, message=message, error_class=error_class).SerializeToString(), None, close
 
@@ -530,10 +531,22 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def Snapshot(self, request, context):
         if self.snapshots is None:
             raise FailedPreconditionError("this server has no --state-dir: it cannot take snapshots")
-        name, num_keys, run = await self.snapshots.take()
+        try:
+            name, num_keys, run = await self.snapshots.take()
+        except OSError as error:  # take logged it, with the file's path
+            raise InternalError(f"the snapshot could not be written: {error.strerror or error} (the server's log "
+                                "names the file)") from None
         return kvstore_pb2.SnapshotResponse(file_name=name, num_keys=num_keys, run=run)
 
     async def Barrier(self, request, context):
         await self.coordinator.barrier(request.rank, request.incarnation)
         return kvstore_pb2.BarrierResponse()
 
+
+def _snapshot_info(snapshots):
+    """The InfoResponse fields of ``snapshots`` (None: no --state-dir)."""
+    if snapshots is None:
+        return {}
+    return dict(restored_from=snapshots.restored_from, restored_round=snapshots.restored_round,
+                last_snapshot=snapshots.last_written, last_snapshot_unix_ms=int(snapshots.last_written_time * 1000),
+                failed_snapshots=snapshots.failures, snapshot_error=snapshots.last_error)

@@ -12,12 +12,14 @@ directory. The two newest snapshots are kept. A restore reads the file straight 
 arrays the server keeps. The format is in docs/snapshot.md.
 """
 import asyncio
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import struct
+import time
 import zipfile
 
 import numpy as np
@@ -28,6 +30,7 @@ from tensorkv.codec import Item, check_key
 from tensorkv.errors import KVStoreError, ResourceExhaustedError
 from tensorkv.words import plural
 
+from . import metrics
 from .membership import Run
 from .rounds import _KeyRounds, _Wait
 
@@ -258,6 +261,7 @@ def restore(coordinator, header, arrays):
                           f"while it is written: pass a --max-memory that fits this snapshot, with as much again "
                           f"free") from None
     coordinator.engine.init(items)
+    metrics.stored(items)
     for item, entry in zip(items, header["keys"]):
         coordinator._rounds[item.key] = rounds = _KeyRounds()
         rounds.current = _Wait(entry["round"])
@@ -305,8 +309,16 @@ def _parse(header, arrays):
     return items, states_file.optimizer_from_header(header["optimizer"]), states
 
 
+class StateDirInUse(Exception):
+    """Another server process holds the state directory."""
+
+
+LOCK_FILE = "lock"  # in the state directory: the pid of the server that holds it
+
+
 class Snapshots:
-    """The snapshots of ``coordinator`` in ``directory``: :meth:`take` writes one,
+    """The snapshots of ``coordinator`` in ``directory``, which this process holds (a lock on
+    its file LOCK_FILE, StateDirInUse when another process holds it): :meth:`take` writes one,
     :meth:`load` restores the newest whole one."""
 
     def __init__(self, coordinator, directory):
@@ -314,9 +326,33 @@ class Snapshots:
         self.directory = directory
         self.restored_from = ""
         self.restored_round = 0  # the highest round of any key in it
+        self.last_written = ""  # the file of the last snapshot written, and its time (Unix seconds)
+        self.last_written_time = 0.0
+        self.failures = 0  # since the server started
+        self.last_error = ""  # of the last snapshot, when it failed
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError("not a directory")
         os.makedirs(directory, exist_ok=True)
+        self._hold(directory)
         self._sequence = max((number for number, _ in self._files()), default=0)
         self._lock = asyncio.Lock()
+
+    def _hold(self, directory):
+        """Lock the directory for this process (for as long as it lives): two servers that
+        wrote snapshots of the same numbers into one directory would replace each other's."""
+        self._held = open(os.path.join(directory, LOCK_FILE), "a+")
+        try:
+            fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._held.seek(0)
+            holder = self._held.read().strip() or "unknown"
+            self._held.close()
+            raise StateDirInUse(f"another tensorkv-server (pid {holder}) uses this state directory; give each "
+                                "server a --state-dir of its own") from None
+        self._held.seek(0)
+        self._held.truncate()
+        self._held.write(f"{os.getpid()}\n")
+        self._held.flush()
 
     def _files(self):
         """[(sequence number, file name)] of the snapshots in the directory, newest first."""
@@ -360,10 +396,23 @@ class Snapshots:
             except asyncio.CancelledError:
                 await write
                 raise
+            except OSError as error:
+                self._failed(name, error)
+                raise
         run = header["run"]["number"] if header["run"] else 0
+        self.last_written, self.last_written_time, self.last_error = name, time.time(), ""
+        metrics.COUNTS.snapshots_written += 1
+        metrics.COUNTS.last_snapshot_time = self.last_written_time
         log.info("snapshot %s written: %s, run %d", name, plural(len(header["keys"]), "key"), run,
                  extra={"event": "snapshot_written"})
         return name, len(header["keys"]), run
+
+    def _failed(self, name, error):
+        self.failures += 1
+        self.last_error = error.strerror or str(error)  # no path: Info shows it to any token
+        metrics.COUNTS.snapshots_failed += 1
+        log.error("snapshot %s failed: %s; the last one written is %s", name, error,
+                  self.last_written or "none since the server started", extra={"event": "snapshot_failed"})
 
     def _write(self, name, header, arrays):
         path = os.path.join(self.directory, name)
