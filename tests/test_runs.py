@@ -71,6 +71,33 @@ def test_fail_refuses_the_keys_of_an_earlier_run_and_changes_nothing(tmp_path):
         np.testing.assert_array_equal(_stored(cluster, [0, 1, 2]), first)
 
 
+def test_fail_refuses_to_train_with_an_earlier_runs_optimizer(tmp_path):
+    """A run with if_exists='fail' and keys of its own is not updated by the optimizer an
+    earlier run installed (it once was, silently): its init is refused, and changes nothing."""
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("a", np.zeros(3, np.float32))
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1))
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            with pytest.raises(tensorkv.FailedPreconditionError) as refused:
+                kv.init("b", np.zeros(3, np.float32))
+        assert str(refused.value).endswith(
+            "this server holds the optimizer 'sgd' that an earlier run installed, which would "
+            "update this run's keys: pass if_exists='resume' to train with it, or if_exists='replace' to start "
+            "afresh (a script that does not pass it: set TENSORKV_IF_EXISTS)")
+        assert _info(cluster).num_keys == 1
+        for if_exists, pulled in (("resume", -0.5), ("replace", 5.0)):
+            with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists=if_exists) as kv:
+                kv.init("b", np.zeros(3, np.float32))
+                kv.push("b", np.full(3, 5.0, np.float32))
+                np.testing.assert_allclose(kv.pull("b"), [pulled] * 3)
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:  # a run that sets the optimizer
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1))  # first, as its own
+            kv.init("c", np.zeros(3, np.float32))
+            kv.push("c", np.full(3, 5.0, np.float32))
+            np.testing.assert_allclose(kv.pull("c"), [-0.5] * 3)
+
+
 def test_resume_continues_from_the_values_and_states_of_the_earlier_run(tmp_path):
     with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:
         _run(cluster, "str")

@@ -127,6 +127,7 @@ class Coordinator:
         self.device = device
         self.members = Membership(num_workers, lease_timeout, on_expired=self._lease_expired)
         self.optimizer = None
+        self.optimizer_run = 0  # the number of the run that installed it (0: none was going on)
         self._rounds = {}  # key -> _KeyRounds
         self._updates = {}  # key -> updates applied to it (sync rounds, async pushes)
         self._initialized_in = {}  # key -> the number of the run that initialized it
@@ -219,6 +220,7 @@ class Coordinator:
             raise
         if self.members.run.if_exists == FAIL:
             self._check_not_left_by_earlier_runs(keys)
+            self._check_optimizer_not_left()
         for key in keys:
             if rank in self._initialized.get(key, ()):
                 raise KeyExistsError(
@@ -263,6 +265,14 @@ class Coordinator:
                 f"key {earlier[0]!r}{more} holds what an earlier run left on this server ({updates} "
                 f"round{'' if updates == 1 else 's'} applied to it): pass if_exists='resume' to continue from "
                 f"it, or if_exists='replace' to start afresh{_IF_EXISTS_HINT}")
+
+    def _check_optimizer_not_left(self):
+        """With if_exists 'fail', a run does not train with the optimizer an earlier run installed."""
+        if self.optimizer is not None and self.optimizer_run < self.members.run.number:
+            raise FailedPreconditionError(
+                f"this server holds the optimizer {self.optimizer.name!r} that an earlier run installed, which would "
+                f"update this run's keys: pass if_exists='resume' to train with it, or "
+                f"if_exists='replace' to start afresh{_IF_EXISTS_HINT}")
 
     async def _wait_for_keys(self, keys):
         loop = asyncio.get_running_loop()
@@ -527,7 +537,9 @@ class Coordinator:
         Every worker sends the same optimizer: one equal to the installed one, without
         states, keeps the installed one and its states.
         """
+        run = self.members.run.number if self.members.running else 0
         if not states and optimizer == self.optimizer:
+            self.optimizer_run = max(self.optimizer_run, run)  # this run asks for it too
             return
         self.check_memory((), optimizer)
         updater = optimizers.Updater(optimizer)
@@ -542,7 +554,7 @@ class Coordinator:
             checked[key] = (num_update, updater.check_states(key, stored.array, [item.array for item in items]))
         updater.set_states(checked)
         self.engine.updater = updater
-        self.optimizer = optimizer
+        self.optimizer, self.optimizer_run = optimizer, run
         log.info("optimizer %s %s installed with states for %s", optimizer.name, optimizer.params,
                  plural(len(states), "key"), extra={"event": "optimizer_installed"})
 

@@ -274,6 +274,7 @@ def restore(coordinator, header, arrays):
     if run is not None:
         # Snapshots written before "going" was saved: going on if a rank's sequence numbers were saved.
         members.restore_run(Run(run["number"], run["if_exists"]), run.get("going", bool(header.get("sequences"))))
+        coordinator.optimizer_run = run["number"]  # the last run's, or an earlier one's: not a later run's
     members._next_incarnation = max(members._next_incarnation, header["next_incarnation"])
     members.restore_sequences(header.get("sequences", []))
     coordinator._barriers_done = header["barriers_done"]
