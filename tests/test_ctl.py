@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import tensorkv
 from tensorkv.security import Security
 
 from cluster import WORKER_TIMEOUT, Cluster, check_workers, wait_until
@@ -173,6 +174,22 @@ def test_usage_errors_exit_2(monkeypatch):
     assert code == 2 and "invalid choice: 'frobnicate'" in err
     code, out, _ = ctl("--help", servers=["127.0.0.1:1"])
     assert code == 0 and "exit status:" in out and "1  a server could not be reached" in out
+    code, _, err = ctl("status", servers=["127.0.0.1"])
+    assert code == 2 and "'127.0.0.1' is not a server address host:port: no port: write e.g. '127.0.0.1:50051'" in err
+    code, _, err = ctl("--timeout", "0", "status", servers=["127.0.0.1:1"])
+    assert code == 2 and "--timeout must be positive, not 0" in err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`tensorkv keys | head`: the rest of a listing longer than the pipe holds finds the pipe
+    closed, which ends the command quietly (it ended in a BrokenPipeError traceback)."""
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            keys = [f"layer_{i:04d}_" + "w" * 100 for i in range(2000)]
+            kv.init(keys, [np.zeros(1, np.float32)] * len(keys))
+        done = subprocess.run(f"{sys.executable} -m tensorkv.ctl --servers {cluster.addresses[0]} keys | head -c 1",
+                              shell=True, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "s" and done.stderr == ""  # the first letter of the header, "server"
 
 
 def test_tls_and_tokens(tmp_path):
@@ -193,4 +210,5 @@ def test_tls_and_tokens(tmp_path):
         assert ctl_json("reset", servers=cluster.addresses, env=env) == [
             {"server": cluster.addresses[0], "keys_dropped": 0}]
         code, _, err = ctl("status", servers=cluster.addresses)  # plaintext to a TLS port
-        assert code == 1 and cluster.addresses[0] in err
+        assert code == 1 and f"server {cluster.addresses[0]} uses TLS and this client does not: pass tls_ca= " \
+                             "(TENSORKV_TLS_CA)" in err

@@ -28,3 +28,15 @@ def test_every_dtype_round_trips_through_a_server(key_type, tmp_path):
         assert out.dtype == value.dtype and new.dtype == value.dtype
         np.testing.assert_array_equal(out, expected)
         np.testing.assert_array_equal(new, expected)
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp", "grpc"])
+def test_a_dtype_outside_the_contract_is_refused_naming_its_key(transport, tmp_path):
+    with Cluster(num_workers=1, tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport) as kv:
+            for key, value in (("u", np.zeros(4, np.uint16)), ("big", np.zeros(1 << 16, np.complex64))):
+                with pytest.raises(tensorkv.InvalidTensorError,
+                                   match=f"^key '{key}': dtype {value.dtype} is not supported; use one of "):
+                    kv.init(key, value)
+            with pytest.raises(tensorkv.KeyNotFoundError):  # nothing was stored
+                kv.pull("u")

@@ -96,6 +96,17 @@ def test_a_server_that_cannot_start_fails_the_job_before_any_worker():
     assert "[launch] server 0 exited with 2 before serving" in out and "[launch] worker" not in out, out
 
 
+def test_server_args_may_be_one_flag_and_a_missing_command_is_said_in_one_line():
+    launcher = Launcher("-n", 1, "--server-args", "--log-format=json", "./no-such-worker.py")
+    code, out = launcher.finish()
+    assert code == 127, out  # the shell's code for a command not found
+    assert re.search(r'^\[server 0\] \{"time"', out, re.MULTILINE), out  # its flag reached the server
+    assert "[launch] worker 0: cannot start ./no-such-worker.py: No such file or directory" in out, out
+    assert "Traceback" not in out and not [pid for pid in launcher.pids("server") if alive(pid)], out
+    assert launch.parse_args(["-n", "1", "--server-args", "--no-shared-memory", "python", "--server-args", "x"]) \
+        .server_args == "--no-shared-memory"
+
+
 def running_job(tmp_path, *args):
     """A launcher of 2 servers and 2 sleeping tests/workers/launched.py workers, once both workers run."""
     launcher = Launcher("-n", 2, "-s", 2, *args, sys.executable, WORKERS / "launched.py", tmp_path, "sleep")

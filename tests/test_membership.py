@@ -1,6 +1,8 @@
 """Membership: a call counts only when it comes from the registration it names (rank and
 incarnation). Real server processes on 127.0.0.1; the callers that must be refused use
 the raw generated stub and a raw Session stream, as an old worker would keep calling."""
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -178,7 +180,9 @@ def test_a_register_sent_again_with_its_request_id_gets_the_same_registration(tm
         with pytest.raises(grpc.RpcError) as refused:
             register(rank=1, request_id=9)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "rank 1 is already taken by another worker" in refused.value.details()
+        assert re.fullmatch(r"rank 1 is already taken by another worker \(incarnation \d+, last heard from \d+\.\d s "
+                            r"ago\): if it is gone, its lease expires 10 s after it was last heard from "
+                            r"\(--lease-timeout\), and the rank is free then", refused.value.details())
         assert list(_info(cluster.addresses[0]).registered_ranks) == [0, 1]
 
 

@@ -58,14 +58,16 @@ MAX_RANK = 32
 CHUNK_BYTES = int(os.environ.get("TENSORKV_CHUNK_BYTES", 1 << 20))
 
 
-def wire_dtype(dtype):
-    """The wire enum value of a NumPy dtype, or InvalidTensorError if it has none."""
+def wire_dtype(dtype, key=None):
+    """The wire enum value of a NumPy dtype, or InvalidTensorError (naming ``key``, when
+    given) if it has none."""
     dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
     try:
         return _TO_WIRE[dtype]
     except KeyError:
+        whose = "" if key is None else f"key {key_repr(key)}: "
         raise InvalidTensorError(
-            f"dtype {dtype} is not supported; use one of {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+            f"{whose}dtype {dtype} is not supported; use one of {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         ) from None
 
 
@@ -199,7 +201,7 @@ def encode_frames(items, chunk_bytes=CHUNK_BYTES, with_data=True):
     for item in items:
         entry = frame.entries.add()
         set_key(entry.key, item.key)
-        entry.tensor.dtype = wire_dtype(item.array.dtype)
+        entry.tensor.dtype = wire_dtype(item.array.dtype, item.key)
         entry.tensor.shape[:] = item.shape
         if item.slice is not None:
             entry.slice.begin, entry.slice.end = item.slice
@@ -650,7 +652,7 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
         else:
             wire = _TO_WIRE.get(item.array.dtype) if type(item.array) is np.ndarray else None
             if wire is None:
-                wire = wire_dtype(shape_dtype(item.array)[1])
+                wire = wire_dtype(shape_dtype(item.array)[1], item.key)
         if not with_data or item.ref is not None or item.follows:
             ref, follows = (item.ref, item.array.nbytes if item.follows else None) if with_data else (None, None)
             prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, ref, follows, two_bit)
@@ -928,7 +930,7 @@ class Placement:
             return None
         if type(array) is not np.ndarray:
             array = to_host(array)
-        dtype = numpy_dtype(wire_dtype(array.dtype))  # little-endian, as on the wire
+        dtype = numpy_dtype(wire_dtype(array.dtype, item.key))  # little-endian, as on the wire
         np.copyto(self.buffer[offset:offset + nbytes].view(dtype).reshape(array.shape), array, casting="equiv")
         self.next = offset + aligned(nbytes)
         return Item(item.key, array, item.shape, item.slice, ref=(self.region_id, offset, nbytes), two_bit=item.two_bit)

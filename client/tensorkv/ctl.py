@@ -15,6 +15,7 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tensorkv import codec
+from tensorkv.dist import parse_servers
 from tensorkv.errors import KVStoreError
 from tensorkv.rpc import error_from_rpc
 from tensorkv.security import Security
@@ -44,7 +45,7 @@ class Server:
     """One server: its address and the stubs of its services."""
 
     def __init__(self, address, security, timeout):
-        self.address, self.timeout = address, timeout
+        self.address, self.timeout, self.security = address, timeout, security
         self.channel = security.channel(address, ())
         self.kv = kvstore_pb2_grpc.KVStoreServiceStub(self.channel)
         self.maintenance = maintenance_pb2_grpc.MaintenanceServiceStub(self.channel)
@@ -65,14 +66,19 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not args.servers:
         parser.error("no servers: pass --servers HOST:PORT,... or set TENSORKV_SERVERS")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be positive, not {args.timeout:g}")
     try:
         security = Security.from_options(args.tls_ca, args.tls_cert, args.tls_key, args.token)
-        servers = [Server(address.strip(), security, args.timeout) for address in args.servers.split(",")]
+        servers = [Server(address, security, args.timeout) for address in parse_servers(args.servers)]
     except KVStoreError as error:
         parser.error(str(error))
     args.failures = []  # one line for each server that did not answer (see _answers)
     try:
         return args.run(args, servers)
+    except BrokenPipeError:  # the reader of the output left (`tensorkv keys | head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the interpreter's flush at exit
+        return FAILED
     finally:
         for server in servers:
             server.channel.close()
@@ -254,9 +260,14 @@ def _answers(args, servers, call, kind):
         try:
             return item, call(item), None
         except (grpc.RpcError, KVStoreError) as error:
-            address = (item[0] if isinstance(item, tuple) else item).address
-            message = str(error_from_rpc(error, address, kind) if isinstance(error, grpc.RpcError) else error)
-            return item, None, message if address in message else f"server {address}: {message}"
+            server = item[0] if isinstance(item, tuple) else item
+            if isinstance(error, grpc.RpcError):
+                diagnosed = None  # a TLS mismatch, named, in place of gRPC's "unavailable"
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    diagnosed = server.security.diagnose(server.address)
+                error = diagnosed or error_from_rpc(error, server.address, kind)
+            message = str(error)
+            return item, None, message if server.address in message else f"server {server.address}: {message}"
 
     answers = []
     with ThreadPoolExecutor(max_workers=min(16, len(servers))) as pool:

@@ -15,7 +15,7 @@ from . import kernels
 from .backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
 from .codec import check_key, wire_dtype
 from .errors import (
-    DtypeMismatchError, InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,
+    DtypeMismatchError, InvalidArgumentError, KeyExistsError, KeyNotFoundError, KeyTypeError,
     ShapeMismatchError, key_repr, keys_repr, no_memory,
 )
 from .kernels import accumulator_dtype
@@ -110,11 +110,7 @@ class Engine:
             if key in seen:
                 raise KeyExistsError(f"key {key_repr(key)} appears twice in one init")
             seen.add(key)
-            _, dtype = shape_dtype(item.array)
-            try:
-                wire_dtype(dtype)
-            except InvalidTensorError as error:
-                raise InvalidTensorError(f"key {key_repr(key)}: {error}") from None
+            wire_dtype(shape_dtype(item.array)[1], key)
 
     def check_value(self, key, value, shape=None, slice=None, verb="pushed"):
         """Check ``value`` agrees with the stored dtype and shape (and slice) of ``key``; a

@@ -78,7 +78,7 @@ def parse_args(argv=None):
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds processes get to exit after SIGTERM before SIGKILL (default %(default)s)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command line")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_joined_server_args(sys.argv[1:] if argv is None else argv))
     if args.num_servers is None:
         args.num_servers = args.num_workers
     if args.num_workers < 1 or args.num_servers < 1:
@@ -89,6 +89,22 @@ def parse_args(argv=None):
         parser.error("--launcher ssh needs -H HOSTFILE")
     args.job = args.job or f"tensorkv-{secrets.token_hex(4)}"
     return args
+
+
+def _joined_server_args(argv):
+    """``argv`` with ``--server-args VALUE`` as ``--server-args=VALUE``, before the worker's
+    command: argparse takes a VALUE that starts with '-' ("--no-shared-memory") for a flag.
+    Every option of tensorkv-launch but -h takes a value."""
+    joined, index = list(argv), 0
+    while index < len(joined) and joined[index].startswith("-"):
+        arg = joined[index]
+        if arg == "--server-args" and index + 1 < len(joined):
+            joined[index:index + 2] = [f"--server-args={joined[index + 1]}"]
+        elif arg in ("-h", "--help") or "=" in arg or not arg.startswith("--") and len(arg) > 2:  # no value, or attached
+            index += 1
+        else:
+            index += 2
+    return joined
 
 
 def free_port():
@@ -180,8 +196,12 @@ class Job:
 
     def start(self, launch):
         self.check()
-        process = subprocess.Popen(launch.argv, env=launch.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            process = subprocess.Popen(launch.argv, env=launch.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as error:  # e.g. no such command
+            self.say(f"{launch.role} {launch.rank}: cannot start {shlex.join(launch.argv)}: {error.strerror}")
+            raise Failed(127 if isinstance(error, FileNotFoundError) else 126) from None
         self.processes.append((launch, process))
         self.say(f"{launch.role} {launch.rank}: pid {process.pid}: {shlex.join(launch.argv)}")
         reader = threading.Thread(target=self._relay, args=(f"[{launch.role} {launch.rank}] ", process.stdout),

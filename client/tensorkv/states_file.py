@@ -71,6 +71,8 @@ def load(fname):
         with np.load(fname, allow_pickle=False) as archive:
             header = json.loads(bytes(archive["header"]).decode())
             arrays = {name: archive[name] for name in archive.files if name != "header"}
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as error:
+        raise InvalidArgumentError(f"{fname}: cannot read it: {error.strerror}") from None
     except (OSError, ValueError, KeyError) as error:
         raise InvalidArgumentError(f"{fname}: not a tensorkv optimizer-states file ({error})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") not in READABLE:

@@ -166,7 +166,11 @@ class Membership:
             rank = free[0]
         self._check_range(rank)
         if rank in self.incarnations:
-            raise FailedPreconditionError(f"rank {rank} is already taken by another worker")
+            heard = asyncio.get_running_loop().time() - self._leases[rank].renewed
+            raise FailedPreconditionError(
+                f"rank {rank} is already taken by another worker (incarnation {self.incarnations[rank]}, last heard "
+                f"from {heard:.1f} s ago): if it is gone, its lease expires {self.lease_timeout:g} s after it was last "
+                "heard from (--lease-timeout), and the rank is free then")
         if not going:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists)
             log.info("run %d starts (if_exists=%r)", self.run.number, if_exists, extra={"event": "run_started"})

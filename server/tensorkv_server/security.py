@@ -173,27 +173,36 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(PUBLIC_PREFIX):
             return handler
-        read_only = self._lookup(details.invocation_metadata)
+        presented = _presented(details.invocation_metadata)
+        read_only = self._lookup(presented)
         if read_only is None:
             return _refusal(handler, UnauthenticatedError(
-                "this server requires a token: pass token= or TENSORKV_TOKEN with one of its tokens"))
+                "this server does not accept the token this call carries: give one of the server's --token-file "
+                "(Python: token= or TENSORKV_TOKEN; the CLI: --token)" if presented else
+                "this server requires a token: give one of the server's --token-file (Python: token= or "
+                "TENSORKV_TOKEN; the CLI: --token)"))
         if read_only and details.method not in READ_ONLY_METHODS:
             return _refusal(handler, PermissionDeniedError(
                 f"a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, not "
                 f"{details.method.rsplit('/', 1)[1]}"))
         return handler
 
-    def _lookup(self, metadata):
-        """Whether the call's token is read-only; None when it has no known token. Every
-        token is compared, in constant time, so the time taken says nothing about them."""
-        value = next((v for k, v in metadata or () if k == "authorization"), "")
-        scheme, _, presented = value.partition(" ")
-        presented = presented.strip().encode() if scheme.lower() == "bearer" else b""
+    def _lookup(self, presented):
+        """Whether the token ``presented`` (bytes) is read-only; None when it is not a known
+        token. Every token is compared, in constant time, so the time taken says nothing
+        about them."""
         found = None
         for token, read_only in self._tokens:
             if hmac.compare_digest(token, presented):
                 found = read_only
         return found
+
+
+def _presented(metadata):
+    """The bearer token of a call's ``authorization`` metadata, as bytes (b"": none)."""
+    value = next((v for k, v in metadata or () if k == "authorization"), "")
+    scheme, _, presented = value.partition(" ")
+    return presented.strip().encode() if scheme.lower() == "bearer" else b""
 
 
 _HANDLERS = {
