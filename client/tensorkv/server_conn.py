@@ -231,9 +231,9 @@ class ServerConn:
             self.offer(info, self._transport)
             if restarted:
                 if info.restored_from:
-                    log.warning("server %s restarted and restored round %d from %s: rank %d registered again; "
-                                "the rounds applied after round %d are lost", self.address, info.restored_round,
-                                info.restored_from, self.rank, info.restored_round)
+                    log.warning("server %s restarted and restored round %d from %s: rank %d registered again and "
+                                "goes on from there (what was applied after that snapshot, if anything, is lost)",
+                                self.address, info.restored_round, info.restored_from, self.rank)
                 else:
                     log.warning("server %s restarted without a snapshot (no --state-dir, or none written yet): "
                                 "rank %d registered again; every key it held is lost", self.address, self.rank)
