@@ -215,8 +215,15 @@ def test_a_restored_run_goes_on_with_its_workers_and_within_a_lease_with_new_one
         now[0] += 60.0  # ... but a worker of run 7 naming its incarnation goes on in it
         assert members.register(1, previous=55)[2] is False and members.run.number == 7
         assert members.register(0)[2] is False and members.run.number == 7
+        members = restored()  # a worker of the run is back, whatever it asks for now (replace comes back as resume)
+        assert members.register(1, if_exists=membership.RESUME, previous=55)[2] is False and members.run.number == 7
         with pytest.raises(tensorkv.FailedPreconditionError, match="restored from a snapshot"):
-            restored().register(1, if_exists=membership.RESUME, previous=55)
+            restored().register(0, if_exists=membership.RESUME)  # a new one must ask for the run's
+        members = membership.Membership(num_workers=2)
+        members.restore_run(membership.Run(7, membership.FAIL), going=True)
+        members.restore_sequences([{"rank": 0, "incarnation": 44, "through": 1, "beyond": []}])
+        assert members.run_going_on and not members.running  # a snapshot now saves it as going on
+        assert members.register()[0] == 1  # a new worker without a rank: not one whose worker may come back
         unfinished = membership.Membership(num_workers=2)
         unfinished.restore_run(membership.Run(7, membership.FAIL), going=False)  # no rank was registered
         assert unfinished.register(0)[2] is True and unfinished.run.number == 8

@@ -73,29 +73,39 @@ def test_fail_refuses_the_keys_of_an_earlier_run_and_changes_nothing(tmp_path):
 
 def test_fail_refuses_to_train_with_an_earlier_runs_optimizer(tmp_path):
     """A run with if_exists='fail' and keys of its own is not updated by the optimizer an
-    earlier run installed (it once was, silently): its init is refused, and changes nothing."""
+    earlier run installed (it once was, silently): its init is refused, and changes nothing,
+    also when it sets the same optimizer first (the earlier run's schedule would go on)."""
+    def sgd():  # the learning rate halves at every update after the first
+        return tensorkv.optimizer.SGD(learning_rate=0.1,
+                                      lr_scheduler=tensorkv.lr_scheduler.FactorScheduler(step=1, factor=0.5))
+
+    def first_update(key, if_exists="fail", optimizer=None):
+        """What ``key`` holds after a push of 5 in a run of its own."""
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists=if_exists) as kv:
+            if optimizer is not None:
+                kv.set_optimizer(optimizer)
+            kv.init(key, np.zeros(3, np.float32))
+            kv.push(key, np.full(3, 5.0, np.float32))
+            return kv.pull(key)
+
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
             kv.init("a", np.zeros(3, np.float32))
-            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1))
-        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
-            with pytest.raises(tensorkv.FailedPreconditionError) as refused:
-                kv.init("b", np.zeros(3, np.float32))
+            kv.set_optimizer(sgd())
+            for _ in range(3):
+                kv.push("a", np.ones(3, np.float32))
+        with pytest.raises(tensorkv.KeyExistsError) as refused:
+            first_update("b")
         assert str(refused.value).endswith(
-            "this server holds the optimizer 'sgd' that an earlier run installed, which would "
-            "update this run's keys: pass if_exists='resume' to train with it, or if_exists='replace' to start "
-            "afresh (a script that does not pass it: set TENSORKV_IF_EXISTS)")
+            "this server holds the optimizer 'sgd' that an earlier run installed, which would update this run's "
+            "keys: pass if_exists='resume' to train with it, or if_exists='replace' to start afresh (a script that "
+            "does not pass it: set TENSORKV_IF_EXISTS)")
+        with pytest.raises(tensorkv.KeyExistsError, match="holds the optimizer 'sgd' that an earlier run installed"):
+            first_update("c", optimizer=sgd())
         assert _info(cluster).num_keys == 1
-        for if_exists, pulled in (("resume", -0.5), ("replace", 5.0)):
-            with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists=if_exists) as kv:
-                kv.init("b", np.zeros(3, np.float32))
-                kv.push("b", np.full(3, 5.0, np.float32))
-                np.testing.assert_allclose(kv.pull("b"), [pulled] * 3)
-        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:  # a run that sets the optimizer
-            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1))  # first, as its own
-            kv.init("c", np.zeros(3, np.float32))
-            kv.push("c", np.full(3, 5.0, np.float32))
-            np.testing.assert_allclose(kv.pull("c"), [-0.5] * 3)
+        # resumed, the schedule goes on from a's three updates: a quarter of the rate
+        np.testing.assert_allclose(first_update("d", "resume"), [-0.125] * 3)
+        np.testing.assert_allclose(first_update("e", "replace"), [5.0] * 3)  # no optimizer: assigned
 
 
 def test_resume_continues_from_the_values_and_states_of_the_earlier_run(tmp_path):

@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import signal
+import socket
 import subprocess
 import sys
 
@@ -116,6 +117,25 @@ def test_a_run_going_on_at_a_snapshot_goes_on_after_a_restart(tmp_path):
                 assert (info.run, sorted(info.registered_ranks)) == (1, [0, 1])
         finally:
             kv1.close()
+        assert "run 1 goes on after this server's restart" in _log(cluster)
+        assert "run 2 starts" not in _log(cluster)
+
+
+def test_a_restored_run_goes_on_through_a_second_restart_and_with_replace(tmp_path):
+    """Restarted twice, the second snapshot taken before its worker came back, a run started
+    with if_exists='replace' still goes on: its worker comes back (asking for 'resume', so
+    that nothing restored is dropped) and is not refused as a worker of another run."""
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="replace") as kv:
+            kv.init("w", np.zeros(4, np.float32))
+            kv.push("w", np.ones(4, np.float32))
+            assert _snapshot(cluster).run == 1
+            cluster.restart()  # SIGKILL
+            assert _snapshot(cluster).run == 1  # its worker is not back yet: run 1 is still going on
+            cluster.restart()
+            kv.push("w", np.full(4, 2.0, np.float32))
+            np.testing.assert_array_equal(kv.pull("w"), [2.0] * 4)
+            assert _info(cluster).run == 1
         assert "run 1 goes on after this server's restart" in _log(cluster)
         assert "run 2 starts" not in _log(cluster)
 
@@ -270,7 +290,7 @@ def test_a_failing_state_dir_shows_in_info_metrics_status_and_the_exit_status(tm
         wait_until(lambda: _info(cluster).last_snapshot, "a periodic snapshot")
         state.rename(tmp_path / "moved")
         state.write_text("a file where the state directory was")
-        wait_until(lambda: _info(cluster).failed_snapshots >= 1, "a periodic snapshot that failed")
+        wait_until(lambda: _info(cluster).snapshot_error == "Not a directory", "a periodic snapshot that failed")
         info = _info(cluster)
         assert info.snapshot_error == "Not a directory" and info.last_snapshot.startswith("snapshot-")
         code, out, err = ctl("status", servers=cluster.addresses)
@@ -316,6 +336,6 @@ def test_a_state_dir_is_one_servers_and_a_directory(tmp_path):
 
     with _cluster(tmp_path) as cluster:
         assert refusal(state) == (f"tensorkv-server: --state-dir {state}: another tensorkv-server (pid "
-                                  f"{cluster.processes[0].pid}) uses this state directory; give each server a "
-                                  "--state-dir of its own")
+                                  f"{cluster.processes[0].pid} on {socket.gethostname()}) uses this state directory; "
+                                  "give each server a --state-dir of its own")
     assert refusal(plain) == f"tensorkv-server: --state-dir {plain}: not a directory"

@@ -100,8 +100,8 @@ def _joined_server_args(argv):
         arg = joined[index]
         if arg == "--server-args" and index + 1 < len(joined):
             joined[index:index + 2] = [f"--server-args={joined[index + 1]}"]
-        elif arg in ("-h", "--help") or "=" in arg or not arg.startswith("--") and len(arg) > 2:  # no value, or attached
-            index += 1
+        elif arg in ("-h", "--help") or "=" in arg or (not arg.startswith("--") and len(arg) > 2):
+            index += 1  # no value, or one attached (--mode=sync, -n2)
         else:
             index += 2
     return joined

@@ -24,7 +24,7 @@ from tensorkv.datachan import ACK, FRAME_HEADER
 from tensorkv.rpc import error_status
 from tensorkv.v1 import kvstore_pb2
 
-from . import datalink
+from . import datalink, metrics
 from .deadline import within
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,7 @@ class StreamChannel:
                     refusal = _refusal(ResourceExhaustedError(
                         f"a call of {size} bytes on the data channel; this server takes at most {max_bytes} "
                         f"(--max-inflight-bytes, with room for the keys of --max-keys-per-call)"))
+                    metrics.session_error("RESOURCE_EXHAUSTED")
                     await link.sendall(len(refusal).to_bytes(FRAME_HEADER, "little") + refusal)
                     return
                 response, outgoing, close = await handle(await link.read_bytes(size))

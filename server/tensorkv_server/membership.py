@@ -119,9 +119,9 @@ class Membership:
         self._restored = {}  # rank -> (incarnation, _Applied) saved in the snapshot this server restored
         self._request_ids = {}  # rank -> RegisterRequest.request_id of its registration
         self._on_expired = on_expired
-        # The run that was going on when the restored snapshot was taken, until it goes on
-        # with a registration, and the time.monotonic() until which a worker that names no
-        # previous incarnation joins it (after that, one of its workers must come back first).
+        # The run that was going on when the restored snapshot was taken, while it is the
+        # current run and has not ended; and the time.monotonic() until which a worker that
+        # names no previous incarnation joins it while none of its workers is back.
         self._restored_run, self._restored_until = None, None
 
     @property
@@ -152,8 +152,11 @@ class Membership:
                 return rank, self._take_over(rank, previous), False
             if self._expired.get(rank) == previous:
                 self.check(rank, previous)  # raises: that lease expired
-        going = self.running or self._restored_run_goes_on(rank, previous)
-        if going and if_exists != self.run.if_exists:
+        # A worker of the restored run, back: its if_exists was checked when it first registered.
+        returning = self._restored_run is not None and previous is not None \
+            and self._restored.get(rank, (None,))[0] == previous
+        going = self.running or returning or self._restored_run_open()
+        if going and not returning and if_exists != self.run.if_exists:
             registered = f"ranks {self.ranks} registered" if self.running else "restored from a snapshot"
             raise FailedPreconditionError(
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
@@ -163,6 +166,8 @@ class Membership:
             free = [r for r in range(self.num_workers) if r not in self.incarnations]
             if not free:
                 raise FailedPreconditionError(f"every rank is taken: this server expects {self._workers()}")
+            if self._restored_run is not None:  # the ranks whose workers may still come back, last
+                free.sort(key=lambda r: r in self._restored)
             rank = free[0]
         self._check_range(rank)
         if rank in self.incarnations:
@@ -173,10 +178,10 @@ class Membership:
                 "heard from (--lease-timeout), and the rank is free then")
         if not going:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists)
+            self._restored_run = None
             log.info("run %d starts (if_exists=%r)", self.run.number, if_exists, extra={"event": "run_started"})
         elif not self.running:
             log.info("run %d goes on after this server's restart", self.run.number, extra={"event": "run_resumed"})
-        self._restored_run = None
         incarnation = self.incarnations[rank] = self._next_incarnation
         self._next_incarnation += 1
         self._grant(rank, incarnation)
@@ -189,14 +194,16 @@ class Membership:
                  extra={"event": "worker_registered", "rank": rank})
         return rank, incarnation, not going
 
-    def _restored_run_goes_on(self, rank, previous):
-        """Whether a registration of ``rank`` naming ``previous`` goes on with the run restored
-        from a snapshot: one of its workers, or any worker within a lease of the restart."""
-        if self._restored_run is None or self._restored_run is not self.run:
-            return False
-        if previous is not None and self._restored.get(rank, (None,))[0] == previous:
-            return True
-        return time.monotonic() < self._restored_until
+    def _restored_run_open(self):
+        """Whether any worker that registers joins the run restored from a snapshot: within a
+        lease of the restart."""
+        return self._restored_run is not None and time.monotonic() < self._restored_until
+
+    @property
+    def run_going_on(self):
+        """Whether a run is going on: some rank is registered, or the run restored from a
+        snapshot has not ended (its workers may come back)."""
+        return self.running or self._restored_run is not None
 
     def _take_over(self, rank, previous):
         """The incarnation of a new registration of ``rank`` in the place of ``previous``."""
@@ -317,6 +324,7 @@ class Membership:
         self._failures.pop(rank, None)
         log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:
+            self._restored_run = None
             log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})
         return not self.running
 

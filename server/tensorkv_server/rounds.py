@@ -269,7 +269,7 @@ class Coordinator:
     def _check_optimizer_not_left(self):
         """With if_exists 'fail', a run does not train with the optimizer an earlier run installed."""
         if self.optimizer is not None and self.optimizer_run < self.members.run.number:
-            raise FailedPreconditionError(
+            raise KeyExistsError(
                 f"this server holds the optimizer {self.optimizer.name!r} that an earlier run installed, which would "
                 f"update this run's keys: pass if_exists='resume' to train with it, or "
                 f"if_exists='replace' to start afresh{_IF_EXISTS_HINT}")
@@ -537,9 +537,7 @@ class Coordinator:
         Every worker sends the same optimizer: one equal to the installed one, without
         states, keeps the installed one and its states.
         """
-        run = self.members.run.number if self.members.running else 0
         if not states and optimizer == self.optimizer:
-            self.optimizer_run = max(self.optimizer_run, run)  # this run asks for it too
             return
         self.check_memory((), optimizer)
         updater = optimizers.Updater(optimizer)
@@ -554,7 +552,8 @@ class Coordinator:
             checked[key] = (num_update, updater.check_states(key, stored.array, [item.array for item in items]))
         updater.set_states(checked)
         self.engine.updater = updater
-        self.optimizer, self.optimizer_run = optimizer, run
+        # SetUpdater names no rank: the optimizer is the current run's, or the last one's.
+        self.optimizer, self.optimizer_run = optimizer, self.members.run.number if self.members.run else 0
         log.info("optimizer %s %s installed with states for %s", optimizer.name, optimizer.params,
                  plural(len(states), "key"), extra={"event": "optimizer_installed"})
 

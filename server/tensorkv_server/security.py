@@ -176,11 +176,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         presented = _presented(details.invocation_metadata)
         read_only = self._lookup(presented)
         if read_only is None:
+            if presented:
+                why = "this server does not accept the token this call carries"
+            else:
+                why = "this server requires a token"
             return _refusal(handler, UnauthenticatedError(
-                "this server does not accept the token this call carries: give one of the server's --token-file "
-                "(Python: token= or TENSORKV_TOKEN; the CLI: --token)" if presented else
-                "this server requires a token: give one of the server's --token-file (Python: token= or "
-                "TENSORKV_TOKEN; the CLI: --token)"))
+                f"{why}: give a token of the server's --token-file (Python: token= or TENSORKV_TOKEN; the CLI: "
+                "--token)"))
         if read_only and details.method not in READ_ONLY_METHODS:
             return _refusal(handler, PermissionDeniedError(
                 f"a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, not "

@@ -12,12 +12,14 @@ directory. The two newest snapshots are kept. A restore reads the file straight 
 arrays the server keeps. The format is in docs/snapshot.md.
 """
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import socket
 import struct
 import time
 import zipfile
@@ -76,7 +78,7 @@ def capture(coordinator, buffers):
     header = {"format": FORMAT, "version": VERSION, "mode": coordinator.mode, "num_workers": coordinator.num_workers,
               "key_type": engine._key_type and engine._key_type.__name__, "keys": keys,
               "optimizer": optimizer and states_file.optimizer_header(optimizer), "states": state_keys,
-              "run": run and {"number": run.number, "if_exists": run.if_exists, "going": coordinator.members.running},
+              "run": run and {"number": run.number, "if_exists": run.if_exists, "going": coordinator.members.run_going_on},
               "next_incarnation": coordinator.members._next_incarnation,
               "sequences": coordinator.members.saved_sequences(coordinator.open_sequences()),
               "barriers_done": coordinator._barriers_done}
@@ -297,7 +299,9 @@ def _parse(header, arrays):
     for entry in header.get("sequences", []):
         int(entry["rank"]), int(entry["incarnation"]), int(entry["through"]), [int(number) for number in entry["beyond"]]
     if header["run"] is not None:
-        int(header["run"]["number"]), header["run"]["if_exists"], bool(header["run"].get("going"))
+        int(header["run"]["number"]), header["run"]["if_exists"]
+        if not isinstance(header["run"].get("going", False), bool):
+            raise ValueError(f"run.going is {header['run']['going']!r}, not true or false")
     if header["optimizer"] is None:
         return items, None, {}
     by_key, states, index = {item.key: item for item in items}, {}, 0
@@ -346,13 +350,16 @@ class Snapshots:
             fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._held.seek(0)
-            holder = self._held.read().strip() or "unknown"
+            holder = self._held.read().strip() or "whose pid is unknown"
             self._held.close()
-            raise StateDirInUse(f"another tensorkv-server (pid {holder}) uses this state directory; give each "
+            raise StateDirInUse(f"another tensorkv-server ({holder}) uses this state directory; give each "
                                 "server a --state-dir of its own") from None
+        except OSError as error:  # a file system without locks (some NFS and FUSE mounts)
+            log.warning("--state-dir %s cannot be locked (%s): no other server may use it", directory, error.strerror)
+            return
         self._held.seek(0)
         self._held.truncate()
-        self._held.write(f"{os.getpid()}\n")
+        self._held.write(f"pid {os.getpid()} on {socket.gethostname()}\n")  # pids repeat across containers
         self._held.flush()
 
     def _files(self):
@@ -384,20 +391,25 @@ class Snapshots:
         """(file name, number of keys, run number) of a new snapshot of the current state.
         One snapshot at a time, each holding a copy of every value until its file is written:
         one asked for meanwhile (a Snapshot call, the last one at SIGTERM) waits, and one
-        cancelled while its file is written keeps its turn until the file is done."""
+        cancelled while its file is written keeps its turn until the file is done. A failure
+        is logged and counted here, then raised."""
         async with self._lock:
-            engine = self.coordinator.engine
-            buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
-            header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile are copied anew
-            self._sequence += 1
-            name = f"snapshot-{self._sequence:012d}.tkv"
-            write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays))
+            name = None
             try:
-                await asyncio.shield(write)
-            except asyncio.CancelledError:
-                await write
-                raise
-            except OSError as error:
+                engine = self.coordinator.engine
+                buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
+                header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile are copied anew
+                self._sequence += 1
+                name = f"snapshot-{self._sequence:012d}.tkv"
+                write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays))
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    await asyncio.wait([write])
+                    if write.exception() is not None:
+                        self._failed(name, write.exception())
+                    raise
+            except Exception as error:
                 self._failed(name, error)
                 raise
         run = header["run"]["number"] if header["run"] else 0
@@ -410,22 +422,31 @@ class Snapshots:
 
     def _failed(self, name, error):
         self.failures += 1
-        self.last_error = error.strerror or str(error)  # no path: Info shows it to any token
+        # No path: Info shows it to any token.
+        self.last_error = getattr(error, "strerror", None) or f"{type(error).__name__}: {error}"
         metrics.COUNTS.snapshots_failed += 1
-        log.error("snapshot %s failed: %s; the last one written is %s", name, error,
+        log.error("snapshot %s failed: %s; the last one written is %s", name or "(not begun)", error,
                   self.last_written or "none since the server started", extra={"event": "snapshot_failed"})
 
     def _write(self, name, header, arrays):
         path = os.path.join(self.directory, name)
-        with open(path + ".part", "wb") as file:
-            encode_into(file, header, arrays)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(path + ".part", path)
+        try:
+            with open(path + ".part", "wb") as file:
+                encode_into(file, header, arrays)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(path + ".part", path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(path + ".part")
+            raise
         directory = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
-        for _, old in self._files()[KEEP:]:
-            os.remove(os.path.join(self.directory, old))
+        try:  # the snapshot is written: what follows only frees room
+            for _, old in self._files()[KEEP:]:
+                os.remove(os.path.join(self.directory, old))
+        except OSError as error:
+            log.warning("snapshot %s written, but an older one was not removed: %s", name, error)
