@@ -105,6 +105,9 @@ def test_get_values_only_when_asked(job):
     assert "values" not in row and "min" not in row
     [row] = ctl_json("get", "bias", "--values", servers=cluster.addresses)
     assert row["values"] == BIAS.tolist()
+    code, out, _ = ctl("get", "weight", "--values", servers=cluster.addresses)  # 60 x 50: one row of the table
+    header, row = out.splitlines()
+    assert code == 0 and row.split()[-1] == "]]" and header.split()[-1] == "values", out
     code, _, err = ctl("get", "nothing", servers=cluster.addresses)
     assert code == 1 and err == "tensorkv: no server that answered holds key 'nothing'\n"
 

@@ -15,7 +15,7 @@ from cluster import Cluster
 ])
 def test_a_dtype_mismatch_says_how_to_cast_on_every_store(tmp_path, stored, pushed, cast):
     expected = (f"key 'w': pushed dtype {np.dtype(pushed)} does not match the stored dtype {np.dtype(stored)}; "
-                f"cast it with value.astype({cast})")
+                f"cast it with value.astype({cast}) (a torch tensor: value.to(torch.{np.dtype(stored)}))")
     with tensorkv.create("local") as kv:
         kv.init("w", np.zeros(3, stored))
         with pytest.raises(tensorkv.DtypeMismatchError) as caught:

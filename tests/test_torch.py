@@ -48,7 +48,8 @@ def test_a_pull_between_forward_and_backward_is_seen_by_autograd(kv):
 
 def test_a_float64_tensor_into_a_float32_key_says_how_to_cast(kv):
     kv.init("w", torch.zeros(4))
-    with pytest.raises(tensorkv.DtypeMismatchError, match=r"cast it with value.astype\(numpy.float32\)$"):
+    with pytest.raises(tensorkv.DtypeMismatchError, match=r"cast it with value.astype\(numpy.float32\) "
+                                                          r"\(a torch tensor: value.to\(torch.float32\)\)$"):
         kv.push("w", torch.ones(4, dtype=torch.float64))
     assert kv.pull("w").tolist() == [0, 0, 0, 0]
 

@@ -199,7 +199,7 @@ def get_key(args, servers):
         values = value.astype(np.float64)
         row.update(min=values.min(), max=values.max(), mean=values.mean(), l2_norm=float(np.linalg.norm(values)))
     if args.values and value is not None:
-        row["values"] = value.tolist() if args.output == "json" else np.array2string(value, max_line_width=sys.maxsize)
+        row["values"] = value.tolist() if args.output == "json" else _one_line(value)
     return max(_show(args, [row]), OK if value is not None else FAILED)
 
 
@@ -337,6 +337,11 @@ def _show(args, rows):
         for line in [columns, *cells]:
             print("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip())
     return FAILED if args.failures else OK
+
+
+def _one_line(value):
+    """NumPy's text of ``value`` on one line of the table (a large one summarized with ...)."""
+    return " ".join(np.array2string(value, max_line_width=sys.maxsize).split())
 
 
 def _cell(value):

@@ -28,7 +28,7 @@ def dtype_mismatch(key, verb, dtype, stored):
     stored as ``stored``, saying how to cast it: values are never converted silently."""
     module = "ml_dtypes" if stored == BFLOAT16 else "numpy"
     return DtypeMismatchError(f"key {key_repr(key)}: {verb} dtype {dtype} does not match the stored dtype {stored}; "
-                              f"cast it with value.astype({module}.{stored})")
+                              f"cast it with value.astype({module}.{stored}) (a torch tensor: value.to(torch.{stored}))")
 
 
 class Stored:
