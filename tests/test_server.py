@@ -2,6 +2,7 @@
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from tensorkv import states_file
 from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
-from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop
+from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, rank_1_after_a_round, stop
 from tensorkv.allocator import SERVER_TUNABLES
 
 SERVICE = "tensorkv.v1.KVStoreService"
@@ -93,6 +94,22 @@ def test_a_worker_that_never_pushes_aborts_the_round(tmp_path):
     rank0 = next(out for out in outs if out.endswith("ok 0\n"))
     assert "aborted: key 'x': round 1 aborted after 2 s; missing ranks [1]" in rank0
     assert "barrier: barrier 1 aborted after 2 s; missing ranks [1]" in rank0
+
+
+def test_an_aborted_round_says_where_its_missing_rank_went(tmp_path):
+    """A round that waits for a rank whose worker closed its store (a clean exit) says so
+    when it aborts, as a barrier does."""
+    with Cluster(num_workers=2, round_timeout=1, tmp_path=tmp_path) as cluster:
+        with rank_1_after_a_round(cluster.addresses[0]) as kv1:  # rank 0 left after round 1
+            with pytest.raises(tensorkv.RoundAbortedError) as aborted:
+                kv1.pushpull("w", np.ones(4, np.float32))
+            with pytest.raises(tensorkv.RoundAbortedError) as barrier:
+                kv1.barrier()
+    assert re.fullmatch(r"key 'w': round 2 aborted after 1 s; missing ranks \[0\] \(ranks \[1\] pushed; their "
+                        r"pushes were discarded\); rank 0 left \d+\.\d s before \(its worker closed its store\)",
+                        str(aborted.value)), aborted.value
+    assert re.fullmatch(r"barrier 1 aborted after 1 s; missing ranks \[0\]; rank 0 left \d+\.\d s before \(its "
+                        r"worker closed its store\)", str(barrier.value)), barrier.value
 
 
 @pytest.mark.parametrize("session", [True, False])

@@ -118,6 +118,7 @@ class Membership:
         self._failures = {}  # rank -> {(kind, number): the error that call failed with}, the last FAILURES_KEPT
         self._restored = {}  # rank -> (incarnation, _Applied) saved in the snapshot this server restored
         self._request_ids = {}  # rank -> RegisterRequest.request_id of its registration
+        self._left = {}  # rank -> (event-loop time, how) its last registration ended
         self._on_expired = on_expired
         # The run that was going on when the restored snapshot was taken, while it is the
         # current run and has not ended; and the time.monotonic() until which a worker that
@@ -272,7 +273,7 @@ class Membership:
         self.check(rank, incarnation)
         log.info("worker with rank %d, incarnation %d unregistered", rank, incarnation,
                  extra={"event": "worker_unregistered", "rank": rank})
-        return self._free(rank)
+        return self._free(rank, "its worker closed its store")
 
     def renew(self, rank, incarnation):
         """Renew the lease of ``rank``'s registration (only its current holder may); the
@@ -313,11 +314,13 @@ class Membership:
                     rank, lease.incarnation, self.lease_timeout, extra={"event": "lease_expired", "rank": rank})
         self.expired_leases += 1
         self._expired[rank] = lease.incarnation
-        self._on_expired(rank, self._free(rank))
+        self._on_expired(rank, self._free(rank, f"no heartbeat for {self.lease_timeout:g} s: its lease expired"))
 
-    def _free(self, rank):
-        """Forget ``rank``'s registration and its lease; whether that ended the run."""
+    def _free(self, rank, how):
+        """Forget ``rank``'s registration and its lease, which ended ``how`` (words); whether
+        that ended the run."""
         del self.incarnations[rank]
+        self._left[rank] = asyncio.get_running_loop().time(), how
         self._leases.pop(rank).timer.cancel()
         self._applied.pop(rank, None)
         self._request_ids.pop(rank, None)
@@ -327,6 +330,21 @@ class Membership:
             self._restored_run = None
             log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})
         return not self.running
+
+    def absent(self, ranks):
+        """Where the unregistered ones of ``ranks`` went, in words ('' when all are registered):
+        for a round that waits for them."""
+        now = asyncio.get_running_loop().time()
+        words = []
+        for rank in ranks:
+            if rank in self.incarnations:
+                continue
+            if rank in self._left:
+                when, how = self._left[rank]
+                words.append(f"rank {rank} left {now - when:.1f} s before ({how})")
+            else:
+                words.append(f"rank {rank} has not registered")
+        return "; ".join(words)
 
     def check(self, rank, incarnation):
         """FailedPreconditionError unless ``rank`` is registered with ``incarnation``."""
