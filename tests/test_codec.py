@@ -302,11 +302,24 @@ def _continuation(more, frame_field=2):
     ([b"\xff\xff\xff"], "malformed PushRequest"),                              # garbage
 ])
 def test_malformed_hand_encoded_frames_are_rejected(tail, message):
-    head = codec.encode_stream(kvstore_pb2.PushRequest, [Item(1, sample(np.float32, (10, 10)))], {"rank": 0},
-                               chunk_bytes=64)[0]
+    # A first message that does not say how many follow (PushRequest.messages), as another client's may not.
+    head = codec.encode_messages([Item(1, sample(np.float32, (10, 10)))], 2,
+                                 kvstore_pb2.PushRequest(rank=0).SerializeToString(), chunk_bytes=64)[0]
     assert kvstore_pb2.PushRequest.FromString(head).frame.entries[0].tensor.data == b""
     with pytest.raises(InvalidTensorError, match=message):
         stream_decode(kvstore_pb2.PushRequest, [head] + tail)
+
+
+def test_a_stream_says_how_many_messages_it_has_and_one_cut_short_is_refused():
+    items = [Item(1, sample(np.float32, (10, 10))), Item(2, sample(np.int16, (3,)))]
+    messages = codec.encode_stream(kvstore_pb2.PushRequest, items, {"rank": 0}, chunk_bytes=64)
+    assert [kvstore_pb2.PushRequest.FromString(m).messages for m in messages] == [len(messages)] + [0] * 8
+    assert_same_items(stream_decode(kvstore_pb2.PushRequest, messages)[1], items)
+    with pytest.raises(InvalidTensorError, match=f"^the stream ended after 8 messages of the 9 its first one "
+                                                 "announced: it was cut short$"):
+        stream_decode(kvstore_pb2.PushRequest, messages[:-1])  # cut between two entries: each is whole
+    [single] = codec.encode_stream(kvstore_pb2.PushRequest, items[1:], {"rank": 0})
+    assert kvstore_pb2.PushRequest.FromString(single).messages == 0  # one message: nothing to cut
 
 
 @pytest.mark.parametrize("data", [b"\x12\x01\x0a", b"\x12\x01\x12", b"\x12\x03\x0a\x81\x80"])

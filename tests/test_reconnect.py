@@ -9,11 +9,12 @@ import json
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.codec import get_key
+from tensorkv.codec import Item, encode_stream, get_key
 from tensorkv.ctl import Server
 from tensorkv.security import Security
 from tensorkv.v1 import kvstore_pb2
@@ -86,6 +87,49 @@ def test_a_connection_reset_while_a_pushpull_waits_applies_the_push_once(metered
             result = _in_thread(lambda: _pushpull(kv0, 10))
             np.testing.assert_array_equal(_pushpull(kv1, 20), [30] * 4)
             np.testing.assert_array_equal(result(), [30] * 4)
+
+
+@pytest.mark.parametrize("method, message", [("Init", "InitRequest"), ("Push", "PushRequest"),
+                                             ("PushPull", "PushPullRequest")])
+def test_a_request_stream_cut_short_changes_nothing(tmp_path, method, message):
+    """gRPC ends a request stream whose client's connection broke as if the client had
+    finished it (a grpc.aio server sees no error). Such a push, of a large value and then
+    small ones, cut after the large value's last chunk, once applied the large value alone,
+    and the push sent again was then skipped as applied: the small values were lost. A
+    stream now says how many messages it has, and one that ends short changes nothing."""
+    big, small = np.arange(600_000, dtype=np.float32), np.full(4, 7.0, np.float32)  # 2.4 MB: 3 chunks
+    keys = ["new_big", "new_small"] if method == "Init" else ["big", "small"]
+    with Cluster(tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc") as kv:
+        kv.init(["big", "small"], [np.zeros_like(big), np.zeros_like(small)])
+        conn = kv._conns[0]
+        messages = encode_stream(getattr(kvstore_pb2, message), [Item(keys[0], big), Item(keys[1], small)],
+                                 dict(conn._caller(), sequence=next(conn._sequences)))
+        assert len(messages) == 5 and getattr(kvstore_pb2, message).FromString(messages[0]).messages == 5
+        with grpc.insecure_channel(cluster.addresses[0]) as channel:
+            path = f"/tensorkv.v1.KVStoreService/{method}"
+            send = channel.stream_stream(path) if method == "PushPull" else channel.stream_unary(path)
+
+            def call(stream):
+                answer = send(iter(stream), timeout=20)
+                return list(answer) if method == "PushPull" else answer
+
+            with pytest.raises(grpc.RpcError) as cut:
+                call(messages[:-1])  # ends after the large value: the small one's message is missing
+            assert cut.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert cut.value.details() == "the stream ended after 4 messages of the 5 its first one announced: " \
+                                          "it was cut short"
+            if method == "Init":
+                with pytest.raises(tensorkv.KeyNotFoundError):
+                    kv.pull("new_big")
+            else:
+                np.testing.assert_array_equal(kv.pull("big"), np.zeros_like(big))
+            call(messages)  # sent again whole, with the same sequence number: applied
+        if method == "Init":
+            np.testing.assert_array_equal(kv.pull("new_small"), small)
+        else:
+            np.testing.assert_array_equal(kv.pull("big"), big)
+            np.testing.assert_array_equal(kv.pull("small"), small)
 
 
 def test_a_push_whose_acknowledgement_was_lost_is_not_applied_twice(metered):

@@ -36,6 +36,7 @@ from .errors import (
 from google.protobuf.message import DecodeError
 
 from .v1 import tensor_pb2
+from .words import plural
 
 # One entry per wire dtype: (enum value, little-endian NumPy dtype).
 _WIRE_DTYPES = (
@@ -633,7 +634,7 @@ def _message(head, frame_field, pieces, size):
 _MORE_TAG = _tag(2, _LEN)
 
 
-def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_data=True):
+def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_data=True, count_field=None):
     """The serialized messages (bytes) of a stream that carries ``items`` (:class:`Item`).
 
     Every message is ``head`` (the serialized scalar fields of the first message, e.g.
@@ -642,9 +643,11 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
     ``chunk_bytes`` of data; a larger one travels as a metadata-only Entry (data empty) at the
     end of a frame, then in continuation frames that carry ``chunk_bytes`` each in ``more``.
     Each byte of tensor data is copied once, into the message that carries it. With
-    ``with_data=False`` only keys, dtypes and shapes travel (Init's wait_only).
+    ``with_data=False`` only keys, dtypes and shapes travel (Init's wait_only). A stream of
+    several messages says how many in the first one's varint field ``count_field``, when
+    given (e.g. PushRequest.messages), so that a receiver can tell a stream cut short.
     """
-    messages, pieces, size, budget = [], [], 0, chunk_bytes
+    frames, pieces, size, budget = [], [], 0, chunk_bytes  # frames: [(pieces of a frame's body, its size)]
     for item in items:
         two_bit = item.two_bit
         if two_bit is not None:  # codes of float32 values
@@ -665,8 +668,8 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
         nbytes = array.nbytes
         if nbytes <= chunk_bytes:
             if nbytes > budget and pieces:
-                messages.append(_message(head, frame_field, pieces, size))
-                head, pieces, size, budget = b"", [], 0, chunk_bytes
+                frames.append((pieces, size))
+                pieces, size, budget = [], 0, chunk_bytes
             prefix = _entry_prefix(item.key, wire, item.shape, item.slice, nbytes, two_bit=two_bit)
             pieces += (prefix, array)  # b"".join reads a C-contiguous array's bytes as they are
             size += len(prefix) + nbytes
@@ -675,24 +678,28 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
         data = array.reshape(-1).view(np.uint8)
         prefix = _entry_prefix(item.key, wire, item.shape, item.slice, 0, two_bit=two_bit)
         pieces.append(prefix)
-        messages.append(_message(head, frame_field, pieces, size + len(prefix)))
-        head, pieces, size, budget = b"", [], 0, chunk_bytes
-        frame_tag = _tag(frame_field, _LEN)
+        frames.append((pieces, size + len(prefix)))
+        pieces, size, budget = [], 0, chunk_bytes
         for start in range(0, nbytes, chunk_bytes):
             chunk = data[start:start + chunk_bytes]
             more = _MORE_TAG + _varint(len(chunk))
-            messages.append(b"".join([frame_tag, _varint(len(more) + len(chunk)), more, chunk]))
-    if pieces or not messages:
-        messages.append(_message(head, frame_field, pieces, size))
-    return messages
+            frames.append(([more, chunk], len(more) + len(chunk)))
+    if pieces or not frames:
+        frames.append((pieces, size))
+    if count_field is not None and len(frames) > 1:
+        head += _tag(count_field, _VARINT) + _varint(len(frames))
+    return [_message(head if index == 0 else b"", frame_field, body, size)
+            for index, (body, size) in enumerate(frames)]
 
 
 def encode_stream(message_class, items, fields=None, chunk_bytes=CHUNK_BYTES, with_data=True):
     """The serialized ``message_class`` messages (Init, Push or PushPull requests, Pull or
-    PushPull responses) that carry ``items``, with the scalar ``fields`` set in the first."""
+    PushPull responses) that carry ``items``, with the scalar ``fields`` set in the first (and
+    the number of messages, in a request stream of several: its field ``messages``)."""
     head = message_class(**fields).SerializeToString() if fields else b""
-    frame_field = message_class.DESCRIPTOR.fields_by_name["frame"].number
-    return encode_messages(items, frame_field, head, chunk_bytes, with_data)
+    by_name = message_class.DESCRIPTOR.fields_by_name
+    count = by_name["messages"].number if "messages" in by_name else None
+    return encode_messages(items, by_name["frame"].number, head, chunk_bytes, with_data, count)
 
 
 def _read_varint(data, pos):
@@ -769,6 +776,7 @@ class StreamDecoder:
         self.frame_number = message_class.DESCRIPTOR.fields_by_name[frame_field].number
         self.first = None
         self.items = []
+        self.count = 0  # messages fed
         self._with_data = with_data
         self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
                                    channel=channel, staging=staging, max_key_bytes=max_key_bytes, max_keys=max_keys,
@@ -776,6 +784,7 @@ class StreamDecoder:
 
     def feed(self, data):
         """Decode one message; the items it completed are appended to :attr:`items`."""
+        self.count += 1
         split = _split_message(data, self.frame_number)
         if split is not None:
             head, start, end = split
@@ -803,7 +812,13 @@ class StreamDecoder:
         self.items += self.frames.feed(getattr(message, self.frame_name))
 
     def finish(self):
-        """The items of the whole stream; InvalidTensorError if one was left incomplete."""
+        """The items of the whole stream; InvalidTensorError if one was left incomplete, or if
+        the stream ended before the number of messages its first one announced (``messages``:
+        gRPC ends a request stream whose client's connection broke as if it had finished)."""
+        announced = getattr(self.first, "messages", 0)
+        if announced and self.count != announced:
+            raise InvalidTensorError(f"the stream ended after {plural(self.count, 'message')} of the {announced} its "
+                                     "first one announced: it was cut short")
         self.frames.finish()
         return self.items
 
