@@ -321,8 +321,9 @@ def test_more_keys_than_max_keys_per_call_are_refused_and_change_nothing(tmp_pat
             # which only it can see, is raised by the next call, naming the push
             kv.push(keys, [np.ones(2, np.float32)] * 4)
             with pytest.raises(tensorkv.ResourceExhaustedError,
-                               match=re.escape("an earlier push of 4 keys ('k0', 'k1', 'k2', 'k3'), sent without "
-                                               "waiting for its answer, failed and changed nothing: ") + ".*"
+                               match=re.escape(f"an earlier push of 4 keys ('k0', 'k1', 'k2', 'k3') to server "
+                                               f"{cluster.addresses[0]}, sent without waiting for its answer, failed "
+                                               "and changed nothing: ") + ".*"
                                + re.escape(words)):
                 kv.pull("k0")
             with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(words)):

@@ -314,8 +314,8 @@ class ServerConn:
         if undo is not None:
             undo()
         named = ", ".join(key_repr(key) for key in keys[:5]) + (", ..." if len(keys) > 5 else "")
-        return type(error)(f"an earlier push of {plural(len(keys), 'key')} ({named}), sent without waiting for its "
-                           f"answer, failed and changed nothing: {error}")
+        return type(error)(f"an earlier push of {plural(len(keys), 'key')} ({named}) to server {self.address}, sent "
+                           f"without waiting for its answer, failed and changed nothing: {error}")
 
     def _copies(self, part, sequence):
         """{key: (sequence, a copy of its Item)} of ``part`` to keep where this worker realigns."""
