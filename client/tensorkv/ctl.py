@@ -341,7 +341,7 @@ def _show(args, rows):
 
 def _one_line(value):
     """NumPy's text of ``value`` on one line of the table (a large one summarized with ...)."""
-    return " ".join(np.array2string(value, max_line_width=sys.maxsize).split())
+    return " ".join(line.strip() for line in np.array2string(value, max_line_width=sys.maxsize).splitlines())
 
 
 def _cell(value):
