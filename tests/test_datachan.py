@@ -396,3 +396,31 @@ def test_entries_on_the_channel_need_a_bound_channel(tmp_path):
                     Stub(channel).push_raw([push.SerializeToString()], timeout=5.0)
                 assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert np.array_equal(kv.pull("w"), value)
+
+
+def test_a_call_announced_on_the_channel_holds_only_the_bytes_that_came(tmp_path):
+    """A call's header announces its size; the server's memory grows with the bytes that came,
+    not with that size (it took the whole announced size at once, zero-filled: a few bytes
+    could make it hold --max-inflight-bytes per channel)."""
+    with Cluster(tmp_path=tmp_path) as cluster:
+        address, server = cluster.addresses[0], cluster.processes[0]
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            port = kv._sessions[0].data_port
+        session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, data_port=port)
+        try:
+            def build(call_id, timeout_ms, region, channel):
+                return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
+                                                  calls_on_channel=True).SerializeToString(), ()
+            token = kvstore_pb2.SessionResponse.FromString(session.call(build, 5.0)[1]).data_token
+            before = rss(server.pid)
+            with socket.create_connection(("127.0.0.1", port), WAIT) as sock:
+                sock.sendall(token)
+                assert sock.recv(1) == datachan.ACK
+                sock.sendall((512 << 20).to_bytes(datachan.FRAME_HEADER, "little") + b"\x08")  # 1 of 512 MiB
+                grown = 0
+                for _ in range(20):  # two seconds for the server to take the byte in
+                    time.sleep(0.1)
+                    grown = max(grown, rss(server.pid) - before)
+        finally:
+            session.close()
+    assert grown < 64 << 20, f"the server grew by {grown >> 20} MiB for a call of which 1 byte came"

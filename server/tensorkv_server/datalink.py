@@ -11,6 +11,9 @@ import ssl
 from tensorkv.datachan import keep_alive
 
 RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
+# Bytes of a call's request (read_bytes) taken in at most at a time: the memory a request holds
+# grows with the bytes that came, not with the size its header announced.
+REQUEST_PIECE = 1 << 20
 WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
 
 
@@ -29,15 +32,22 @@ class PlainLink:
 
     async def read_bytes(self, size):
         """The next ``size`` bytes: as the socket gives them when they came in one piece (no
-        copy out of a buffer), which a small message does."""
-        first = await self._loop.sock_recv(self.sock, size)
+        copy out of a buffer), which a small message does; else gathered REQUEST_PIECE at most
+        at a time."""
+        first = await self._piece(min(size, REQUEST_PIECE))
         if len(first) == size:
             return first
-        if not first:
+        gathered = bytearray(first)
+        while len(gathered) < size:
+            gathered += await self._piece(min(size - len(gathered), REQUEST_PIECE))
+        return bytes(gathered)
+
+    async def _piece(self, most):
+        """Up to ``most`` bytes, as they come (some)."""
+        piece = await self._loop.sock_recv(self.sock, most)
+        if not piece:
             raise EOFError("the client closed the data channel")
-        rest = bytearray(size - len(first))
-        await self.read_into(memoryview(rest))
-        return first + rest
+        return piece
 
     async def sendall(self, view):
         await self._loop.sock_sendall(self.sock, view)
@@ -71,10 +81,10 @@ class TlsLink(PlainLink):
                 raise EOFError("the client closed the data channel")
             filled += count
 
-    async def read_bytes(self, size):
-        buffer = bytearray(size)
-        await self.read_into(memoryview(buffer))
-        return bytes(buffer)
+    async def _piece(self, most):
+        piece = bytearray(most)
+        await self.read_into(memoryview(piece))
+        return bytes(piece)
 
     async def sendall(self, view):
         for start in range(0, len(view), WRITE_BYTES):
