@@ -19,13 +19,13 @@ from tensorkv import __version__, allocator, codec, packed, rowsparse_wire, stat
 from tensorkv.backend import on_gpu
 from tensorkv.engine import dtype_mismatch
 from tensorkv.errors import (
-    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError, ShapeMismatchError,
-    key_repr,
+    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
+    ResourceExhaustedError, ShapeMismatchError, key_repr,
 )
 from tensorkv.rowsparse import RowSparse
 from tensorkv.rpc import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
-from tensorkv.words import plural
+from tensorkv.words import plural, size
 
 from . import datachan, logs, metrics, shm
 from .deadline import within
@@ -280,12 +280,29 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             codec.check_key_bytes(key, self.limits.max_key_bytes)
             requests.append((key, np.array(entry.row_ids, np.int64)))
         codec.check_key_count([key for key, _ in requests], self.limits.max_keys_per_call)
-        results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests,
-                                                    request.pull_sequence)
+        results = await self._pull_rows(request, requests)
         response = kvstore_pb2.RowSparsePullResponse()
         for (key, row_ids), (shape, rows) in zip(requests, results):
             rowsparse_wire.set_value(response.values.add(), key, shape, row_ids, rows)
         return response
+
+    async def _pull_rows(self, request, requests):
+        """Coordinator.pull_rows of ``requests`` [(key, row ids)] for ``request`` (a RowSparsePull
+        or Session request), refused (RESOURCE_EXHAUSTED) when the rows would pass
+        --max-inflight-bytes: ids may repeat, so a short request can ask for any number of rows."""
+        limit, engine = self.limits.max_inflight_bytes, self.coordinator.engine
+        if limit is not None:
+            asked = 0
+            for key, ids in requests:
+                if key in engine:  # else pull_rows names it
+                    stored = engine.get(key)
+                    asked += len(ids) * (stored.array.nbytes // max(stored.shape[0] if stored.shape else 1, 1))
+            if asked > limit:
+                rows = sum(len(ids) for _, ids in requests)
+                raise ResourceExhaustedError(
+                    f"a row-sparse pull of {plural(rows, 'row')} would answer {size(asked)} of values; this server "
+                    f"answers at most {size(limit)} per call (--max-inflight-bytes)")
+        return await self.coordinator.pull_rows(request.rank, request.incarnation, requests, request.pull_sequence)
 
     async def RowSparsePush(self, request, context):
         items = []
@@ -504,8 +521,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             return []
         if request.op == kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL:
             requests = [(item.key, _row_ids(item)) for item in items]
-            results = await self.coordinator.pull_rows(request.rank, request.incarnation, requests,
-                                                        request.pull_sequence)
+            results = await self._pull_rows(request, requests)
             return [codec.Item(key, rows) for (key, _), (_, rows) in zip(requests, results)]
         raise InvalidArgumentError(f"unknown session op {request.op}")
 
