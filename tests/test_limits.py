@@ -498,3 +498,30 @@ def test_with_a_state_dir_the_default_memory_leaves_room_for_a_snapshots_copy(tm
     assert re.fullmatch(r"--max-memory .* leaves no room for a snapshot's copy: a full server holds up to .* of host "
                         r"memory while one is written, more than the .* this server has; give at most .*",
                         limits.snapshot_room(args, np, crowded))
+
+
+def test_a_message_longer_than_a_call_may_be_is_refused_before_the_token_check(tmp_path):
+    """gRPC reads a unary call's whole request before the token check refuses it: with no
+    bound on messages, an unauthenticated peer made the server hold three times whatever it
+    sent (512 MiB: 1.5 GiB). A message longer than --max-inflight-bytes allows a call (with
+    room for its keys) is now refused unread; calls within it go on as before."""
+    token = "rw-token-0123456789abcdef"
+    (tmp_path / "tokens").write_text(f"{token}\n")
+    limit = 1_000_000
+    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", str(limit), "--max-keys-per-call", "4",
+                                                 "--token-file", str(tmp_path / "tokens")]) as cluster:
+        before = rss(cluster.processes[0].pid)
+        with grpc.insecure_channel(cluster.addresses[0], options=CHANNEL_OPTIONS) as channel:
+            info = channel.unary_unary("/tensorkv.v1.KVStoreService/Info")
+            with pytest.raises(grpc.RpcError) as refused:
+                info(b"\x00" * (64 << 20), timeout=20)  # no token, 64 MiB
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+            with pytest.raises(grpc.RpcError) as refused:
+                info(b"", timeout=20)  # a small one gets as far as the token check
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert rss(cluster.processes[0].pid) - before < 32 << 20
+        with tensorkv.create("dist_sync", servers=cluster.addresses, token=token, transport="grpc") as kv:
+            value = np.arange(limit // 4 - 64, dtype=np.float32)  # a call just within the limit
+            kv.init("w", np.zeros_like(value))
+            kv.push("w", value)
+            np.testing.assert_array_equal(kv.pull("w"), value)

@@ -5,6 +5,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -399,8 +400,8 @@ def test_the_server_maps_only_sealed_memfds(tmp_path):
                 assert reason in answer.message, (kind, answer.message)
                 assert not holds(server.pid, marker), kind
             # descriptors that name no memory file: the server's own log, one not open, no process
-            for pid, fd, reason in [(server.pid, 2, "is not a memfd"), (os.getpid(), 1 << 20, "cannot open"),
-                                    ((1 << 32) - 1, 3, "cannot open")]:
+            for pid, fd, reason in [(server.pid, 2, "is not a memfd"), (os.getpid(), 1 << 20, "cannot use"),
+                                    ((1 << 32) - 1, 3, "cannot use")]:
                 answer = _register(session, pid, fd, ATTACK_BYTES, bytes(shm.TOKEN_BYTES))
                 assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and reason in answer.message
             assert server.poll() is None
@@ -410,3 +411,47 @@ def test_the_server_maps_only_sealed_memfds(tmp_path):
                 os.close(fd)
             session.close()
             channel.close()
+
+
+# Registers descriptor argv[2] of process argv[1] with a token of zeros on a raw Session
+# stream to argv[3], and prints the answer's code and message.
+_FOREIGN_REGISTER = """
+import sys, grpc
+from tensorkv.rpc import CHANNEL_OPTIONS, Session
+from tensorkv.v1 import kvstore_pb2
+pid, fd, address = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, shm_allowed=True)
+def build(call_id, timeout_ms, region, channel):
+    return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
+        region=kvstore_pb2.SharedMemoryRegion(pid=pid, fd=fd, size=4096, token=bytes(32))).SerializeToString(), ()
+answer = kvstore_pb2.SessionResponse.FromString(session.call(build, 5.0)[1])
+print(answer.code, answer.message)
+session.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run a caller as nobody")
+def test_the_server_maps_no_file_of_another_user_for_a_caller(tmp_path):
+    """The server opens /proc/PID/fd/FD as its own user: a caller of another user, who cannot
+    open a sealed memfd of the server's user, named it with the bytes it starts with (zeros),
+    and the server mapped it, read it and wrote into it (a helper's security probe). Only a
+    file of the caller's own user is taken (root may name any)."""
+    victim = os.memfd_create("not-a-tensorkv-region", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(victim, 4096)
+        os.pwrite(victim, b"a secret of the server's user", 64)
+        fcntl.fcntl(victim, fcntl.F_ADD_SEALS, shm.SEALS)
+        with Cluster(tmp_path=tmp_path) as cluster:
+            done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                                   "-c", _FOREIGN_REGISTER, str(os.getpid()), str(victim), cluster.addresses[0]],
+                                  capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            log = (tmp_path / "server0.log").read_text()
+        assert done.returncode == 0, done.stderr
+        code, message = done.stdout.split(" ", 1)
+        assert int(code) == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert message.startswith(f"cannot use descriptor {victim} of process {os.getpid()}: the server takes only "
+                                  "a sealed memfd of the caller's own user")
+        assert f"it belongs to uid 0, the caller is uid 65534" in log
+        assert os.pread(victim, 32, 0) == bytes(32)  # untouched: the server never mapped it
+    finally:
+        os.close(victim)

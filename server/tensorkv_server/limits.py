@@ -60,6 +60,19 @@ def add_arguments(parser):
                              "values in host memory, and at most 80%% of it for values on a GPU)")
 
 
+# Bytes of an entry besides its key and data, at most: tags, lengths, dtype, shape, slice, refs.
+ENTRY_ROOM = 256
+
+
+def max_call_bytes(limits):
+    """The longest request of one call (a gRPC message, a call on a data channel): the values
+    --max-inflight-bytes allows, and room for the keys and entries of --max-keys-per-call
+    (the decoder then checks each); None without a limit."""
+    if limits.max_inflight_bytes is None:
+        return None
+    return limits.max_inflight_bytes + limits.max_keys_per_call * (limits.max_key_bytes + ENTRY_ROOM)
+
+
 def check(args, parser):
     """parser.error for a limit in the parsed ``args`` below 1."""
     for flag in ("max_key_bytes", "max_value_bytes", "max_keys_per_call", "max_inflight_bytes", "max_memory"):

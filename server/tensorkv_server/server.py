@@ -16,7 +16,7 @@ from tensorkv.words import plural
 
 from .datachan import DataPort, bare_host
 from .maintenance import MaintenanceService
-from .limits import Limits
+from .limits import Limits, max_call_bytes
 from .service import KVStoreService, add_to_server
 from .security import ServerSecurity
 
@@ -60,6 +60,19 @@ def check_free(host, port, flag):
                 raise _listen_error(flag, host, port, error) from None
 
 
+_GRPC_MAX = (1 << 31) - 1  # the longest message gRPC takes
+
+
+def _options(limits):
+    """The gRPC server's options: a message longer than a call may be is refused unread
+    (RESOURCE_EXHAUSTED), before the token check, which runs once gRPC has read a unary
+    call's request (gRPC takes at most 2 GiB - 1)."""
+    longest = min(max_call_bytes(limits) or _GRPC_MAX, _GRPC_MAX)
+    return [option for option in SERVER_OPTIONS if option[0] != "grpc.max_receive_message_length"] + \
+        [("grpc.max_receive_message_length", longest)] + EXCLUSIVE_PORT
+
+
+
 class SnapshotFailed(Exception):
     """The snapshot at stop could not be written: what changed since the last one is lost."""
 
@@ -87,8 +100,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     and once more after the calls in flight at stop have finished. ``advertised_data_port``: the
     data port that Info names, when not the one listened on (0)."""
     security = security or ServerSecurity()
-    server = grpc.aio.server(options=SERVER_OPTIONS + EXCLUSIVE_PORT,
-                             interceptors=[*interceptors, *security.interceptors()])
+    server = grpc.aio.server(options=_options(limits), interceptors=[*interceptors, *security.interceptors()])
     address = f"{host}:{port}"
     try:
         bound = security.add_port(server, address)

@@ -29,7 +29,7 @@ from tensorkv.words import plural, size
 
 from . import datachan, logs, metrics, shm
 from .deadline import within
-from .limits import Limits
+from .limits import Limits, max_call_bytes
 from .membership import FAIL, REPLACE, RESUME
 from .staging import Staging
 
@@ -44,8 +44,6 @@ RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
-# Bytes of an entry besides its key and data, at most: tags, lengths, dtype, shape, slice, refs.
-_ENTRY_ROOM = 256
 _OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
                        kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT,
                        kvstore_pb2.SESSION_OP_BARRIER}
@@ -469,12 +467,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                            calls_on_channel=request.calls_on_channel).SerializeToString()
 
     def _max_call_bytes(self):
-        """The longest call a data channel reads: the values --max-inflight-bytes allows, and
-        room for the keys and entries of --max-keys-per-call (the decoder then checks each)."""
-        limits = self.limits
-        if limits.max_inflight_bytes is None:
-            return _ONE_MESSAGE
-        return limits.max_inflight_bytes + limits.max_keys_per_call * (limits.max_key_bytes + _ENTRY_ROOM)
+        """The longest call a data channel reads (limits.max_call_bytes)."""
+        return max_call_bytes(self.limits) or _ONE_MESSAGE
 
     async def _channel_call(self, data, regions, channel, layouts):
         metrics.received("datachan", len(data))

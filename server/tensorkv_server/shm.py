@@ -11,6 +11,10 @@ the same pid namespace. It maps the file only when
 - it is a memfd of the kernel's shared memory (checked before the file is opened, so that
   no other kind of file is ever opened; on hugetlbfs, a hole punched in a mapped file may
   have no huge page to refill it, which is SIGBUS too) of the size registered;
+- it belongs to the user who owns the caller's connection (found in ``/proc/net/tcp``; root
+  may register any): the server, which may run as another user, never opens a file on
+  behalf of a caller who could not open it itself (a file of another user's process whose
+  first bytes are known, e.g. zero, would pass the token check below);
 - its first bytes are the random token that the client sent over its own stream: the caller
   can read the file.
 
@@ -26,6 +30,7 @@ memory that it could read and write itself.
 import fcntl
 import functools
 import hmac
+import ipaddress
 import logging
 import mmap
 import os
@@ -89,24 +94,72 @@ class _Attached:
             pass
 
 
-def attach(pid, fd, size, token):
+def peer_uid(peer):
+    """The user that owns the TCP socket of the gRPC peer ``peer`` ('ipv4:127.0.0.1:PORT',
+    'ipv6:[::1]:PORT') on this host's network namespace, from /proc/net/tcp and tcp6; None
+    when it is not found there (not TCP, or from another namespace or host)."""
+    kind, _, address = peer.partition(":")
+    host, _, port = address.rpartition(":")
+    try:
+        ip, port = _unmapped(ipaddress.ip_address(host.strip("[]"))), int(port)
+    except ValueError:
+        return None
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as file:
+                rows = file.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl, local_address, rem_address, st, ..., uid (the 8th)
+            local_ip, _, local_port = fields[1].partition(":")
+            if int(local_port, 16) == port and _unmapped(_proc_ip(local_ip)) == ip:
+                return int(fields[7])
+    return None
+
+
+def _unmapped(ip):
+    """``ip``, an IPv4 address where it is one mapped into IPv6 (a dual-stack socket's view)."""
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def _proc_ip(text):
+    """The address of /proc/net/tcp's hex notation: 32-bit words in the host's order (little-endian here)."""
+    raw = bytes.fromhex(text)
+    return ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+
+
+def attach(pid, fd, size, token, caller_uid):
     """Map the memory file that process ``pid`` holds open as ``fd``, of ``size`` bytes, if it
-    is sealed and its first bytes are ``token``; then overwrite them. FailedPreconditionError
-    when it cannot be attached."""
+    is sealed, belongs to ``caller_uid`` (the user of the caller's connection; root: any) and
+    its first bytes are ``token``; then overwrite them. FailedPreconditionError when it cannot
+    be attached, which says as little about other processes' files as it can."""
     if len(token) != shm.TOKEN_BYTES:
         raise InvalidArgumentError(f"shared-memory token has {len(token)} bytes, not {shm.TOKEN_BYTES}")
     if not shm.HEADER_BYTES <= size <= MAX_REGION_BYTES:
         raise InvalidArgumentError(f"shared-memory region of {size} bytes is outside [{shm.HEADER_BYTES}, "
                                    f"{MAX_REGION_BYTES}]")
     what = f"descriptor {fd} of process {pid}"
+    refusal = FailedPreconditionError(f"cannot use {what}: the server takes only a sealed memfd of the caller's "
+                                      "own user, on its host and in its pid namespace")
+    if caller_uid is None:
+        log.info("shared memory: %s refused: the caller's connection is not found in /proc/net/tcp", what)
+        raise refusal
     try:
         # Found, not opened (O_PATH): nothing of the file runs before it is known to be a memfd
         # (a device's open, a FUSE server that never answers).
         found = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
     except OSError as error:
-        raise FailedPreconditionError(f"cannot open {what} on the server's host ({error.strerror}): not the "
-                                      "same host, user or pid namespace") from None
+        log.info("shared memory: %s refused: %s", what, error.strerror)
+        raise refusal from None
     try:
+        owner = os.fstat(found).st_uid
+        if caller_uid != 0 and owner != caller_uid:
+            log.warning("shared memory: %s refused: it belongs to uid %d, the caller is uid %d", what, owner,
+                        caller_uid)
+            raise refusal
         if _mount_id(found) != _memfd_mount_id():
             raise FailedPreconditionError(f"{what} is not a memfd (a memory file of the kernel's shared memory)")
         opened = os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_CLOEXEC)
@@ -143,7 +196,7 @@ class Regions:
         """Attach ``region`` (a SharedMemoryRegion message); its new id."""
         if len(self._by_id) >= MAX_REGIONS:
             raise FailedPreconditionError(f"a stream may register at most {MAX_REGIONS} shared-memory regions")
-        attached = attach(region.pid, region.fd, region.size, region.token)
+        attached = attach(region.pid, region.fd, region.size, region.token, peer_uid(self.peer))
         region_id = secrets.randbits(64) or 1
         self._by_id[region_id] = attached
         log.info("shared-memory region (%s, %d bytes) attached for %s", attached.what, attached.size, self.peer)
