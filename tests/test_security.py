@@ -385,13 +385,26 @@ def test_insecure_allows_a_non_loopback_address(tmp_path):
     (["--token-file", "{tmp_path}/missing"], "cannot read"),
     (["--token-file", "{tmp_path}/short"], "line 2: a token needs at least 16"),
     (["--token-file", "{tmp_path}/marked"], "line 1: expected 'TOKEN' or 'TOKEN ro'"),
+    (["--token-file", "{tmp_path}/accented"], "line 1: a token needs at least 16 printable ASCII characters"),
 ])
 def test_bad_security_options_are_refused_in_one_line(args, says, pki, tmp_path):
     (tmp_path / "short").write_text(f"{TOKEN}\nshort\n")
+    (tmp_path / "accented").write_text("tökentökentökentöken\n")
     (tmp_path / "marked").write_text(f"{TOKEN} rw\n")
     args = [arg.format(pki=pki, tmp_path=tmp_path) for arg in args]
     result = subprocess.run(_server("--port", str(free_port()), *args), capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+def test_a_token_file_that_others_can_read_is_warned_about(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n")
+    for mode, warned in ((0o644, True), (0o640, False), (0o600, False)):
+        tokens.chmod(mode)
+        with Cluster(tmp_path=tmp_path, server_args=["--token-file", str(tokens)]):
+            log = (tmp_path / "server0.log").read_text()
+        assert (f"--token-file {tokens} can be read by every user of the host (mode 644): chmod o-rwx it" in log) \
+            == warned, log
 
 
 def _serving(address):

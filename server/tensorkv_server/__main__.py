@@ -118,6 +118,8 @@ def _serve(args, reexec):
         raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
     request_limits, max_memory = limits.from_args(args, xp)
     log.info("%s", limits.describe(request_limits, max_memory))
+    for warning in args.security.warnings:
+        log.warning("%s", warning)
     crowded = limits.snapshot_room(args, xp, max_memory)
     if crowded:
         log.warning("%s", crowded)

@@ -63,9 +63,9 @@ def read_tokens(path):
             continue
         if len(fields) > 2 or len(fields) == 2 and fields[1] != READ_ONLY_MARK:
             raise ValueError(f"--token-file line {number}: expected 'TOKEN' or 'TOKEN {READ_ONLY_MARK}'")
-        if len(fields[0]) < MIN_TOKEN_CHARS or not fields[0].isprintable():
+        if len(fields[0]) < MIN_TOKEN_CHARS or not (fields[0].isascii() and fields[0].isprintable()):
             raise ValueError(f"--token-file line {number}: a token needs at least {MIN_TOKEN_CHARS} "
-                             "printable characters")
+                             "printable ASCII characters (gRPC metadata carries no others)")
         tokens[fields[0]] = len(fields) == 2
     if not tokens:
         raise ValueError("--token-file holds no token")
@@ -83,6 +83,10 @@ class ServerSecurity:
         self._files = tuple(path for path in (tls_cert, tls_key, tls_client_ca) if path is not None)
         self.tls, self.mutual, self.insecure = tls_cert is not None, tls_client_ca is not None, insecure
         self.tokens = read_tokens(token_file) if token_file is not None else {}
+        self.warnings = []  # for the log at start
+        if token_file is not None and os.stat(token_file).st_mode & 0o007:  # a group may be meant (fsGroup)
+            self.warnings.append(f"--token-file {token_file} can be read by every user of the host (mode "
+                                 f"{os.stat(token_file).st_mode & 0o777:o}): chmod o-rwx it")
         self._config = self._stamp = None
         if self.tls:
             self._config, self._stamp = self._load(), self._file_stamp()
