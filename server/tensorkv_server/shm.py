@@ -35,6 +35,7 @@ import logging
 import mmap
 import os
 import secrets
+import sys
 
 import numpy as np
 
@@ -99,12 +100,12 @@ def peer_uid(peer):
     'ipv6:[::1]:PORT') on this host's network namespace, from /proc/net/tcp and tcp6; None
     when it is not found there (not TCP, or from another namespace or host)."""
     kind, _, address = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
     host, _, port = address.rpartition(":")
     try:
         ip, port = _unmapped(ipaddress.ip_address(host.strip("[]"))), int(port)
     except ValueError:
-        return None
-    if kind not in ("ipv4", "ipv6"):
         return None
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -126,9 +127,11 @@ def _unmapped(ip):
 
 
 def _proc_ip(text):
-    """The address of /proc/net/tcp's hex notation: 32-bit words in the host's order (little-endian here)."""
+    """The address of /proc/net/tcp's hex notation: 32-bit words in the host's byte order."""
     raw = bytes.fromhex(text)
-    return ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(raw)
 
 
 def attach(pid, fd, size, token, caller_uid):
