@@ -140,6 +140,20 @@ def test_a_restored_run_goes_on_through_a_second_restart_and_with_replace(tmp_pa
         assert "run 2 starts" not in _log(cluster)
 
 
+def test_a_job_started_again_with_resume_right_after_a_restart_is_a_new_run(tmp_path):
+    """A worker that registers within a lease of the restart asking for another if_exists than
+    the restored run's (the job started again with 'resume', as bench/failures.py does) starts
+    a new run; it was refused as a worker of the restored run."""
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:  # if_exists='fail'
+            kv.init("w", np.full(4, 3.0, np.float32))
+            assert _snapshot(cluster).run == 1  # taken while run 1 is going on
+        cluster.restart()  # SIGKILL
+        with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="resume") as kv:
+            np.testing.assert_array_equal(kv.pull("w"), [3.0] * 4)
+            assert _info(cluster).run == 2
+
+
 def test_sigterm_writes_a_snapshot_that_a_restart_loads(tmp_path):
     with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
         first = _run(cluster)["weights"]

@@ -156,12 +156,13 @@ class Membership:
         # A worker of the restored run, back: its if_exists was checked when it first registered.
         returning = self._restored_run is not None and previous is not None \
             and self._restored.get(rank, (None,))[0] == previous
-        going = self.running or returning or self._restored_run_open()
+        # A new worker joins the restored run if it asks for what the run did; one that asks for
+        # another (a job started again with 'resume' or 'replace') starts a new run.
+        going = self.running or returning or (self._restored_run_open() and if_exists == self.run.if_exists)
         if going and not returning and if_exists != self.run.if_exists:
-            registered = f"ranks {self.ranks} registered" if self.running else "restored from a snapshot"
             raise FailedPreconditionError(
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
-                f"({registered}) started with if_exists={self.run.if_exists!r}: every worker "
+                f"(ranks {self.ranks} registered) started with if_exists={self.run.if_exists!r}: every worker "
                 "of a run must ask for the same")
         if rank is None:
             free = [r for r in range(self.num_workers) if r not in self.incarnations]
@@ -196,8 +197,8 @@ class Membership:
         return rank, incarnation, not going
 
     def _restored_run_open(self):
-        """Whether any worker that registers joins the run restored from a snapshot: within a
-        lease of the restart."""
+        """Whether a new worker that registers may join the run restored from a snapshot: within
+        a lease of the restart."""
         return self._restored_run is not None and time.monotonic() < self._restored_until
 
     @property
