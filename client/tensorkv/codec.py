@@ -777,6 +777,7 @@ class StreamDecoder:
         self.first = None
         self.items = []
         self.count = 0  # messages fed
+        self._counted = "messages" in message_class.DESCRIPTOR.fields_by_name  # the stream says how many
         self._with_data = with_data
         self.frames = FrameDecoder(max_bytes, destination=destination, resolve=resolve, copy_refs=copy_refs,
                                    channel=channel, staging=staging, max_key_bytes=max_key_bytes, max_keys=max_keys,
@@ -815,7 +816,7 @@ class StreamDecoder:
         """The items of the whole stream; InvalidTensorError if one was left incomplete, or if
         the stream ended before the number of messages its first one announced (``messages``:
         gRPC ends a request stream whose client's connection broke as if it had finished)."""
-        announced = getattr(self.first, "messages", 0)
+        announced = self.first.messages if self._counted and self.first is not None else 0
         if announced and self.count != announced:
             raise InvalidTensorError(f"the stream ended after {plural(self.count, 'message')} of the {announced} its "
                                      "first one announced: it was cut short")

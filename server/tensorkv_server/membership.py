@@ -333,8 +333,8 @@ class Membership:
         return not self.running
 
     def absent(self, ranks):
-        """Where the unregistered ones of ``ranks`` went, in words ('' when all are registered):
-        for a round that waits for them."""
+        """Where the unregistered ones of ``ranks`` went, as the end of a message that names
+        them ('; rank 0 left ...'; '' when all are registered): for a round that waits for them."""
         now = asyncio.get_running_loop().time()
         words = []
         for rank in ranks:
@@ -345,7 +345,7 @@ class Membership:
                 words.append(f"rank {rank} left {now - when:.1f} s before ({how})")
             else:
                 words.append(f"rank {rank} has not registered")
-        return "; ".join(words)
+        return "".join(f"; {said}" for said in words)
 
     def check(self, rank, incarnation):
         """FailedPreconditionError unless ``rank`` is registered with ``incarnation``."""

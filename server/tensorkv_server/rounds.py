@@ -441,10 +441,9 @@ class Coordinator:
         rounds = self._rounds[key]
         missing = sorted(set(range(self.num_workers)) - round_.ranks)
         why = why or f"aborted after {self.round_timeout:g} s"
-        absent = self.members.absent(missing)
         error = error_class(
             f"key {key_repr(key)}: round {round_.number} {why}; missing ranks {missing} "
-            f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded){'; ' + absent if absent else ''}"
+            f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded){self.members.absent(missing)}"
         )
         log.warning("%s", error, extra={"event": "round_aborted", "key": key, "round": round_.number})
         metrics.COUNTS.rounds_aborted += 1
@@ -524,8 +523,7 @@ class Coordinator:
     def _abort_barrier(self, barrier, why=None, error_class=RoundAbortedError):
         missing = sorted(set(range(self.num_workers)) - barrier.ranks)
         why = why or f"aborted after {self.round_timeout:g} s"
-        absent = self.members.absent(missing)
-        error = error_class(f"barrier {barrier.number} {why}; missing ranks {missing}{'; ' + absent if absent else ''}")
+        error = error_class(f"barrier {barrier.number} {why}; missing ranks {missing}{self.members.absent(missing)}")
         log.warning("%s", error, extra={"event": "barrier_aborted", "round": barrier.number})
         barrier.timer.cancel()
         self._barrier = None

@@ -84,9 +84,10 @@ class ServerSecurity:
         self.tls, self.mutual, self.insecure = tls_cert is not None, tls_client_ca is not None, insecure
         self.tokens = read_tokens(token_file) if token_file is not None else {}
         self.warnings = []  # for the log at start
-        if token_file is not None and os.stat(token_file).st_mode & 0o007:  # a group may be meant (fsGroup)
-            self.warnings.append(f"--token-file {token_file} can be read by every user of the host (mode "
-                                 f"{os.stat(token_file).st_mode & 0o777:o}): chmod o-rwx it")
+        mode = os.stat(token_file).st_mode & 0o777 if token_file is not None else 0
+        if mode & 0o007:  # a group may be meant (Kubernetes' fsGroup)
+            self.warnings.append(f"--token-file {token_file} can be read by every user of the host (mode {mode:o}): "
+                                 "chmod o-rwx it")
         self._config = self._stamp = None
         if self.tls:
             self._config, self._stamp = self._load(), self._file_stamp()
