@@ -1,6 +1,8 @@
 """TLS, mutual TLS and tokens on real server processes, with certificates made in the test
 (trustme): every refusal fails at once and says which credential is wrong."""
+import contextlib
 import datetime
+import logging
 import os
 import socket
 import ssl
@@ -18,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import tensorkv
 from tensorkv.security import Security
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING
+from tensorkv_server.security import RefusalLog
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
@@ -405,6 +408,59 @@ def test_a_token_file_that_others_can_read_is_warned_about(tmp_path):
             log = (tmp_path / "server0.log").read_text()
         assert (f"--token-file {tokens} can be read by every user of the host (mode 644): chmod o-rwx it" in log) \
             == warned, log
+
+
+def test_refused_calls_are_logged_once_per_host_and_reason(tmp_path):
+    """An operator sees who is refused and why, without a retrying client flooding the log
+    (RefusalLog: the first line of each host and reason at once, then one a minute)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n{READ_ONLY_TOKEN} ro\n")
+    tokens.chmod(0o600)
+    reset, info = SERVICE.methods_by_name["Reset"], SERVICE.methods_by_name["Info"]
+    with Cluster(tmp_path=tmp_path, server_args=["--token-file", str(tokens)]) as cluster, \
+            grpc.insecure_channel(cluster.addresses[0]) as channel:
+        for metadata, method, times in (((), info, 5), ((("authorization", "Bearer not-a-token-0123456789"),), info, 3),
+                                        ((("authorization", f"Bearer {READ_ONLY_TOKEN}"),), reset, 2)):
+            for _ in range(times):
+                assert _raw_call(channel, method, metadata)[0] != grpc.StatusCode.OK
+        assert _raw_call(channel, info, (("authorization", f"Bearer {TOKEN}"),),
+                         kvstore_pb2.InfoRequest().SerializeToString())[0] == grpc.StatusCode.OK
+        wait_until(lambda: "read-only token may not" in (tmp_path / "server0.log").read_text(), "the refusals logged")
+    refusals = [line for line in (tmp_path / "server0.log").read_text().splitlines() if "refused (" in line]
+    assert len(refusals) == 3, refusals
+    missing, unknown, read_only = refusals
+    assert "call to Info from ipv4:127.0.0.1:" in missing and "(UNAUTHENTICATED): this server requires a token" in missing
+    assert "(UNAUTHENTICATED): this server does not accept the token this call carries" in unknown
+    assert "call to Reset from ipv4:127.0.0.1:" in read_only and "(PERMISSION_DENIED)" in read_only
+    assert not any(TOKEN in line or READ_ONLY_TOKEN in line or "not-a-token" in line for line in refusals)
+
+
+def test_the_refusal_log_counts_what_it_held_back():
+    now = [0.0]
+    log = RefusalLog(interval=60.0, clock=lambda: now[0])
+    with _captured("tensorkv_server.security") as records:
+        for when in (0.0, 1.0, 2.0, 59.0, 61.0, 62.0):
+            now[0] = when
+            log.note("ipv4:10.0.0.7:5000", "Push", "this server requires a token", "UNAUTHENTICATED")
+        log.note("ipv4:10.0.0.8:5000", "Push", "this server requires a token", "UNAUTHENTICATED")
+    lines = [record.getMessage() for record in records]
+    assert len(lines) == 3, lines
+    assert lines[1].endswith("this server requires a token (3 more from this host since the last such line)")
+    assert "10.0.0.8" in lines[2] and "more" not in lines[2]
+
+
+@contextlib.contextmanager
+def _captured(logger):
+    """The log records ``logger`` emits inside the block."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    target = logging.getLogger(logger)
+    target.addHandler(handler)
+    try:
+        yield records
+    finally:
+        target.removeHandler(handler)
 
 
 def _serving(address):

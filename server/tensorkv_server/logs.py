@@ -15,7 +15,8 @@ handled (see :data:`PEER`) unless the call passes one.
 The events: server_started, server_stopping, server_stopped, worker_registered,
 worker_unregistered, worker_reregistered, lease_expired, run_started, run_resumed (a run
 restored from a snapshot goes on), run_ended, round_aborted, barrier_aborted,
-optimizer_installed, snapshot_written, snapshot_failed, snapshot_restored, snapshot_skipped.
+optimizer_installed, snapshot_written, snapshot_failed, snapshot_restored, snapshot_skipped,
+call_refused (the token check refused a call: security.RefusalLog).
 """
 import contextvars
 import datetime

@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import ssl
+import time
 from pathlib import Path
 
 import grpc
@@ -34,6 +35,7 @@ READ_ONLY_METHODS = frozenset([_SERVICE + name for name in ("Info", "Pull", "Get
 PUBLIC_PREFIX = "/grpc.health.v1.Health/"
 READ_ONLY_MARK = "ro"
 MIN_TOKEN_CHARS = 16
+_REFUSALS_KEPT = 4096  # (host, reason) pairs RefusalLog remembers before it forgets quiet ones
 
 
 def add_arguments(parser):
@@ -173,6 +175,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, tokens):
         self._tokens = [(token.encode(), read_only) for token, read_only in tokens.items()]
+        self._refusals = RefusalLog()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -185,14 +188,23 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                 why = "this server does not accept the token this call carries"
             else:
                 why = "this server requires a token"
-            return _refusal(handler, UnauthenticatedError(
+            return self._refusal(handler, details.method, why, UnauthenticatedError(
                 f"{why}: give a token of the server's --token-file (Python: token= or TENSORKV_TOKEN; the CLI: "
                 "--token)"))
         if read_only and details.method not in READ_ONLY_METHODS:
-            return _refusal(handler, PermissionDeniedError(
+            return self._refusal(handler, details.method, "a read-only token may not call it", PermissionDeniedError(
                 f"a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, not "
                 f"{details.method.rsplit('/', 1)[1]}"))
         return handler
+
+    def _refusal(self, handler, method, why, error):
+        """A handler of the same kind as ``handler`` that logs the refusal (RefusalLog) and
+        fails the call with ``error``."""
+        async def refuse(request, context):
+            self._refusals.note(context.peer(), method.rsplit("/", 1)[1], why, error.code)
+            await context.abort(grpc.StatusCode[error.code], str(error),
+                                trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
+        return _HANDLERS[handler.request_streaming, handler.response_streaming](refuse)
 
     def _lookup(self, presented):
         """Whether the token ``presented`` (bytes) is read-only; None when it is not a known
@@ -220,9 +232,31 @@ _HANDLERS = {
 }
 
 
-def _refusal(handler, error):
-    """A handler of the same kind as ``handler`` that fails the call with ``error``."""
-    async def refuse(request, context):
-        await context.abort(grpc.StatusCode[error.code], str(error),
-                            trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
-    return _HANDLERS[handler.request_streaming, handler.response_streaming](refuse)
+class RefusalLog:
+    """Log lines for calls refused by the token check, for whoever looks into a worker that
+    cannot get in or a peer that tries tokens: the first refusal of each (peer host, reason)
+    at once, then at most one line per ``interval`` seconds for it, counting the refusals in
+    between, so that a client retrying in a loop cannot flood the log."""
+
+    def __init__(self, interval=60.0, clock=time.monotonic):
+        self._interval, self._clock = interval, clock
+        self._last = {}  # (host, why) -> (when its last line was written, refusals since)
+
+    def note(self, peer, method, why, code):
+        host = _peer_host(peer)
+        now = self._clock()
+        logged, since = self._last.get((host, why), (None, 0))
+        if logged is not None and now - logged < self._interval:
+            self._last[host, why] = logged, since + 1
+            return
+        if len(self._last) >= _REFUSALS_KEPT:  # many hosts: forget those quiet for an interval
+            self._last = {kept: entry for kept, entry in self._last.items() if now - entry[0] < self._interval}
+        more = f" ({since} more from this host since the last such line)" if since else ""
+        log.warning("call to %s from %s refused (%s): %s%s", method, peer, code, why, more,
+                    extra={"event": "call_refused", "peer": peer})
+        self._last[host, why] = now, 0
+
+
+def _peer_host(peer):
+    """The host of a gRPC peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``)."""
+    return peer.rpartition(":")[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
