@@ -337,6 +337,25 @@ def test_failed_calls_change_nothing(kv):
     np.testing.assert_array_equal(kv.pull(2), ones(2))
 
 
+def test_an_updater_that_raises_changes_no_value(kv):
+    """A user's updater that fails on the second key of a list push, after writing into it,
+    leaves both keys as they were (all or none, as for every failed call)."""
+    kv.init([1, 2], [ones(1), ones(2)])
+
+    def updater(key, grad, stored):
+        stored += grad
+        if key == 2:
+            raise RuntimeError("the updater failed on key 2")
+
+    kv.set_updater(updater)
+    with pytest.raises(RuntimeError, match="failed on key 2"):
+        kv.push([1, 2], [ones(10), ones(10)])
+    np.testing.assert_array_equal(kv.pull(1), ones(1))
+    np.testing.assert_array_equal(kv.pull(2), ones(2))
+    kv.push(1, ones(10))
+    np.testing.assert_array_equal(kv.pull(1), ones(11))
+
+
 def test_close_and_context_manager():
     with tensorkv.create("local") as kv:
         kv.init(1, ones(1))

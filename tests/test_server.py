@@ -267,6 +267,10 @@ def test_init_twice_and_other_client_errors(tmp_path):
             kv.init("a", np.ones(2))
             with pytest.raises(tensorkv.KeyExistsError, match="key 'a' is already initialized"):
                 kv.init("a", np.ones(2))
+            with pytest.raises(tensorkv.KeyExistsError, match="key 'b' appears twice in one init"):  # as 'local'
+                kv.init(["b", "c", "b"], [np.ones(2)] * 3)
+            with pytest.raises(tensorkv.KeyNotFoundError):
+                kv.pull("c")
             with pytest.raises(tensorkv.KeyTypeError):
                 kv.push(3, np.ones(2))
             with pytest.raises(tensorkv.FailedPreconditionError, match="set_optimizer"):

@@ -335,8 +335,25 @@ class Engine:
                 self.check_value(key, value)
             if check_updater is not None:
                 check_updater(key, self.get(key).array)
-        for key, values in grouped.items():
-            self.apply(key, self.merge(values))
+        if self.updater is None or isinstance(self.updater, Updater):
+            for key, values in grouped.items():
+                self.apply(key, self.merge(values))
+            return
+        self._apply_all_or_none(grouped)
+
+    def _apply_all_or_none(self, grouped):
+        """:meth:`apply` of each (key: [values]) of ``grouped`` through a user's updater, which
+        may raise after it changed some keys, or part of one: then every value is put back as
+        it was, and the exception goes on."""
+        with self.on_device():
+            saved = {key: self._copy(self.get(key).array, self.get(key).array.dtype) for key in grouped}
+        try:
+            for key, values in grouped.items():
+                self.apply(key, self.merge(values))
+        except BaseException:
+            for key, array in saved.items():
+                self._values[key].array = array
+            raise
 
     def merge(self, values):
         """The sum of ``values`` in one pass (float32 for float16 and bfloat16); a single

@@ -8,7 +8,9 @@ import numpy as np
 
 from .backend import is_array, shape_dtype, to_host, to_namespace, write_into
 from .codec import Item, check_key
-from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
+from .errors import (
+    DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, KeyExistsError, ShapeMismatchError, key_repr,
+)
 from .rowsparse import RowSparse, check_row_ids
 from .words import plural
 
@@ -372,9 +374,12 @@ class KVStore:
 
     def _init_items(self, key, value):
         keys, values = _as_list(key, value, "init")
-        items = []
+        items, seen = [], set()
         for k, v in zip(keys, values):
             k = check_key(k)
+            if k in seen:
+                raise KeyExistsError(f"key {key_repr(k)} appears twice in one init")
+            seen.add(k)
             arrays = _arrays(k, v)
             if len(arrays) != 1:
                 raise InvalidArgumentError(f"key {key_repr(k)}: init takes one array per key, got {len(arrays)}")
