@@ -31,6 +31,8 @@ OPTIMIZERS = [
     ("adagrad", dict(learning_rate=0.1, wd=0.01)),
     ("rmsprop", dict(learning_rate=0.01, centered=True, clip_weights=2.0)),
     ("signum", dict(learning_rate=0.01, wd_lh=0.01)),
+    ("sgd", dict(learning_rate=0.1, momentum=0.9, multi_precision=True)),  # a float32 copy on the GPU
+    ("adam", dict(learning_rate=0.01, multi_precision=True)),
 ]
 
 

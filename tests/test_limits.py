@@ -413,6 +413,26 @@ def test_max_memory_counts_values_and_optimizer_states_and_changes_nothing(tmp_p
             np.testing.assert_array_equal(kv.pull("a"), np.zeros(510, np.float32))
 
 
+def test_max_memory_counts_the_float32_copies_of_multi_precision(tmp_path):
+    with Cluster(tmp_path=tmp_path, server_args=["--max-memory", "4096"]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("h", np.ones(500, np.float16))  # 1000 bytes, and a 2000-byte float32 copy
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.5))
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                    "optimizer 'sgd' keeps 1 state array per value and a float32 copy of each float16 or bfloat16 "
+                    f"one (multi_precision): with those of the 1 key stored this server would hold 5000 bytes; "
+                    f"{MEMORY_LIMIT}")):
+                kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.5, momentum=0.9, multi_precision=True))
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.5, multi_precision=True))  # 3000 bytes
+            with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                    "key 'g': its value and the optimizer states it needs would bring what this server holds to "
+                    f"5400 bytes; {MEMORY_LIMIT}")):
+                kv.init("g", np.ones(400, np.float16))
+            kv.init("f", np.ones(274, np.float32))  # float32 keeps no copy: 4096 bytes
+            kv.push("h", np.ones(500, np.float16))
+            np.testing.assert_array_equal(kv.pull("h"), np.full(500, 0.5, np.float16))
+
+
 def test_max_memory_counts_what_a_reset_or_a_replacing_run_frees(tmp_path):
     """Before: nothing was counted (the 4100 bytes below were stored)."""
     with Cluster(tmp_path=tmp_path, server_args=["--max-memory", "4096"]) as cluster:

@@ -201,7 +201,8 @@ def test_parameters_outside_their_range_are_refused(make, words):
 
 
 def test_every_parameter_has_a_range():
-    names = {name for cls in optimizer.OPTIMIZERS.values() for name in cls.parameter_names()} - {"centered"}
+    names = {name for cls in optimizer.OPTIMIZERS.values() for name in cls.parameter_names()} \
+        - {"centered", "multi_precision"}  # flags
     assert names == set(optimizer.RANGES)
 
 
@@ -226,6 +227,52 @@ def test_low_precision_weights_are_updated_in_float32(dtype):
     opt.update(np, wide, grad.astype(np.float32), wide_state, 1, opt.learning_rate)
     assert weight.dtype == dtype
     np.testing.assert_array_equal(weight, wide.astype(dtype))
+
+
+MULTI_PRECISION = [SGD(learning_rate=0.1, momentum=0.9, wd=0.01, multi_precision=True),
+                   SGD(learning_rate=0.1, multi_precision=True), Adam(learning_rate=0.01, multi_precision=True),
+                   AdaGrad(multi_precision=True), RMSProp(centered=True, multi_precision=True),
+                   Signum(momentum=0.0, multi_precision=True)]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("opt", MULTI_PRECISION, ids=repr)
+def test_multi_precision_updates_a_float32_master_copy(opt, dtype):
+    """With multi_precision a low-precision weight is, after every step, the rounding of the
+    float32 weight that the same optimizer gives a float32 value, and its master copy (the
+    first state) is that float32 weight, bit for bit."""
+    updater, reference = Updater(opt), Updater(optimizer.create(opt.name, **{
+        name: value for name, value in opt.params.items() if name != "multi_precision"}))
+    weight = np.array(WEIGHT, dtype)
+    wide = weight.astype(np.float32)
+    for grad in GRADS:
+        updater(0, np.array(grad, np.float32), weight)
+        reference(0, np.array(grad, np.float32), wide)
+        np.testing.assert_array_equal(weight, wide.astype(dtype))
+        master, *states = updater.get_states()[0][1]
+        np.testing.assert_array_equal(master, wide)
+        for mine, theirs in zip(states, reference.get_states()[0][1]):
+            np.testing.assert_array_equal(mine, theirs)
+    assert len(updater.get_states()[0][1]) == opt.states_per_value(dtype) == len(opt.state_names()) + 1
+    assert opt.states_per_value(np.float32) == len(opt.state_names())  # float32 and wider keep no copy
+
+
+def test_multi_precision_keeps_updates_smaller_than_float16_can_hold():
+    """MXNet 1.9.1's numbers (kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.1,
+    multi_precision=True)) on a float16 key, 20 pushes of 1e-3): each step of 1e-4 is below
+    half a float16 unit at 1.76, so without the float32 copy the weight never moves."""
+    for multi_precision, expected in ((True, 1.76171875), (False, 1.763671875)):
+        updater = Updater(SGD(learning_rate=0.1, multi_precision=multi_precision))
+        weight = np.full(4, 1.7636, np.float16)
+        for _ in range(20):
+            updater(0, np.full(4, 1e-3, np.float16), weight)
+        assert weight.tolist() == [expected] * 4, multi_precision
+
+
+def test_multi_precision_travels_in_params_only_when_set():
+    assert "multi_precision" not in SGD().params  # what an older server knows
+    assert SGD(multi_precision=True).params["multi_precision"] == 1.0
+    assert optimizer.create("sgd", multi_precision=1.0).multi_precision is True
 
 
 def test_float32_matches_float64_formula():
@@ -256,6 +303,8 @@ def test_updater_rejects_integer_weights():
 @pytest.mark.parametrize("opt", [SGD(learning_rate=0.1, momentum=0.9, wd=0.01, clip_gradient=0.5),
                                  Adam(learning_rate=0.01, wd=0.1), AdaGrad(eps=1e-6),
                                  RMSProp(centered=True, clip_weights=2.0), Signum(momentum=0.8, wd_lh=0.01),
+                                 SGD(learning_rate=0.1, momentum=0.9, multi_precision=True),
+                                 Adam(learning_rate=0.01, multi_precision=True),
                                  SGD(learning_rate=1.0, momentum=0.5,
                                      lr_scheduler=tensorkv.lr_scheduler.FactorScheduler(step=2, factor=0.5))])
 def test_updates_made_together_equal_the_updates_made_key_by_key(opt):

@@ -19,7 +19,7 @@ from .errors import (
     ShapeMismatchError, key_repr, keys_repr, no_memory,
 )
 from .kernels import accumulator_dtype
-from .optimizer import Updater, state_array_bytes
+from .optimizer import Updater, keeps_master, state_array_bytes
 from .rowsparse import RowSparse, Rows, canonical, check_like, check_row_ids, merge as merge_rows
 
 
@@ -68,9 +68,10 @@ class Engine:
         self._values = {}
         self._lent = {}  # data address of a lent array -> times lent (see lend)
         self._key_type = None  # int or str, fixed by the first key stored
-        # Bytes of the stored values, and of one optimizer state array for each of them (see
-        # optimizer.state_array_bytes): what a server counts against its --max-memory.
-        self.value_bytes = self.state_array_bytes = 0
+        # Bytes of the stored values, of one optimizer state array for each of them (see
+        # optimizer.state_array_bytes), and of one for each float16 and bfloat16 value (its
+        # master copy under multi_precision): what a server counts against its --max-memory.
+        self.value_bytes = self.state_array_bytes = self.master_bytes = 0
 
     def __contains__(self, key):
         return key in self._values
@@ -155,6 +156,8 @@ class Engine:
             self._key_type = type(key)
             self.value_bytes += array.nbytes
             self.state_array_bytes += state_array_bytes(array)
+            if keeps_master(array.dtype):
+                self.master_bytes += state_array_bytes(array)
 
     def _stored_copy(self, item):
         """A copy of ``item``'s value in this namespace, or on NumPy an owned array itself (a
@@ -172,7 +175,7 @@ class Engine:
         self._values.clear()
         self.updater = None
         self._key_type = None
-        self.value_bytes = self.state_array_bytes = 0
+        self.value_bytes = self.state_array_bytes = self.master_bytes = 0
 
     def accumulate(self, total, value, owned=False, key=None):
         """``total + value`` for merging pushes, in place when ``total`` is not None.

@@ -5,7 +5,10 @@ travel to a server and be rebuilt there with :func:`create`. Its update is one
 :class:`tensorkv.kernels.Kernel`: a single fused pass over weight, gradient and states on
 a GPU (CuPy), the same statements as NumPy ufuncs on the host, so an embedded store and a
 GPU server run the same formula. float16 and bfloat16 weights are updated in float32 and
-rounded back; optimizer states are float32 (float64 for float64 weights).
+rounded back; optimizer states are float32 (float64 for float64 weights). With
+``multi_precision=True``, as MXNet's, a float16 or bfloat16 weight also keeps a float32
+master copy among its states: the update runs on it, and the weight is its rounding, so
+updates smaller than the weight's precision add up instead of being rounded away.
 
 >>> import numpy as np
 >>> from tensorkv import optimizer
@@ -26,11 +29,12 @@ import functools
 import heapq
 import inspect
 import math
+import re
 
 import numpy as np
 
-from .backend import array_module
-from .kernels import Kernel
+from .backend import array_module, empty
+from .kernels import Kernel, sum_into
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .lr_scheduler import LRScheduler
 from .rowsparse import Rows
@@ -97,6 +101,11 @@ def _updatable(dtype):
     return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
+def keeps_master(dtype):
+    """Whether a weight of ``dtype`` keeps a float32 master copy under ``multi_precision``."""
+    return np.dtype(dtype).name in ("float16", "bfloat16")
+
+
 def state_array_bytes(weight):
     """The bytes of one optimizer state array for ``weight``: 0 for a dtype no optimizer updates."""
     if not _updatable(weight.dtype):
@@ -121,11 +130,16 @@ class Optimizer:
     lr_scheduler : tensorkv.lr_scheduler.LRScheduler or None, default None
         The learning rate of each update comes from it (``learning_rate`` replaces its
         ``base_lr`` as in MXNet: see :mod:`tensorkv.lr_scheduler`). It is not in ``params``.
+    multi_precision : bool, default False
+        A float16 or bfloat16 weight keeps a float32 master copy, its first state: the
+        update runs on the copy and the weight is its rounding (MXNet's, for float16). In
+        ``params`` (as 1.0) only when True.
     """
 
     name = None
 
-    def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
+    def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
+                 multi_precision=False):
         if lr_scheduler is not None and not isinstance(lr_scheduler, LRScheduler):
             raise InvalidArgumentError(
                 f"lr_scheduler must be a tensorkv.lr_scheduler schedule, got {type(lr_scheduler).__name__}")
@@ -136,6 +150,7 @@ class Optimizer:
         self.rescale_grad = _number("rescale_grad", rescale_grad)
         self.clip_gradient = _bound("clip_gradient", clip_gradient)
         self.lr_scheduler = lr_scheduler
+        self.multi_precision = _flag("multi_precision", multi_precision)
 
     @classmethod
     def parameter_names(cls):
@@ -146,7 +161,8 @@ class Optimizer:
     def params(self):
         """All hyper-parameters as ``{name: float}``; bounds left at None are omitted."""
         values = {name: getattr(self, name) for name in self.parameter_names()}
-        return {name: float(value) for name, value in values.items() if value is not None}
+        return {name: float(value) for name, value in values.items()
+                if value is not None and not (name == "multi_precision" and not value)}
 
     def __eq__(self, other):
         return isinstance(other, Optimizer) and \
@@ -165,13 +181,27 @@ class Optimizer:
         return self.lr_scheduler.at(num_update, self.learning_rate)
 
     def state_names(self):
-        """The names of the per-key state arrays, in the order :meth:`create_state` returns them."""
+        """The names of the per-key state arrays the update keeps, in the order
+        :meth:`create_state` returns them (after the master copy, when there is one)."""
         return ()
 
+    def _keeps_master(self, dtype):
+        return self.multi_precision and keeps_master(dtype)
+
+    def states_per_value(self, dtype):
+        """How many state arrays a weight of ``dtype`` keeps: :meth:`state_names`, and its master copy."""
+        return len(self.state_names()) + self._keeps_master(dtype)
+
     def create_state(self, xp, weight):
-        """The tuple of state arrays (zeros) for ``weight``; empty when the update needs none."""
+        """The tuple of state arrays for ``weight``: zeros, after a float32 copy of ``weight``
+        when it keeps a master copy; empty when the update needs none."""
         dtype = _compute_dtype(weight.dtype)
-        return tuple(xp.zeros(weight.shape, dtype) for _ in self.state_names())
+        states = tuple(xp.zeros(weight.shape, dtype) for _ in self.state_names())
+        if not self._keeps_master(weight.dtype):
+            return states
+        master = empty(xp, weight.shape, np.float32)
+        sum_into(master, [weight])
+        return (master,) + states
 
     def step(self, t, lr):
         """(statements, {scalar: value}) of the update, for this key's ``t``-th update at
@@ -187,8 +217,11 @@ class Optimizer:
         counts this key's updates from 1. One fused kernel on a GPU; ``grad`` may be wider
         than ``weight`` (the float32 sum of float16 pushes)."""
         body, scalars = self.step(t, lr)
-        kernel = _kernel(self.name, self.state_names(), tuple(scalars), body)
-        arrays = dict(zip(self.state_names(), state), weight=weight, grad=grad)
+        names = self.state_names()
+        if self._keeps_master(weight.dtype):  # the same statements on the master copy, then rounded into weight
+            body, names = _WEIGHT.sub("master", body) + "\nweight = master", ("master",) + names
+        kernel = _kernel(self.name, names, tuple(scalars), body)
+        arrays = dict(zip(names, state), weight=weight, grad=grad)
         kernel(arrays, scalars, _compute_dtype(weight.dtype))
 
     # ---- helpers for subclasses ---------------------------------------------------------
@@ -206,6 +239,14 @@ class Optimizer:
             scalars["clip_gradient"] = self.clip_gradient
         scalars.update(more)
         return scalars
+
+
+_WEIGHT = re.compile(r"\bweight\b")
+
+
+def _flag(name, value):
+    """A boolean hyper-parameter, given as a bool or (from the wire) as 1.0 / 0.0."""
+    return value if isinstance(value, bool) else bool(_number(name, value))
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,8 +276,8 @@ class SGD(Optimizer):
     name = "sgd"
 
     def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.momentum = _number("momentum", momentum)
 
     def state_names(self):
@@ -267,8 +308,9 @@ class Adam(Optimizer):
     name = "adam"
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
-                 rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
+                 rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
+                 multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.beta1 = _number("beta1", beta1)
         self.beta2 = _number("beta2", beta2)
         self.epsilon = _number("epsilon", epsilon)
@@ -302,8 +344,9 @@ class AdaGrad(Optimizer):
 
     name = "adagrad"
 
-    def __init__(self, learning_rate=None, eps=1e-7, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
+    def __init__(self, learning_rate=None, eps=1e-7, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
+                 multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.eps = _number("eps", eps)
 
     def state_names(self):
@@ -338,12 +381,13 @@ class RMSProp(Optimizer):
     name = "rmsprop"
 
     def __init__(self, learning_rate=0.001, gamma1=0.9, gamma2=0.9, epsilon=1e-8, centered=False,
-                 clip_weights=None, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
+                 clip_weights=None, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
+                 multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.gamma1 = _number("gamma1", gamma1)
         self.gamma2 = _number("gamma2", gamma2)
         self.epsilon = _number("epsilon", epsilon)
-        self.centered = centered if isinstance(centered, bool) else bool(_number("centered", centered))
+        self.centered = _flag("centered", centered)
         self.clip_weights = _bound("clip_weights", clip_weights)
 
     def state_names(self):
@@ -382,8 +426,8 @@ class Signum(Optimizer):
     name = "signum"
 
     def __init__(self, learning_rate=0.01, momentum=0.9, wd_lh=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler)
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.momentum = _number("momentum", momentum)
         self.wd_lh = _number("wd_lh", wd_lh)
         if self.momentum == 0 and self.wd_lh != 0:

@@ -565,17 +565,22 @@ class Coordinator:
             return
         states = len(optimizer.state_names()) if optimizer is not None else 0
         held = self.engine.value_bytes + states * self.engine.state_array_bytes
+        if optimizer is not None and optimizer.multi_precision:
+            held += self.engine.master_bytes
         for item in items:
-            state_bytes = states * optimizers.state_array_bytes(item.array)
+            per_value = optimizer.states_per_value(item.array.dtype) if optimizer is not None else 0
+            state_bytes = per_value * optimizers.state_array_bytes(item.array)
             held += item.array.nbytes + state_bytes
             if held > self.max_memory:
                 needs = " and the optimizer states it needs" if state_bytes else ""
                 raise ResourceExhaustedError(f"key {key_repr(item.key)}: its value{needs} would bring what this "
                                              f"server holds to {held} bytes; {self._memory_limit()}")
         if held > self.max_memory:  # what is stored fits (it was checked): the optimizer's states do not
+            copies = " and a float32 copy of each float16 or bfloat16 one (multi_precision)" \
+                if optimizer.multi_precision else ""
             raise ResourceExhaustedError(
-                f"optimizer {optimizer.name!r} keeps {plural(states, 'state array')} per value: with those of "
-                f"the {plural(len(self.engine), 'key')} stored this server would hold {held} bytes; "
+                f"optimizer {optimizer.name!r} keeps {plural(states, 'state array')} per value{copies}: with those "
+                f"of the {plural(len(self.engine), 'key')} stored this server would hold {held} bytes; "
                 f"{self._memory_limit()}")
 
     def _memory_limit(self):
