@@ -33,6 +33,12 @@ OPTIMIZERS = [
     ("signum", dict(learning_rate=0.01, wd_lh=0.01)),
     ("sgd", dict(learning_rate=0.1, momentum=0.9, multi_precision=True)),  # a float32 copy on the GPU
     ("adam", dict(learning_rate=0.01, multi_precision=True)),
+    ("nag", dict(learning_rate=0.1, momentum=0.9, wd=0.01)),
+    ("adadelta", dict(wd=0.01)),
+    ("adamax", dict(wd=0.01)),
+    ("nadam", dict(wd=0.01)),
+    ("ftrl", dict(lamda1=0.1)),
+    ("ftml", dict(learning_rate=0.01)),
 ]
 
 

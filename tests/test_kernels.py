@@ -156,6 +156,14 @@ OPTIMIZERS = [
     optimizer.RMSProp(learning_rate=0.01, centered=True, wd=0.01, clip_gradient=0.8),
     optimizer.Signum(learning_rate=0.01, wd=0.01),
     optimizer.Signum(learning_rate=0.01, momentum=0, wd=0.1),
+    optimizer.NAG(learning_rate=0.1, momentum=0.9, wd=0.01, clip_gradient=0.5),
+    optimizer.AdaDelta(wd=0.01),
+    optimizer.Adamax(wd=0.01, clip_gradient=1.0),
+    optimizer.Nadam(wd=0.01),
+    optimizer.Ftrl(lamda1=0.5, wd=0.01),
+    optimizer.FTML(learning_rate=0.01, wd=0.01),
+    optimizer.SGD(learning_rate=0.1, momentum=0.9, multi_precision=True),  # the master-copy kernels
+    optimizer.Adam(learning_rate=0.01, multi_precision=True),
 ]
 # (weight dtype, grad dtype): low-precision weights also take the float32 sum of their pushes.
 OPTIMIZER_DTYPES = [("float32", "float32"), ("float64", "float64"), ("float16", "float16"),
@@ -178,10 +186,9 @@ def _cases():
     size = 4099
     for opt, (weight_dtype, grad_dtype) in itertools.product(OPTIMIZERS, OPTIMIZER_DTYPES):
         compute = optimizer._compute_dtype(np.dtype(weight_dtype))
-        body, scalars = opt.step(t=3, lr=opt.learning_rate)
-        kernel = optimizer._kernel(opt.name, opt.state_names(), tuple(scalars), body)
+        kernel, names, scalars = opt.kernel(np.dtype(weight_dtype), t=3, lr=opt.learning_rate)
         arrays = {"weight": _random(rng, weight_dtype, size), "grad": _random(rng, grad_dtype, size)}
-        for name in opt.state_names():
+        for name in names:
             arrays[name] = np.abs(_random(rng, compute, size))  # variances are not negative
         yield f"{opt!r}-{np.dtype(weight_dtype)}-{np.dtype(grad_dtype)}", kernel, arrays, scalars, compute
     for (count, accumulate), kernel in kernels._SUMS.items():

@@ -7,7 +7,7 @@ import pytest
 
 import tensorkv
 from tensorkv import optimizer
-from tensorkv.optimizer import SGD, AdaGrad, Adam, RMSProp, Signum, Updater
+from tensorkv.optimizer import FTML, NAG, SGD, AdaDelta, AdaGrad, Adam, Adamax, Ftrl, Nadam, RMSProp, Signum, Updater
 
 WEIGHT = [0.5, -1.0, 2.0, 0.0]
 GRADS = [[0.1, -0.3, 2.5, 0.0], [-1.2, 0.4, 0.05, 3.0], [0.7, 0.7, -2.2, -0.1]]
@@ -100,6 +100,152 @@ def expect_signum(lr, momentum, wd_lh, wd, rescale, clip_at):
     return out
 
 
+def expect_nag(lr, momentum, wd, rescale, clip_at):
+    """MXNet 1.9's nag_mom_update, whose momentum's weight decay reads the weight it just wrote."""
+    w, mom, out = list(WEIGHT), [0.0] * 4, []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            g = clip(rescale * g, clip_at)
+            mom[i] *= momentum
+            w[i] = w[i] - mom[i] + (momentum + 1) * (mom[i] - lr * (g + wd * w[i]))
+            mom[i] -= lr * (g + wd * w[i])
+        out.append(list(w))
+    return out
+
+
+def expect_adadelta(rho, eps, wd, rescale, clip_at):
+    w, acc_g, acc_d, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            g = clip(rescale * g, clip_at)
+            acc_g[i] = rho * acc_g[i] + (1 - rho) * g * g
+            delta = math.sqrt(acc_d[i] + eps) / math.sqrt(acc_g[i] + eps) * g
+            acc_d[i] = rho * acc_d[i] + (1 - rho) * delta * delta
+            w[i] -= delta + wd * w[i]
+        out.append(list(w))
+    return out
+
+
+def expect_adamax(lr, beta1, beta2, wd, rescale, clip_at, grads):
+    w, m, u, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, []
+    for t, grad in enumerate(grads, start=1):
+        for i, g in enumerate(grad):
+            g = clip(rescale * g + wd * w[i], clip_at)
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            u[i] = max(beta2 * u[i], abs(g))
+            w[i] -= lr / (1 - beta1 ** t) * m[i] / u[i]
+        out.append(list(w))
+    return out
+
+
+def expect_nadam(lr, beta1, beta2, eps, decay, wd, rescale, clip_at):
+    w, m, v, schedule, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, 1.0, []
+    for t, grad in enumerate(GRADS, start=1):
+        mu, mu_next = beta1 * (1 - 0.5 * 0.96 ** (t * decay)), beta1 * (1 - 0.5 * 0.96 ** ((t + 1) * decay))
+        schedule *= mu
+        for i, g in enumerate(grad):
+            g = clip(rescale * g + wd * w[i], clip_at)
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            m_bar = (1 - mu) * g / (1 - schedule) + mu_next * m[i] / (1 - schedule * mu_next)
+            w[i] -= lr * m_bar / (math.sqrt(v[i] / (1 - beta2 ** t)) + eps)
+        out.append(list(w))
+    return out
+
+
+def expect_ftrl(lr, lamda1, beta, wd, rescale, clip_at):
+    w, z, n, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            g = clip(rescale * g, clip_at)
+            z[i] += g - (math.sqrt(n[i] + g * g) - math.sqrt(n[i])) * w[i] / lr
+            n[i] += g * g
+            w[i] = (sign(z[i]) * lamda1 - z[i]) / ((beta + math.sqrt(n[i])) / lr + wd) * (abs(z[i]) > lamda1)
+        out.append(list(w))
+    return out
+
+
+def expect_ftml(lr, beta1, beta2, eps, wd, rescale, clip_at):
+    """MXNet 1.9's ftml_update, whose beta**t are float32 powers of its float32 parameters."""
+    w, d, v, z, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, [0.0] * 4, []
+    for t, grad in enumerate(GRADS, start=1):
+        beta1_t, beta2_t = (float(np.float32(beta) ** np.float32(t)) for beta in (beta1, beta2))
+        for i, g in enumerate(grad):
+            g = clip(rescale * g + wd * w[i], clip_at)
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            d_t = (1 - beta1_t) / lr * (math.sqrt(v[i] / (1 - beta2_t)) + eps)
+            z[i] = beta1 * z[i] + (1 - beta1) * g - (d_t - beta1 * d[i]) * w[i]
+            d[i] = d_t
+            w[i] = -z[i] / d_t
+        out.append(list(w))
+    return out
+
+
+@pytest.mark.parametrize("momentum, wd, rescale, clip_at", [
+    (0.0, 0.0, 1.0, None), (0.0, 0.1, 0.5, 1.0), (0.9, 0.0, 1.0, None), (0.9, 0.05, 2.0, 0.8),
+])
+def test_nag(momentum, wd, rescale, clip_at):
+    opt = NAG(learning_rate=0.1, momentum=momentum, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    expected = expect_sgd(0.1, 0.0, wd, rescale, clip_at) if momentum == 0 else \
+        expect_nag(0.1, momentum, wd, rescale, clip_at)
+    np.testing.assert_allclose(run(opt), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("rho, eps, wd, rescale, clip_at", [(0.9, 1e-5, 0.0, 1.0, None), (0.8, 1e-4, 0.01, 0.5, 1.5)])
+def test_adadelta(rho, eps, wd, rescale, clip_at):
+    opt = AdaDelta(rho=rho, epsilon=eps, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_adadelta(rho, eps, wd, rescale, clip_at), rtol=1e-12)
+
+
+@pytest.mark.parametrize("wd, rescale, clip_at", [(0.0, 1.0, None), (0.01, 0.5, 1.5)])
+def test_adamax(wd, rescale, clip_at):
+    grads = [[g + 0.05 for g in grad] for grad in GRADS]  # a first gradient of 0 is 0 / 0 (MXNet's too)
+    opt = Adamax(learning_rate=0.01, beta1=0.8, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt, grads), expect_adamax(0.01, 0.8, 0.999, wd, rescale, clip_at, grads),
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("decay, wd, rescale, clip_at", [(0.004, 0.0, 1.0, None), (0.01, 0.01, 0.5, 1.5)])
+def test_nadam(decay, wd, rescale, clip_at):
+    opt = Nadam(learning_rate=0.01, schedule_decay=decay, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_nadam(0.01, 0.9, 0.999, 1e-8, decay, wd, rescale, clip_at),
+                               rtol=1e-12)
+
+
+def test_nadam_schedules_are_per_key_and_vanish():
+    """Each key's schedule is the product of its own momenta (MXNet's, for a single key); far
+    enough, the product is 0 and ``1 - schedule`` is 1."""
+    assert optimizer._momentum_schedule(0.9, 0.004, 0) == 1.0
+    assert optimizer._momentum_schedule(0.9, 0.004, 2) == \
+        (0.9 * (1 - 0.5 * 0.96 ** 0.004)) * (0.9 * (1 - 0.5 * 0.96 ** 0.008))
+    assert optimizer._momentum_schedule(0.9, 0.004, 10 ** 6) == 0.0
+    weights = [np.array(WEIGHT), np.array(WEIGHT)]
+    updater = Updater(Nadam(learning_rate=0.01))
+    for step, grad in enumerate(GRADS):
+        updater("a", np.array(grad), weights[0])
+        if step == 0:
+            updater("b", np.array(GRADS[0]), weights[1])  # b's first update after a's first
+    np.testing.assert_allclose(weights[1], run(Nadam(learning_rate=0.01))[0], rtol=1e-15)
+
+
+@pytest.mark.parametrize("lamda1, beta, wd, rescale, clip_at", [(0.01, 1.0, 0.0, 1.0, None), (0.5, 2.0, 0.01, 0.5, 1.5)])
+def test_ftrl(lamda1, beta, wd, rescale, clip_at):
+    opt = Ftrl(learning_rate=0.2, lamda1=lamda1, beta=beta, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_ftrl(0.2, lamda1, beta, wd, rescale, clip_at), rtol=1e-12)
+
+
+@pytest.mark.parametrize("beta1, wd, rescale, clip_at", [(0.6, 0.0, 1.0, None), (0.5, 0.01, 0.5, 1.5)])
+def test_ftml(beta1, wd, rescale, clip_at):
+    opt = FTML(learning_rate=0.05, beta1=beta1, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_ftml(0.05, beta1, 0.999, 1e-8, wd, rescale, clip_at), rtol=1e-12)
+
+
+def test_optimizers_that_divide_by_the_learning_rate_refuse_zero():
+    for cls in (Ftrl, FTML):
+        with pytest.raises(tensorkv.InvalidArgumentError, match="learning_rate=0 is outside"):
+            cls(learning_rate=0)
+
+
 @pytest.mark.parametrize("momentum, wd, rescale, clip_at", [
     (0.0, 0.0, 1.0, None), (0.0, 0.1, 0.5, 1.0), (0.9, 0.0, 1.0, None), (0.9, 0.05, 2.0, 0.8),
 ])
@@ -153,7 +299,9 @@ def test_mxnet_defaults():
 
 
 @pytest.mark.parametrize("opt", [SGD(momentum=0.9, clip_gradient=1.0), Adam(wd=0.1), AdaGrad(eps=1e-6),
-                                 RMSProp(centered=True, clip_weights=3.0), Signum(wd_lh=0.01)])
+                                 RMSProp(centered=True, clip_weights=3.0), Signum(wd_lh=0.01),
+                                 NAG(momentum=0.9), Adamax(beta1=0.8), Nadam(schedule_decay=0.01), AdaDelta(rho=0.8),
+                                 Ftrl(lamda1=0.1, beta=2.0), FTML(beta1=0.5), SGD(multi_precision=True)])
 def test_create_rebuilds_from_name_and_params(opt):
     rebuilt = optimizer.create(opt.name.upper(), **opt.params)
     assert rebuilt == opt and type(rebuilt) is type(opt)
@@ -232,7 +380,9 @@ def test_low_precision_weights_are_updated_in_float32(dtype):
 MULTI_PRECISION = [SGD(learning_rate=0.1, momentum=0.9, wd=0.01, multi_precision=True),
                    SGD(learning_rate=0.1, multi_precision=True), Adam(learning_rate=0.01, multi_precision=True),
                    AdaGrad(multi_precision=True), RMSProp(centered=True, multi_precision=True),
-                   Signum(momentum=0.0, multi_precision=True)]
+                   Signum(momentum=0.0, multi_precision=True), NAG(momentum=0.9, wd=0.01, multi_precision=True),
+                   Adamax(multi_precision=True), Nadam(multi_precision=True), AdaDelta(multi_precision=True),
+                   Ftrl(multi_precision=True), FTML(learning_rate=0.01, multi_precision=True)]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
@@ -246,6 +396,7 @@ def test_multi_precision_updates_a_float32_master_copy(opt, dtype):
     weight = np.array(WEIGHT, dtype)
     wide = weight.astype(np.float32)
     for grad in GRADS:
+        grad = [g + 0.05 for g in grad]  # no gradient of 0 (Adamax's first step would be 0 / 0)
         updater(0, np.array(grad, np.float32), weight)
         reference(0, np.array(grad, np.float32), wide)
         np.testing.assert_array_equal(weight, wide.astype(dtype))
@@ -304,7 +455,8 @@ def test_updater_rejects_integer_weights():
                                  Adam(learning_rate=0.01, wd=0.1), AdaGrad(eps=1e-6),
                                  RMSProp(centered=True, clip_weights=2.0), Signum(momentum=0.8, wd_lh=0.01),
                                  SGD(learning_rate=0.1, momentum=0.9, multi_precision=True),
-                                 Adam(learning_rate=0.01, multi_precision=True),
+                                 Adam(learning_rate=0.01, multi_precision=True), NAG(momentum=0.9, wd=0.01),
+                                 Adamax(), Nadam(), AdaDelta(wd=0.01), Ftrl(lamda1=0.1), FTML(learning_rate=0.01),
                                  SGD(learning_rate=1.0, momentum=0.5,
                                      lr_scheduler=tensorkv.lr_scheduler.FactorScheduler(step=2, factor=0.5))])
 def test_updates_made_together_equal_the_updates_made_key_by_key(opt):

@@ -2,8 +2,9 @@
 one CUDA kernel through CuPy on a GPU or as NumPy ufuncs on the host.
 
 A :class:`Kernel` is statements in a small Python-syntax language (``name = expression``
-with ``+ - * /``, unary ``-``, numbers, and the functions ``sqrt``, ``sign`` and
-``clip(x, bound)``) over named arrays and scalars. On CuPy it becomes one
+with ``+ - * /``, unary ``-``, numbers, and the functions ``sqrt``, ``sign``, ``abs``,
+``clip(x, bound)``, ``maximum(x, y)`` and ``above(x, y)`` (1 where x > y, else 0)) over named
+arrays and scalars. On CuPy it becomes one
 ``cupy.ElementwiseKernel``: every element is loaded once, computed in registers in the
 compute dtype and stored once, so an optimizer step is one pass over its arrays with no
 temporaries. float16 and bfloat16 reach the kernel as their uint16 bits and are converted
@@ -78,12 +79,18 @@ __device__ __forceinline__ float tk_sign(float x) { return x > 0.0f ? 1.0f : (x 
 __device__ __forceinline__ double tk_sign(double x) { return x > 0.0 ? 1.0 : (x < 0.0 ? -1.0 : x); }
 __device__ __forceinline__ float tk_clip(float x, float c) { return x < -c ? -c : (x > c ? c : x); }
 __device__ __forceinline__ double tk_clip(double x, double c) { return x < -c ? -c : (x > c ? c : x); }
+__device__ __forceinline__ float tk_abs(float x) { return x < 0.0f ? -x : (x == 0.0f ? 0.0f : x); }
+__device__ __forceinline__ double tk_abs(double x) { return x < 0.0 ? -x : (x == 0.0 ? 0.0 : x); }
+__device__ __forceinline__ float tk_maximum(float x, float y) { return x != x ? x : (x > y ? x : y); }
+__device__ __forceinline__ double tk_maximum(double x, double y) { return x != x ? x : (x > y ? x : y); }
+__device__ __forceinline__ float tk_above(float x, float y) { return x > y ? 1.0f : 0.0f; }
+__device__ __forceinline__ double tk_above(double x, double y) { return x > y ? 1.0 : 0.0; }
 """
 
 _C_COMPUTE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 _BINARY = {ast.Add: ("+", np.add), ast.Sub: ("-", np.subtract), ast.Mult: ("*", np.multiply),
            ast.Div: ("/", np.divide)}
-_FUNCTIONS = {"sqrt": 1, "sign": 1, "clip": 2}
+_FUNCTIONS = {"sqrt": 1, "sign": 1, "abs": 1, "clip": 2, "maximum": 2, "above": 2}
 
 
 def _names(text):
@@ -219,10 +226,15 @@ class Kernel:
             return out, False
         if isinstance(node, ast.Call):
             args = [self._evaluate(arg, env, scalar, scratch) for arg in node.args]
-            target = _target(out, args[:1], scratch)
+            target = _target(out, args if _FUNCTIONS[node.func.id] == 2 and node.func.id != "clip" else args[:1],
+                             scratch)
             if node.func.id == "clip":
                 bound = args[1][0]
                 value = np.clip(args[0][0], -bound, bound, out=target, dtype=scalar)
+            elif node.func.id == "maximum":
+                value = np.maximum(args[0][0], args[1][0], out=target, dtype=scalar)
+            elif node.func.id == "above":  # a comparison's result is bool: cast into the compute dtype
+                value = np.greater(args[0][0], args[1][0], out=target)
             else:
                 value = getattr(np, node.func.id)(args[0][0], out=target, dtype=scalar)
         elif isinstance(node, ast.UnaryOp):

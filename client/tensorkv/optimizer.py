@@ -60,6 +60,10 @@ RANGES = {
     "epsilon": (0.0, False, None, False),
     "eps": (0.0, False, None, False),
     "wd_lh": (0.0, True, None, False),
+    "rho": (0.0, True, 1.0, False),
+    "lamda1": (0.0, True, None, False),
+    "beta": (0.0, True, None, False),
+    "schedule_decay": (0.0, True, None, False),
 }
 
 
@@ -216,13 +220,18 @@ class Optimizer:
         """Update ``weight`` and ``state`` in place from ``grad`` at learning rate ``lr``; ``t``
         counts this key's updates from 1. One fused kernel on a GPU; ``grad`` may be wider
         than ``weight`` (the float32 sum of float16 pushes)."""
-        body, scalars = self.step(t, lr)
-        names = self.state_names()
-        if self._keeps_master(weight.dtype):  # the same statements on the master copy, then rounded into weight
-            body, names = _WEIGHT.sub("master", body) + "\nweight = master", ("master",) + names
-        kernel = _kernel(self.name, names, tuple(scalars), body)
+        kernel, names, scalars = self.kernel(weight.dtype, t, lr)
         arrays = dict(zip(names, state), weight=weight, grad=grad)
         kernel(arrays, scalars, _compute_dtype(weight.dtype))
+
+    def kernel(self, dtype, t, lr):
+        """(the Kernel, the names of its state arrays in order, its scalars) of the ``t``-th
+        update at ``lr`` of a weight of ``dtype``."""
+        body, scalars = self.step(t, lr)
+        names = self.state_names()
+        if self._keeps_master(dtype):  # the same statements on the master copy, then rounded into weight
+            body, names = _WEIGHT.sub("master", body) + "\nweight = master", ("master",) + names
+        return _kernel(self.name, names, tuple(scalars), body), names, scalars
 
     # ---- helpers for subclasses ---------------------------------------------------------
 
@@ -447,7 +456,259 @@ class Signum(Optimizer):
                          keep=1 - lr * self.wd_lh)
 
 
-OPTIMIZERS = {cls.name: cls for cls in (SGD, Adam, AdaGrad, RMSProp, Signum)}
+class NAG(Optimizer):
+    """Nesterov accelerated gradient (MXNet's ``nag_mom_update``; with ``momentum`` 0 it is
+    SGD's ``sgd_update``)::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        mom = momentum * mom
+        weight = weight - mom + (momentum + 1) * (mom - lr * (g + wd * weight))
+        mom = mom - lr * (g + wd * weight)
+
+    The last line reads the weight just updated, as MXNet 1.9's kernel does (it writes the
+    weight in place before it updates the momentum), so that the numbers are MXNet's.
+
+    >>> NAG(momentum=0.9).state_names()
+    ('mom',)
+    """
+
+    name = "nag"
+
+    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.momentum = _number("momentum", momentum)
+
+    def state_names(self):
+        return ("mom",) if self.momentum != 0 else ()
+
+    def step(self, t, lr):
+        if self.momentum == 0:
+            return _statements(*self._gradient(), "weight = keep * weight - lr * g"), \
+                self._scalars(lr=lr, keep=1 - lr * self.wd)
+        return _statements(
+            *self._gradient(),
+            "mom = momentum * mom",
+            "weight = weight - mom + (momentum + 1) * (mom - lr * (g + wd * weight))",
+            "mom = mom - lr * (g + wd * weight)",
+        ), self._scalars(lr=lr, momentum=self.momentum)
+
+
+class AdaDelta(Optimizer):
+    """AdaDelta (MXNet's; it uses no learning rate)::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        acc_g = rho * acc_g + (1 - rho) * g**2
+        delta = sqrt(acc_delta + epsilon) / sqrt(acc_g + epsilon) * g
+        acc_delta = rho * acc_delta + (1 - rho) * delta**2
+        weight = weight - (delta + wd * weight)
+
+    >>> AdaDelta().params['rho']
+    0.9
+    """
+
+    name = "adadelta"
+
+    def __init__(self, learning_rate=None, rho=0.9, epsilon=1e-5, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.rho = _number("rho", rho)
+        self.epsilon = _number("epsilon", epsilon)
+
+    def state_names(self):
+        return ("acc_g", "acc_delta")
+
+    def step(self, t, lr):
+        return _statements(
+            *self._gradient(),
+            "acc_g = rho * acc_g + one_minus_rho * g * g",
+            "delta = sqrt(acc_delta + epsilon) / sqrt(acc_g + epsilon) * g",
+            "acc_delta = rho * acc_delta + one_minus_rho * delta * delta",
+            "weight = weight - (delta + wd * weight)",
+        ), self._scalars(rho=self.rho, one_minus_rho=1 - self.rho, epsilon=self.epsilon)
+
+
+class Adamax(Optimizer):
+    """AdaMax, Adam on the infinity norm (MXNet's)::
+
+        g = clip(rescale_grad * grad + wd * weight, clip_gradient)
+        m = beta1 * m + (1 - beta1) * g
+        u = maximum(beta2 * u, abs(g))
+        weight = weight - lr / (1 - beta1**t) * m / u
+
+    >>> Adamax().params['learning_rate']
+    0.002
+    """
+
+    name = "adamax"
+
+    def __init__(self, learning_rate=0.002, beta1=0.9, beta2=0.999, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.beta1 = _number("beta1", beta1)
+        self.beta2 = _number("beta2", beta2)
+
+    def state_names(self):
+        return ("mean", "norm")
+
+    def step(self, t, lr):
+        return _statements(
+            *self._gradient(with_wd=True),
+            "mean = beta1 * mean + one_minus_beta1 * g",
+            "norm = maximum(beta2 * norm, abs(g))",
+            "weight = weight - lr_t * mean / norm",
+        ), self._scalars(beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
+                         lr_t=lr / (1 - self.beta1 ** t))
+
+
+class Nadam(Optimizer):
+    """Adam with Nesterov momentum (MXNet's), whose momentum warms up by ``schedule_decay``::
+
+        g = clip(rescale_grad * grad + wd * weight, clip_gradient)
+        mu_t = beta1 * (1 - 0.5 * 0.96**(t * schedule_decay))
+        schedule = mu_1 * ... * mu_t
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g**2
+        m_bar = (1 - mu_t) * g / (1 - schedule) + mu_(t+1) * m / (1 - schedule * mu_(t+1))
+        weight = weight - lr * m_bar / (sqrt(v / (1 - beta2**t)) + epsilon)
+
+    MXNet keeps one ``schedule`` for the whole optimizer, which every key's update
+    advances; here each key has its own (the paper's, and MXNet's for a single key).
+
+    >>> Nadam().params['schedule_decay']
+    0.004
+    """
+
+    name = "nadam"
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, schedule_decay=0.004, wd=0.0,
+                 rescale_grad=1.0, clip_gradient=None, lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.beta1 = _number("beta1", beta1)
+        self.beta2 = _number("beta2", beta2)
+        self.epsilon = _number("epsilon", epsilon)
+        self.schedule_decay = _number("schedule_decay", schedule_decay)
+
+    def state_names(self):
+        return ("mean", "var")
+
+    def _momentum(self, t):
+        return self.beta1 * (1.0 - 0.5 * 0.96 ** (t * self.schedule_decay))
+
+    def step(self, t, lr):
+        schedule = _momentum_schedule(self.beta1, self.schedule_decay, t)
+        momentum, momentum_next = self._momentum(t), self._momentum(t + 1)
+        return _statements(
+            *self._gradient(with_wd=True),
+            "mean = beta1 * mean + one_minus_beta1 * g",
+            "var = beta2 * var + one_minus_beta2 * g * g",
+            "m_bar = one_minus_momentum * (g / one_minus_schedule) + momentum_next * (mean / one_minus_schedule_next)",
+            "weight = weight - lr * m_bar / (sqrt(var / one_minus_beta2_t) + epsilon)",
+        ), self._scalars(beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
+                         one_minus_beta2=1 - self.beta2, one_minus_momentum=1 - momentum,
+                         one_minus_schedule=1 - schedule, momentum_next=momentum_next,
+                         one_minus_schedule_next=1 - schedule * momentum_next, one_minus_beta2_t=1 - self.beta2 ** t,
+                         lr=lr, epsilon=self.epsilon)
+
+
+@functools.lru_cache(maxsize=16)
+def _schedules(beta1, schedule_decay):
+    """Nadam's products mu_1 * ... * mu_t for t = 0, 1, ..., as MXNet multiplies them, up to
+    where one is too small to change ``1 - product`` (the product of every later t is 0 then)."""
+    products, product, t = [1.0], 1.0, 0
+    while product > 1e-17 and t < 10_000_000:
+        t += 1
+        product *= beta1 * (1.0 - 0.5 * 0.96 ** (t * schedule_decay))
+        products.append(product)
+    return products
+
+
+def _momentum_schedule(beta1, schedule_decay, t):
+    products = _schedules(beta1, schedule_decay)
+    return products[t] if t < len(products) else 0.0
+
+
+class Ftrl(Optimizer):
+    """FTRL-Proximal (MXNet's ``ftrl_update``), for sparse linear models::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        z = z + g - (sqrt(n + g**2) - sqrt(n)) * weight / lr
+        n = n + g**2
+        weight = (sign(z) * lamda1 - z) / ((beta + sqrt(n)) / lr + wd) * (abs(z) > lamda1)
+
+    >>> Ftrl().params['learning_rate'], Ftrl().params['lamda1']
+    (0.1, 0.01)
+    """
+
+    name = "ftrl"
+
+    def __init__(self, learning_rate=0.1, lamda1=0.01, beta=1.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        if self.learning_rate == 0:
+            raise InvalidArgumentError("optimizer parameter learning_rate=0 is outside ftrl's range: it divides by it")
+        self.lamda1 = _number("lamda1", lamda1)
+        self.beta = _number("beta", beta)
+
+    def state_names(self):
+        return ("z", "n")
+
+    def step(self, t, lr):
+        return _statements(
+            *self._gradient(),
+            "z = z + (g - (sqrt(n + g * g) - sqrt(n)) * weight / lr)",
+            "n = n + g * g",
+            "weight = (sign(z) * lamda1 - z) / ((beta + sqrt(n)) / lr + wd) * above(abs(z), lamda1)",
+        ), self._scalars(lr=lr, lamda1=self.lamda1, beta=self.beta)
+
+
+class FTML(Optimizer):
+    """Follow the Moving Leader (MXNet's ``ftml_update``)::
+
+        g = clip(rescale_grad * grad + wd * weight, clip_gradient)
+        v = beta2 * v + (1 - beta2) * g**2
+        d_t = (1 - beta1**t) / lr * (sqrt(v / (1 - beta2**t)) + epsilon)
+        z = beta1 * z + (1 - beta1) * g - (d_t - beta1 * d) * weight
+        d = d_t
+        weight = -z / d_t
+
+    >>> FTML().params['beta1']
+    0.6
+    """
+
+    name = "ftml"
+
+    def __init__(self, learning_rate=None, beta1=0.6, beta2=0.999, epsilon=1e-8, wd=0.0, rescale_grad=1.0,
+                 clip_gradient=None, lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        if self.learning_rate == 0:
+            raise InvalidArgumentError("optimizer parameter learning_rate=0 is outside ftml's range: it divides by it")
+        self.beta1 = _number("beta1", beta1)
+        self.beta2 = _number("beta2", beta2)
+        self.epsilon = _number("epsilon", epsilon)
+
+    def state_names(self):
+        return ("d", "v", "z")
+
+    def step(self, t, lr):
+        return _statements(
+            *self._gradient(with_wd=True),
+            "v = beta2 * v + (1 - beta2) * (g * g)",
+            "d_t = (1 - beta1_t) / lr * (sqrt(v / (1 - beta2_t)) + epsilon)",
+            "z = beta1 * z + (1 - beta1) * g - (d_t - beta1 * d) * weight",
+            "d = d_t",
+            "weight = -z / d_t",
+        ), self._scalars(lr=lr, beta1=self.beta1, beta2=self.beta2, beta1_t=_power32(self.beta1, t),
+                         beta2_t=_power32(self.beta2, t), epsilon=self.epsilon)
+
+
+def _power32(base, t):
+    """``base**t`` in float32, as MXNet's FTML kernel computes it from its float32 parameters;
+    the kernel takes ``1 -`` it in its own dtype (in double, the update differs in its last bits)."""
+    return float(np.float32(base) ** np.float32(t))
+
+
+OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, Adamax, Nadam, AdaGrad, AdaDelta, RMSProp, Signum, Ftrl, FTML)}
 
 
 def create(name, lr_scheduler=None, **params):
