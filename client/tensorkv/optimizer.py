@@ -456,7 +456,7 @@ class Signum(Optimizer):
                          keep=1 - lr * self.wd_lh)
 
 
-class NAG(Optimizer):
+class NAG(SGD):
     """Nesterov accelerated gradient (MXNet's ``nag_mom_update``; with ``momentum`` 0 it is
     SGD's ``sgd_update``)::
 
@@ -474,18 +474,9 @@ class NAG(Optimizer):
 
     name = "nag"
 
-    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
-        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
-        self.momentum = _number("momentum", momentum)
-
-    def state_names(self):
-        return ("mom",) if self.momentum != 0 else ()
-
     def step(self, t, lr):
         if self.momentum == 0:
-            return _statements(*self._gradient(), "weight = keep * weight - lr * g"), \
-                self._scalars(lr=lr, keep=1 - lr * self.wd)
+            return super().step(t, lr)
         return _statements(
             *self._gradient(),
             "mom = momentum * mom",
