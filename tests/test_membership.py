@@ -219,6 +219,11 @@ def test_a_restored_run_goes_on_with_its_workers_and_within_a_lease_with_new_one
         assert members.register(1, if_exists=membership.RESUME, previous=55)[2] is False and members.run.number == 7
         members = restored()  # a new worker asking for another if_exists: a job started again, a new run
         assert members.register(0, if_exists=membership.RESUME)[2] is True and members.run.number == 8
+        members = membership.Membership(num_workers=2, lease_timeout=10.0)  # a 'replace' run ...
+        members.restore_run(membership.Run(7, membership.REPLACE), going=True)
+        # ... is not joined by a new worker asking for 'replace' too: a job that starts over (its init
+        # would have kept the dead job's values, a helper's probe saw)
+        assert members.register(0, if_exists=membership.REPLACE)[2] is True and members.run.number == 8
         members = membership.Membership(num_workers=2)
         members.restore_run(membership.Run(7, membership.FAIL), going=True)
         members.restore_sequences([{"rank": 0, "incarnation": 44, "through": 1, "beyond": []}])

@@ -30,7 +30,7 @@ earlier runs left (FAIL, RESUME or REPLACE), and the run's other registrations m
 the same. A server restarted from a snapshot taken while a run was going on keeps that run
 (:meth:`Membership.restore_run`): its workers register again naming their previous
 incarnations and go on in it, and a new worker that registers within a lease of the restart
-joins it too, as it would have joined before the restart.
+joins it too, as it would have joined before the restart, unless it asks for 'replace'.
 """
 import asyncio
 import logging
@@ -157,8 +157,11 @@ class Membership:
         returning = self._restored_run is not None and previous is not None \
             and self._restored.get(rank, (None,))[0] == previous
         # A new worker joins the restored run if it asks for what the run did; one that asks for
-        # another (a job started again with 'resume' or 'replace') starts a new run.
-        going = self.running or returning or (self._restored_run_open() and if_exists == self.run.if_exists)
+        # another (a job started again with 'resume' or 'replace') starts a new run, and so does
+        # one asking for 'replace' (a job that starts over, whatever the run before asked for:
+        # joining, its init would keep the restored values).
+        going = self.running or returning or (
+            self._restored_run_open() and if_exists == self.run.if_exists and if_exists != REPLACE)
         if going and not returning and if_exists != self.run.if_exists:
             raise FailedPreconditionError(
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
