@@ -3,7 +3,8 @@
 # `podman run -p 50051:50051 -p 50052:50052 -v "$PWD/secrets:/tensorkv/secrets:ro" tensorkv \
 #      --tls-cert secrets/server.crt --tls-key secrets/server.key --token-file secrets/tokens \
 #      --num-workers 2 --mode sync`
-# It listens on 0.0.0.0, so without TLS or a token it refuses to start unless given --insecure.
+# It listens on 0.0.0.0, so without TLS and a token (or --tls-client-ca) it refuses to start unless
+# given --insecure.
 FROM python:3.11-slim
 
 WORKDIR /src

@@ -360,11 +360,14 @@ def _server(*args):
 @pytest.mark.parametrize("args, says", [
     ([], "with neither TLS nor a token"),
     (["--token-file", "{tokens}"], "with tokens but no TLS"),
+    # TLS alone authenticates no client (an ops probe wrote and read keys with neither a token nor a
+    # client certificate on such a server)
+    (["--tls-cert", "{pki.cert}", "--tls-key", "{pki.key}"], "with TLS but neither a token nor client certificates"),
 ])
-def test_a_non_loopback_address_without_protection_is_refused(args, says, tmp_path):
+def test_a_non_loopback_address_without_protection_is_refused(args, says, pki, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKEN + "\n")
-    args = [arg.format(tokens=tokens) for arg in args]
+    args = [arg.format(tokens=tokens, pki=pki) for arg in args]
     result = subprocess.run(_server("--host", "0.0.0.0", "--port", str(free_port()), *args),
                             capture_output=True, text=True, timeout=30)
     assert result.returncode != 0 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr

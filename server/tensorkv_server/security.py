@@ -1,6 +1,7 @@
 """Who may use a server: TLS on its port (``--tls-cert``, ``--tls-key``; mutual TLS with
 ``--tls-client-ca``), bearer tokens (``--token-file``), and the refusal to listen beyond
-loopback unprotected (``--insecure`` overrides it).
+loopback unprotected: without TLS, or with TLS but no way to authenticate a client (a token
+or a client certificate); ``--insecure`` overrides it.
 
 The token file holds one token per line; a line ``TOKEN ro`` makes that token read-only
 (Info, Pull, GetOptimizerStates, ListKeys and ReadKey only); ``#`` starts a comment, blank
@@ -49,9 +50,9 @@ def add_arguments(parser):
                         help="bearer tokens, one per line ('TOKEN ro': read-only); every call but health "
                              "must carry one (default: no tokens)")
     parser.add_argument("--insecure", action="store_true",
-                        help="WEAKENS SECURITY: allow a non-loopback --host with neither TLS nor a token, "
-                             "so any peer that reaches the port can read and change every value "
-                             "(default: refuse)")
+                        help="WEAKENS SECURITY: allow a non-loopback --host without TLS, or with TLS but "
+                             "neither a token nor client certificates, so any peer that reaches the port can "
+                             "read and change every value (default: refuse)")
 
 
 def read_tokens(path):
@@ -106,13 +107,17 @@ class ServerSecurity:
     def refusal(self, host):
         """Why not to listen on ``host`` (one line), or None."""
         bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if is_loopback(bare) or self.tls:
+        if is_loopback(bare) or (self.tls and (self.tokens or self.mutual)):
             return None
         if self.tokens:
             return (f"refusing --host {host} with tokens but no TLS: tokens would cross the network in "
                     "plaintext; add --tls-cert and --tls-key")
         if self.insecure:
             return None
+        if self.tls:
+            return (f"refusing --host {host} with TLS but neither a token nor client certificates: TLS encrypts, "
+                    "but any peer could still read and change every value; add --token-file or --tls-client-ca, "
+                    "or --insecure to accept that")
         return (f"refusing --host {host} with neither TLS nor a token: any peer could read and change every "
                 "value; add --tls-cert/--tls-key and --token-file, or --insecure to accept that")
 
