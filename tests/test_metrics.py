@@ -172,3 +172,14 @@ def test_metrics_port_in_use_is_a_clear_error():
     assert result.returncode == 1
     assert result.stderr.splitlines() == [f"tensorkv-server: --metrics-port {port}: port {port} on 127.0.0.1 is in "
                                           "use by another process (another tensorkv-server?)"]  # before it starts
+
+
+@pytest.mark.parametrize("ports", [["--port", "47001", "--metrics-port", "47001"],
+                                   ["--data-port", "47002", "--metrics-port", "47002"]])
+def test_metrics_port_must_differ_from_the_servers_own_ports(ports, capsys):
+    """It was taken for another process's port (the server's own metrics endpoint held it)."""
+    from tensorkv_server.__main__ import parse_args
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(ports)
+    assert exit_.value.code == 2
+    assert "--metrics-port must differ from --port and --data-port" in capsys.readouterr().err

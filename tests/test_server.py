@@ -18,7 +18,9 @@ from tensorkv import states_file
 from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
-from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, rank_1_after_a_round, stop
+from cluster import (
+    ROOT, STOP_TIMEOUT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, rank_1_after_a_round, stop, wait_until,
+)
 from tensorkv.allocator import SERVER_TUNABLES
 
 SERVICE = "tensorkv.v1.KVStoreService"
@@ -219,7 +221,7 @@ def test_malformed_calls_of_other_kinds(raw_stub):
         (lambda: _pull(raw_stub, 42), "NOT_FOUND", "key 42 has not been initialized"),
         (lambda: _push(raw_stub, [_entry(1, b"\0" * 8)], rank=5), "FAILED_PRECONDITION", "rank 5 is out of range"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
-            optimizer=kvstore_pb2.Optimizer(name="nadam"))]), timeout=5), "INVALID_ARGUMENT", "unknown optimizer"),
+            optimizer=kvstore_pb2.Optimizer(name="lamb"))]), timeout=5), "INVALID_ARGUMENT", "unknown optimizer"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
             optimizer=kvstore_pb2.Optimizer(name="sgd", params={"lr": 1}))]), timeout=5),
          "INVALID_ARGUMENT", "has no parameter lr"),
@@ -414,3 +416,30 @@ def test_session_and_plain_calls_agree_on_values_errors_and_deadlines(tmp_path, 
             np.testing.assert_array_equal(result, 10)
         kv.close()
         other.close()
+
+
+def test_sigterm_before_the_server_serves_stops_it_at_once_and_cleanly(tmp_path):
+    """A SIGTERM while the server starts (here: blocked opening a --token-file that is a FIFO
+    nobody writes yet) ends it with status 0 and one line: as PID 1 in a container, a signal
+    with no handler was dropped and the pod waited for SIGKILL (an ops probe, exit 137)."""
+    fifo = tmp_path / "tokens"
+    os.mkfifo(fifo)
+    process = subprocess.Popen([sys.executable, "-m", "tensorkv_server", "--port", str(free_port()),
+                                "--token-file", str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: _blocked_in_open(process.pid), "the server opening the FIFO")
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=STOP_TIMEOUT)
+    finally:
+        stop(process)
+    assert process.returncode == 0, output
+    assert output.splitlines()[-1] == "tensorkv-server: stopped by SIGTERM before serving; nothing was changed"
+
+
+def _blocked_in_open(pid):
+    """Whether process ``pid`` waits in the open() of a FIFO for a writer (Linux's
+    wait_for_partner)."""
+    try:
+        return open(f"/proc/{pid}/wchan").read() == "wait_for_partner"
+    except OSError:
+        return False

@@ -3,6 +3,8 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
+import sys
 
 from tensorkv import __version__, allocator
 from tensorkv.backend import select
@@ -79,6 +81,8 @@ def parse_args(argv=None):
         parser.error(f"--lease-timeout must be positive and at most {MAX_LEASE_TIMEOUT:g} s")
     if args.data_channel and args.data_port == args.port != 0:
         parser.error("--data-port must differ from --port")
+    if args.metrics_port and args.metrics_port in (args.port, args.data_port if args.data_channel else 0):
+        parser.error("--metrics-port must differ from --port and --data-port")
     limits.check(args, parser)
     try:
         args.security = security.ServerSecurity.from_args(args)
@@ -94,15 +98,46 @@ def parse_args(argv=None):
     return args
 
 
+class StartFailed(Exception):
+    """The server cannot start; the message says why, in one line."""
+
+
+class StoppedBeforeServing(Exception):
+    """SIGTERM or SIGINT came before the server served (while it starts, or restores a snapshot)."""
+
+
+def _stop_before_serving(signum, frame):
+    raise StoppedBeforeServing(signal.Signals(signum).name)
+
+
 def main(argv=None):
-    args = parse_args(argv)
+    # Until serve() takes them over: as PID 1 in a container, a signal without a handler is
+    # dropped, and a pod deleted while its server restores a snapshot would wait for SIGKILL.
+    if argv is None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _stop_before_serving)
+    args = None
     try:
+        args = parse_args(argv)
         _serve(args, reexec=argv is None)
-    except (ListenError, SnapshotFailed) as error:  # one line, no traceback
-        raise SystemExit(f"tensorkv-server: {error}") from None
+    except StoppedBeforeServing as signum:
+        _exit_line(args, f"stopped by {signum} before serving; nothing was changed", status=0)
+    except (ListenError, SnapshotFailed, StartFailed) as error:  # one line, no traceback
+        _exit_line(args, str(error))
+
+
+def _exit_line(args, message, status=1):
+    """End the process with ``message`` as its last line on stderr: ``tensorkv-server:
+    message``, or with --log-format json a JSON log line like the others."""
+    if args is not None and args.log_format == "json" and logging.getLogger().handlers:
+        (log.info if status == 0 else log.error)("%s", message, extra={"event": "server_stopped"})
+        raise SystemExit(status)
+    print(f"tensorkv-server: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
 
 
 def _serve(args, reexec):
+    logs.configure(args.log_format, args.log_level)  # first: a refusal below is a log line (JSON too)
     check_free(args.host, args.port, "--port")  # before the re-exec and the device: a port in use ends it at once
     if args.data_channel:
         check_free(args.host, args.data_port, "--data-port")
@@ -110,12 +145,11 @@ def _serve(args, reexec):
         check_free(args.host, args.metrics_port, "--metrics-port")
     if reexec:  # a process of its own, not a call from Python
         allocator.reexec_with_tunables()
-    logs.configure(args.log_format, args.log_level)
     log.debug("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
     try:
         xp, device = select(args.device)
     except (RuntimeError, ValueError) as error:  # a device this machine does not have
-        raise SystemExit(f"tensorkv-server: --device {args.device}: {error}") from None
+        raise StartFailed(f"--device {args.device}: {error}") from None
     request_limits, max_memory = limits.from_args(args, xp)
     log.info("%s", limits.describe(request_limits, max_memory))
     for warning in args.security.warnings:
@@ -133,11 +167,11 @@ def _serve(args, reexec):
             snapshots = Snapshots(coordinator, args.state_dir)
             snapshots.load()
         except (OSError, WrongServer, StateDirInUse) as error:
-            raise SystemExit(f"tensorkv-server: --state-dir {args.state_dir}: {error}") from None
+            raise StartFailed(f"--state-dir {args.state_dir}: {error}") from None
     try:
         interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []
     except OSError as error:
-        raise SystemExit(f"tensorkv-server: --metrics-port {args.metrics_port}: {error}") from None
+        raise StartFailed(f"--metrics-port {args.metrics_port}: {error}") from None
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
                       args.data_port if args.data_channel else None, request_limits, args.security,
                       interceptors, snapshots, args.snapshot_interval, args.advertise_data_port))
