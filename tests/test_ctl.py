@@ -157,8 +157,14 @@ def test_a_killed_server_is_named_and_the_other_still_reported(job):
     assert [line.split()[0] for line in out.splitlines()[1:]] == [cluster.addresses[0]]
     assert err == (f"tensorkv: cannot connect to server {cluster.addresses[1]}: the connection was refused "
                    f"(nothing listens on that port); is tensorkv-server running on {cluster.addresses[1]}?\n")
+    refused = (f"cannot connect to server {cluster.addresses[1]}: the connection was refused (nothing listens on "
+               f"that port); is tensorkv-server running on {cluster.addresses[1]}?")
     code, out, err = ctl("-o", "json", "health", servers=cluster.addresses)
-    assert code == 1 and json.loads(out) == [{"server": cluster.addresses[0], "status": "SERVING"}]
+    assert code == 1 and json.loads(out) == [{"server": cluster.addresses[0], "status": "SERVING"},
+                                             {"server": cluster.addresses[1], "error": refused}]
+    code, out, err = ctl("-o", "json", "status", servers=cluster.addresses[::-1])  # in the order asked
+    assert code == 1 and [row["server"] for row in json.loads(out)] == cluster.addresses[::-1]
+    assert json.loads(out)[0] == {"server": cluster.addresses[1], "error": refused}
     code, out, err = ctl("snapshot", "save", servers=cluster.addresses[:1])
     assert code == 1 and err == (f"tensorkv: server {cluster.addresses[0]}: this server has no --state-dir: "
                                  "it cannot take snapshots\n")
@@ -214,4 +220,4 @@ def test_tls_and_tokens(tmp_path):
             {"server": cluster.addresses[0], "keys_dropped": 0}]
         code, _, err = ctl("status", servers=cluster.addresses)  # plaintext to a TLS port
         assert code == 1 and f"server {cluster.addresses[0]} uses TLS and this client does not: pass tls_ca= " \
-                             "(TENSORKV_TLS_CA)" in err
+                             "(TENSORKV_TLS_CA; the CLI: --tls-ca)" in err

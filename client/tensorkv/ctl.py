@@ -29,7 +29,8 @@ EPILOG = """exit status:
   2  usage error
 
 -o json prints a list of objects, one a row; for status, each server's Info in protobuf's
-JSON mapping (64-bit integers as strings, enums by name).
+JSON mapping (64-bit integers as strings, enums by name); for status and health, a server
+that did not answer is {"server": ..., "error": why}, in the order of --servers.
 
 examples:
   tensorkv status
@@ -62,6 +63,7 @@ class Server:
 
 
 def main(argv=None):
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's own INFO lines (a failed TLS handshake) on stderr
     parser = _parser()
     args = parser.parse_args(argv)
     if not args.servers:
@@ -74,6 +76,7 @@ def main(argv=None):
     except KVStoreError as error:
         parser.error(str(error))
     args.failures = []  # one line for each server that did not answer (see _answers)
+    args.unanswered = {}  # address -> why that server did not answer
     try:
         return args.run(args, servers)
     except BrokenPipeError:  # the reader of the output left (`tensorkv keys | head`): no traceback
@@ -146,7 +149,17 @@ def status(args, servers):
             print(f"tensorkv: server {server.address}: its last snapshot failed: {info.snapshot_error} "
                   f"({info.failed_snapshots} failed since it started; its log names the file)", file=sys.stderr)
             args.failures.append(server.address)
-    return _show(args, rows)
+    return _show(args, _with_unanswered(args, servers, rows))
+
+
+def _with_unanswered(args, servers, rows):
+    """``rows`` (one per server that answered), and with ``-o json`` one ``{"server", "error"}``
+    per server that did not, in the servers' order: a script sees which one is missing."""
+    if args.output != "json":
+        return rows
+    order = {server.address: index for index, server in enumerate(servers)}
+    rows = rows + [{"server": address, "error": why} for address, why in args.unanswered.items()]
+    return sorted(rows, key=lambda row: order[row["server"]])
 
 
 def _snapshot(info):
@@ -172,7 +185,8 @@ def health(args, servers):
     for row in rows:
         if row["status"] != "SERVING":
             print(f"tensorkv: server {row['server']} is {row['status']}", file=sys.stderr)
-    return max(_show(args, rows), OK if all(r["status"] == "SERVING" for r in rows) else FAILED)
+    return max(_show(args, _with_unanswered(args, servers, rows)),
+               OK if all(r["status"] == "SERVING" for r in rows) else FAILED)
 
 
 def keys(args, servers):
@@ -277,6 +291,7 @@ def _answers(args, servers, call, kind):
             else:
                 print(f"tensorkv: {failure}", file=sys.stderr)
                 args.failures.append(failure)
+                args.unanswered[(item[0] if isinstance(item, tuple) else item).address] = failure
     return answers
 
 

@@ -72,9 +72,9 @@ class Security:
                        tls_key or env.get("TENSORKV_TLS_KEY") or None, token or env.get("TENSORKV_TOKEN") or None)
         if (security.tls_cert is None) != (security.tls_key is None):
             raise InvalidArgumentError("a client certificate needs both tls_cert= and tls_key= "
-                                       "(TENSORKV_TLS_CERT, TENSORKV_TLS_KEY)")
+                                       "(TENSORKV_TLS_CERT, TENSORKV_TLS_KEY; the CLI: --tls-cert, --tls-key)")
         if security.tls_cert is not None and security.tls_ca is None:
-            raise InvalidArgumentError("a client certificate is for TLS: pass tls_ca= (TENSORKV_TLS_CA) too")
+            raise InvalidArgumentError("a client certificate is for TLS: pass tls_ca= (TENSORKV_TLS_CA; the CLI: --tls-ca) too")
         if security.token is not None and not security.token.isprintable():
             raise InvalidArgumentError("the token must be printable text on one line")
         return security
@@ -91,7 +91,7 @@ class Security:
             if not is_loopback(split_host_port(address)[0]):
                 raise InvalidArgumentError(
                     f"a token would cross the network in plaintext to {address}: "
-                    "pass tls_ca= (TENSORKV_TLS_CA) to use TLS")
+                    "pass tls_ca= (TENSORKV_TLS_CA; the CLI: --tls-ca) to use TLS")
             return grpc.secure_channel(address, self._with_token(grpc.local_channel_credentials()), options=options)
         credentials = grpc.ssl_channel_credentials(*self._pems())
         return grpc.secure_channel(address, self._with_token(credentials), options=options)
@@ -149,7 +149,7 @@ class Security:
         except (OSError, ssl.SSLError):
             return None  # not a TLS server: this client's plaintext is right
         return UnauthenticatedError(f"server {address} uses TLS and this client does not: "
-                                    "pass tls_ca= (TENSORKV_TLS_CA), the CA that signed its certificate")
+                                    "pass tls_ca= (TENSORKV_TLS_CA; the CLI: --tls-ca), the CA that signed its certificate")
 
     def data_channel_context(self):
         """The ssl.SSLContext of data channels (the same checks as the gRPC channel); None without TLS."""
@@ -174,7 +174,7 @@ class Security:
         except ssl.SSLCertVerificationError as error:
             return UnauthenticatedError(
                 f"server {address}: its certificate is not trusted ({error.verify_message}); "
-                "tls_ca= must be the CA that signed it, for this host name, within its dates")
+                "tls_ca= (the CLI: --tls-ca) must be the CA that signed it, for this host name, within its dates")
         except ssl.SSLError as error:
             if error.reason in _PLAINTEXT_REASONS:
                 return UnauthenticatedError(f"server {address} does not use TLS: connect without tls_ca=, "
@@ -184,6 +184,6 @@ class Security:
                 return None
         if self.tls_cert is None:
             return UnauthenticatedError(f"server {address} requires a client certificate: "
-                                        "pass tls_cert= and tls_key= (TENSORKV_TLS_CERT, TENSORKV_TLS_KEY)")
+                                        "pass tls_cert= and tls_key= (TENSORKV_TLS_CERT, TENSORKV_TLS_KEY; the CLI: --tls-cert, --tls-key)")
         return UnauthenticatedError(f"server {address} refused this client's certificate: "
                                     "it must be signed by the CA of the server's --tls-client-ca, and valid now")

@@ -138,6 +138,9 @@ def _exit_line(args, message, status=1):
 
 def _serve(args, reexec):
     logs.configure(args.log_format, args.log_level)  # first: a refusal below is a log line (JSON too)
+    # gRPC's C core writes its own lines to stderr (a client's failed TLS handshake at INFO):
+    # none with JSON logs, whose every line must parse; only its errors otherwise.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE" if args.log_format == "json" else "ERROR")
     check_free(args.host, args.port, "--port")  # before the re-exec and the device: a port in use ends it at once
     if args.data_channel:
         check_free(args.host, args.data_port, "--data-port")
