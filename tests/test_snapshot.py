@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -214,12 +215,32 @@ def test_a_damaged_newest_snapshot_is_skipped_for_the_one_before(tmp_path, damag
 
 
 def test_snapshots_are_written_every_interval_and_the_two_newest_kept(tmp_path):
-    with _cluster(tmp_path, "--snapshot-interval", "0.2"):
+    """Every interval when the state changed, and never while it does not: an idle server
+    wrote a whole snapshot every interval (an ops probe: 1.75 GiB a minute between jobs)."""
+    with _cluster(tmp_path, "--snapshot-interval", "0.2") as cluster:
         state = tmp_path / "state"
-        wait_until(lambda: any(path.name == "snapshot-000000000003.tkv" for path in state.iterdir()),
-                   "a third periodic snapshot")
+
+        def newest():
+            return max(path.name for path in state.glob("*.tkv")) if list(state.glob("*.tkv")) else ""
+
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("w", np.zeros(4, np.float32))
+
+            def pushed_until_a_third():
+                kv.push("w", np.ones(4, np.float32))
+                return newest() >= "snapshot-000000000003.tkv"
+
+            wait_until(pushed_until_a_third, "a third periodic snapshot")
+            written = newest()
         # A new snapshot is in place a moment before the oldest one is removed: wait for that.
         wait_until(lambda: len(list(state.glob("*.tkv"))) <= 2, "at most the two newest snapshots")
+        wait_until(lambda: newest() > written, "the snapshot of the run's end (the store closed)")
+        idle = newest()
+        time.sleep(1.0)  # five intervals of an idle server
+        assert newest() == idle
+        assert _info(cluster).last_snapshot == idle
+    assert f"nothing changed since snapshot {idle}: it holds this state, not written again" in \
+        (tmp_path / "server0.log").read_text()  # at SIGTERM too
 
 
 def test_without_a_state_dir_the_server_warns_and_refuses_snapshots(tmp_path):

@@ -64,6 +64,9 @@ class Engine:
         # The GPU the values live on: calls run there whatever device is current in the caller.
         # The context of on_device(): the GPU, or on NumPy one reusable context that does nothing.
         self._device = xp.cuda.Device() if xp is not np else contextlib.nullcontext()
+        # Values or keys changed this many times (with the updater: a server counts its changes
+        # too), so that a snapshot can tell that nothing changed since the last.
+        self.changes = 0
         self.updater = None
         self._values = {}
         self._lent = {}  # data address of a lent array -> times lent (see lend)
@@ -147,6 +150,7 @@ class Engine:
 
     def init(self, items):
         """Store the values of ``items`` (codec.Item), all or none."""
+        self.changes += 1
         self.check_new(items)
         with self.on_device():
             arrays = [self._stored_copy(item) for item in items]
@@ -172,6 +176,7 @@ class Engine:
 
     def clear(self):
         """Forget every value, the updater and the key type, as a new engine."""
+        self.changes += 1
         self._values.clear()
         self.updater = None
         self._key_type = None
@@ -222,6 +227,7 @@ class Engine:
         """Merge ``merged`` (a value or a sum from :meth:`merge`) into ``key`` through the
         updater, or assign it when there is none. Assigned, an ``owned`` value (an array nobody
         else holds) of the stored dtype and layout becomes the stored array itself."""
+        self.changes += 1
         if isinstance(merged, RowSparse):
             self._apply_rows(key, canonical(merged))
             return
@@ -250,6 +256,7 @@ class Engine:
         """``apply(item.key, merge([item.array]), item.owned)`` for each codec.Item of ``items``
         (one pushed value per key), in one loop; with an optimizer, the values go to it
         together (Updater.update_each)."""
+        self.changes += 1
         updates = []  # for an Updater: (key, value, stored array), updated together
         batch = isinstance(self.updater, Updater)
         with self.on_device():

@@ -552,6 +552,7 @@ class Coordinator:
             checked[key] = (num_update, updater.check_states(key, stored.array, [item.array for item in items]))
         updater.set_states(checked)
         self.engine.updater = updater
+        self.engine.changes += 1
         # SetUpdater names no rank: the optimizer is the current run's, or the last one's.
         self.optimizer, self.optimizer_run = optimizer, self.members.run.number if self.members.run else 0
         log.info("optimizer %s %s installed with states for %s", optimizer.name, optimizer.params,

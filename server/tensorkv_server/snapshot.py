@@ -85,6 +85,16 @@ def capture(coordinator, buffers):
     return header, arrays
 
 
+def _stamp(coordinator):
+    """What changes whenever the state a snapshot holds changes (compared, not written): the
+    engine's count of changes to values, keys and the optimizer, and the rest of the header."""
+    members, optimizer = coordinator.members, coordinator.engine.updater
+    run = members.run
+    return (coordinator.engine.changes, repr(getattr(optimizer, "optimizer", optimizer)),
+            run and (run.number, run.if_exists), members.run_going_on, members._next_incarnation,
+            coordinator._barriers_done, repr(members.saved_sequences(coordinator.open_sequences())))
+
+
 def _host_copy(value, buffer):
     """A NumPy copy of ``value``: ``buffer`` holding it when they match, else a new array."""
     if not isinstance(value, np.ndarray):
@@ -341,6 +351,7 @@ class Snapshots:
         self._hold(directory)
         self._sequence = max((number for number, _ in self._files()), default=0)
         self._lock = asyncio.Lock()
+        self._written_stamp = None  # _stamp of the state the newest snapshot holds (written or restored)
 
     def _hold(self, directory):
         """Lock the directory for this process (for as long as it lives): two servers that
@@ -382,18 +393,28 @@ class Snapshots:
                 continue
             self.restored_from = name
             self.restored_round = max((entry["round"] - 1 for entry in header["keys"]), default=0)
+            self._written_stamp = _stamp(self.coordinator)
             run = self.coordinator.members.run
             log.info("restored %s, run %d, from %s", plural(len(header["keys"]), "key"), run.number if run else 0,
                      path, extra={"event": "snapshot_restored"})
             return
+        log.info("no snapshot to restore in %s: the server starts empty", self.directory)
 
-    async def take(self):
+    async def take(self, if_changed=False):
         """(file name, number of keys, run number) of a new snapshot of the current state.
         One snapshot at a time, each holding a copy of every value until its file is written:
         one asked for meanwhile (a Snapshot call, the last one at SIGTERM) waits, and one
         cancelled while its file is written keeps its turn until the file is done. A failure
-        is logged and counted here, then raised."""
+        is logged and counted here, then raised. With ``if_changed``, None when the state is
+        the one the newest snapshot holds, and that file is still there (an idle server writes
+        nothing); after a failure, a snapshot is written whatever changed."""
         async with self._lock:
+            stamp = _stamp(self.coordinator)
+            newest = self.last_written or self.restored_from
+            if if_changed and stamp == self._written_stamp and not self.last_error \
+                    and os.path.isfile(os.path.join(self.directory, newest)):
+                log.debug("snapshot not taken: nothing changed since %s", newest)
+                return None
             name = None
             try:
                 engine = self.coordinator.engine
@@ -414,6 +435,7 @@ class Snapshots:
                 raise
         run = header["run"]["number"] if header["run"] else 0
         self.last_written, self.last_written_time, self.last_error = name, time.time(), ""
+        self._written_stamp = stamp  # taken before the copy: a change made during it is written next time
         metrics.COUNTS.snapshots_written += 1
         metrics.COUNTS.last_snapshot_time = self.last_written_time
         log.info("snapshot %s written: %s, run %d", name, plural(len(header["keys"]), "key"), run,
