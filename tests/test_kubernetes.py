@@ -86,6 +86,21 @@ def test_servers_and_workers_agree_on_the_counts(rendered):
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     server_args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _option(server_args, "--num-workers") == str(workers)
+    (wait,) = job["spec"]["template"]["spec"]["initContainers"]  # until every server answers
+    assert _env(wait)["TENSORKV_SERVERS"] == env["TENSORKV_SERVERS"]
+    assert "tensorkv health" in wait["command"][-1]
+
+
+def test_probes_ask_healthz_and_the_last_snapshot_has_time(rendered):
+    """A TCP probe passed while the server was frozen; /healthz (metrics.Liveness) does not.
+    The default 30 s grace was most of what a snapshot at --max-memory takes to write."""
+    pod = rendered["StatefulSet"]["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    ports = {port["name"]: port["containerPort"] for port in server["ports"]}
+    assert "--metrics-port" not in server["args"] and ports["metrics"] == 50053  # the image sets it
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+    assert pod["terminationGracePeriodSeconds"] >= 60
 
 
 def test_the_server_arguments_parse_and_name_the_mounted_files(rendered):
@@ -119,10 +134,11 @@ def test_pods_run_unprivileged(rendered):
         pod = rendered[kind]["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        for container in pod["containers"]:
+        for container in pod["containers"] + pod.get("initContainers", []):
             context = container["securityContext"]
             assert context == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                "capabilities": {"drop": ["ALL"]}}
+        for container in pod["containers"]:
             assert container["resources"]["requests"]
 
 

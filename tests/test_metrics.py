@@ -1,8 +1,10 @@
 """--metrics-port: a real server's Prometheus text after real workers' calls, with exact
 counts of the gRPC and tensorkv_ metrics."""
+import signal
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import grpc
@@ -12,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
-from cluster import Cluster, check_workers, free_port
+from cluster import Cluster, check_workers, free_port, health, wait_until
+from tensorkv_server import metrics
 
 KVSTORE = "tensorkv.v1.KVStoreService"
 
@@ -126,6 +129,8 @@ def test_rounds_of_two_workers(tmp_path):
     assert samples[("tensorkv_rounds_total", (("outcome", "completed"),))] == 12
     assert samples[("tensorkv_round_seconds_count", ())] == 12
     assert samples[("tensorkv_round_last_worker_wait_seconds_count", ())] == 12
+    for bound in ("10.0", "20.0", "30.0", "60.0"):  # slow rounds up to --round-timeout's default have buckets
+        assert samples[("tensorkv_round_seconds_bucket", (("le", bound),))] == 12
     assert samples[("tensorkv_pushes_total", ())] == 2 * 3 * 4
     assert samples[("tensorkv_keys", ())] == 4
     assert samples[("tensorkv_transport_bytes_total", (("direction", "in"), ("transport", "grpc")))] > 0
@@ -156,7 +161,7 @@ def test_restored_keys_and_the_errors_of_session_calls_are_counted(tmp_path):
         cluster.restart()  # SIGKILL
         _, after = scrape(port)
     assert {labels: value for (name, labels), value in before.items() if name == "tensorkv_session_errors_total"} \
-        == {(("code", "NOT_FOUND"),): 1}
+        == {(("grpc_code", "NOT_FOUND"),): 1}
     assert (after[("tensorkv_keys", ())], after[("tensorkv_stored_bytes", ())]) == (2, 3 * 4 + 4 * 8)
     assert after[("tensorkv_snapshots_total", (("outcome", "written"),))] == 0  # this process wrote none yet
 
@@ -183,3 +188,37 @@ def test_metrics_port_must_differ_from_the_servers_own_ports(ports, capsys):
         parse_args(ports)
     assert exit_.value.code == 2
     assert "--metrics-port must differ from --port and --data-port" in capsys.readouterr().err
+
+
+def _healthz(port):
+    """(HTTP status, body) of http://127.0.0.1:port/healthz."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_healthz_says_serving_then_stopping(tmp_path):
+    """/healthz on the metrics port, for a Kubernetes httpGet probe (the gRPC port speaks only
+    TLS there, and a TCP probe passed while the server was frozen: an ops probe)."""
+    port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port), "--grace", "30")) as cluster:
+        assert _healthz(port) == (200, "serving\n")
+        assert health(cluster.addresses[0], "tensorkv.v1.MaintenanceService") == "SERVING"
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("w", np.zeros(2))  # its Session stream stays open: the server waits out --grace for it
+            cluster.processes[0].send_signal(signal.SIGTERM)
+            wait_until(lambda: _healthz(port) == (503, "stopping\n"), "/healthz saying stopping")
+            kv.close()
+
+
+def test_liveness_sees_a_stuck_event_loop():
+    now = [100.0]
+    liveness = metrics.Liveness(clock=lambda: now[0])
+    assert liveness.check() == (503, "starting")
+    liveness.state, liveness.tick = "serving", now[0]
+    now[0] += metrics.Liveness.STALLED
+    assert liveness.check() == (200, "serving")
+    now[0] += 2.5
+    assert liveness.check() == (503, "the event loop has not run for 12 s")

@@ -8,9 +8,16 @@ No label takes a key name, so the series stay few however many keys are stored. 
 metrics (``process_``, ``python_``) come with prometheus-client's default registry, the
 gRPC ones from :mod:`.grpc_metrics`.
 """
+import socket
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from urllib.parse import urlparse
+
 import numpy as np
 import prometheus_client
 from prometheus_client import Gauge, Histogram
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
 from .grpc_metrics import MetricsInterceptor
@@ -42,11 +49,16 @@ class Counts:
 
 COUNTS = Counts()
 
+# Up to --round-timeout's default (60 s): the slow rounds an operator looks for are in buckets
+# of their own, not all in +Inf past Prometheus' default 10 s.
+ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 ROUND_SECONDS = Histogram(
-    "tensorkv_round_seconds", "From the first push of a round to its last, for rounds of several workers.")
+    "tensorkv_round_seconds", "From the first push of a round to its last, for rounds of several workers.",
+    buckets=ROUND_BUCKETS)
 LAST_WORKER_WAIT_SECONDS = Histogram(
     "tensorkv_round_last_worker_wait_seconds",
-    "From the next-to-last push of a round to its last: how long a round waited for its last worker.")
+    "From the next-to-last push of a round to its last: how long a round waited for its last worker.",
+    buckets=ROUND_BUCKETS)
 
 
 def received(transport, nbytes):
@@ -126,7 +138,8 @@ class _CountsCollector:
                                 "(Unix time; 0: none since the server started).", value=counts.last_snapshot_time)
         errors = CounterMetricFamily(
             "tensorkv_session_errors", "Calls on Session streams (and on their data channels) answered with an "
-            "error, by status code; the errors of the other RPCs are in grpc_server_handled_total.", labels=["code"])
+            "error, by status code (grpc_code, as grpc_server_handled_total names it, where the errors of the other "
+            "RPCs are).", labels=["grpc_code"])
         for code, count in sorted(counts.session_errors.items()):
             errors.add_metric([code], count)
         yield errors
@@ -135,13 +148,64 @@ class _CountsCollector:
 REGISTRY.register(_CountsCollector())
 
 
+class Liveness:
+    """Whether the server serves and its event loop runs, for ``GET /healthz`` on the metrics
+    port (plain HTTP, which a Kubernetes httpGet probe speaks where the gRPC port is TLS). The
+    loop sets ``tick`` every TICK seconds (server.serve); the check runs in the HTTP thread,
+    so it still answers when the loop is stuck, and says so."""
+
+    TICK = 1.0
+    STALLED = 10.0  # seconds without a tick: the event loop is stuck (a long update is far shorter)
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.state = "starting"  # then "serving", then "stopping"
+        self.tick = None
+
+    def check(self):
+        """(HTTP status, one line saying why)."""
+        if self.state != "serving":
+            return 503, self.state
+        stalled = self.clock() - self.tick
+        if stalled > self.STALLED:
+            return 503, f"the event loop has not run for {stalled:.0f} s"
+        return 200, "serving"
+
+
+LIVENESS = Liveness()
+
+
+class _Handler(MetricsHandler):
+    """/healthz: LIVENESS; any other path: the metrics."""
+
+    def do_GET(self):
+        if urlparse(self.path).path != "/healthz":
+            super().do_GET()
+            return
+        status, text = LIVENESS.check()
+        body = (text + "\n").encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+
 def start(port, host, engine):
-    """Serve the metrics as Prometheus text on http://host:port/metrics, in a thread; the
-    server interceptors that record the gRPC metrics. An ``engine`` on CuPy adds the memory
-    of its device."""
+    """Serve the metrics as Prometheus text on http://host:port/metrics, and the server's
+    liveness on /healthz (Liveness), in a thread; the server interceptors that record the
+    gRPC metrics. An ``engine`` on CuPy adds the memory of its device."""
     if engine.xp is not np:
         _watch_device_memory(engine)
-    prometheus_client.start_http_server(port, addr=host)
+    bare = host[1:-1] if host.startswith("[") else host
+    server_class = type("_HttpServer", (_HttpServer,), {"address_family": socket.AF_INET6 if ":" in bare
+                                                        else socket.AF_INET})
+    http = server_class((bare, port), _Handler)
+    threading.Thread(target=http.serve_forever, name="metrics-http", daemon=True).start()
     return [MetricsInterceptor()]
 
 

@@ -14,6 +14,7 @@ from tensorkv.rpc import SERVER_OPTIONS
 from tensorkv.v1 import kvstore_pb2, maintenance_pb2
 from tensorkv.words import plural
 
+from . import metrics
 from .datachan import DataPort, bare_host
 from .maintenance import MaintenanceService
 from .limits import Limits, max_call_bytes
@@ -77,6 +78,13 @@ class SnapshotFailed(Exception):
     """The snapshot at stop could not be written: what changed since the last one is lost."""
 
 
+async def _tick(liveness):
+    """Tell ``liveness`` (metrics.Liveness) that the event loop runs, every TICK seconds."""
+    while True:
+        liveness.tick = liveness.clock()
+        await asyncio.sleep(liveness.TICK)
+
+
 async def _every(seconds, take):
     """Call ``take`` every ``seconds`` for ever; after a failure (which ``take`` logs and
     counts), the next one is tried."""
@@ -124,7 +132,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     await server.start()
     if data_port is not None:
         data_port.start()
-    for service in ("", SERVICE_NAME):
+    for service in ("", SERVICE_NAME, MAINTENANCE.full_name):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # before the line that says so: a SIGTERM right after it stops the server cleanly
     stop = asyncio.Event()
@@ -139,7 +147,11 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
 
     periodic = asyncio.create_task(_every(snapshot_interval, lambda: snapshots.take(if_changed=True))) \
         if snapshots and snapshot_interval > 0 else None
+    metrics.LIVENESS.state = "serving"
+    ticking = asyncio.create_task(_tick(metrics.LIVENESS))
     await stop.wait()
+    metrics.LIVENESS.state = "stopping"
+    ticking.cancel()
     if periodic is not None:
         periodic.cancel()
     log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace,
