@@ -424,6 +424,6 @@ def test_a_worker_keeps_copies_of_its_pushes_only_for_a_server_that_writes_snaps
         for kv in (kv0, kv1):
             kv.init("w", np.zeros(4, np.int32))
         kv0.push("w", np.ones(4, np.int32))  # its round waits for rank 1
-        assert ("w" in kv0._conns[0]._last_pushes) == snapshots
+        assert ("w" in kv0._conns[0]._pushes_kept) == snapshots
         kv1.push("w", np.ones(4, np.int32))
         np.testing.assert_array_equal(kv0.pull("w"), [2] * 4)

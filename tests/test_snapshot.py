@@ -17,7 +17,7 @@ import pytest
 import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import STOP_TIMEOUT, Cluster, check_workers, free_port, rank_1_after_a_round, wait_until
+from cluster import STOP_TIMEOUT, Cluster, DrivenWorker, check_workers, free_port, rank_1_after_a_round, wait_until
 from test_ctl import ctl
 from test_metrics import scrape
 
@@ -153,6 +153,38 @@ def test_a_job_started_again_with_resume_right_after_a_restart_is_a_new_run(tmp_
         with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="resume") as kv:
             np.testing.assert_array_equal(kv.pull("w"), [3.0] * 4)
             assert _info(cluster).run == 2
+
+
+def test_workers_a_push_apart_line_up_after_a_restart_from_an_older_snapshot(tmp_path):
+    """Rank 0 has its next push in (waiting for rank 1), rank 1 saw the round before complete,
+    and the snapshot is older than both: after a kill -9, both send again their pushes of the
+    round they saw complete (summed again: nothing is lost), and rank 0 its next, which rank
+    1's next joins. Before, each sent only its last push, which summed rank 1's step with
+    rank 0's next, and the workers stayed a push apart for the rest of the job (a durability
+    probe: 7 runs of 10 with workers of unequal speed)."""
+    workers = []
+    try:
+        with _cluster(tmp_path, "--snapshot-interval", "0", "--num-workers", "2") as cluster:
+            workers += [DrivenWorker(cluster, 0), DrivenWorker(cluster, 1)]
+            fast, slow = workers
+            for worker in workers:  # round 1 (SGD(learning_rate=-1) adds each round's sum to w)
+                worker.call("push 1", "pushed")
+            assert fast.call("pull") == slow.call("pull") == "value 2"
+            _snapshot(cluster)  # holds round 1
+            for worker in workers:  # round 2: lost with the server
+                worker.call("push 10", "pushed")
+            assert fast.call("pull") == slow.call("pull") == "value 22"
+            fast.call("push 100", "pushed")  # round 3: rank 0's push is in, rank 1 is elsewhere
+            fast.send("pull")
+            cluster.restart()  # SIGKILL, then the snapshot of round 1
+            slow.call("push 100", "pushed")
+            assert fast.expect() == slow.call("pull") == "value 222"  # 2 + 20 + 200: the rounds line up
+            for worker in workers:
+                worker.call("push 1000", "pushed")
+            assert fast.call("pull") == slow.call("pull") == "value 2222"
+    finally:
+        for worker in workers:
+            worker.stop()
 
 
 def test_sigterm_writes_a_snapshot_that_a_restart_loads(tmp_path):
