@@ -57,9 +57,14 @@ class Heartbeat:
         except grpc.FutureCancelledError:  # by close()
             return
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.FAILED_PRECONDITION and conn.incarnation == incarnation:
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                if conn.incarnation != incarnation:  # registered again meanwhile (a reconnect): no news
+                    return
+                # The next call says what it means: registered again after a server restart,
+                # or FailedPreconditionError for a lease that expired (a durability probe read
+                # the words of the second in the log of the first).
                 conn.lease_lost = f"rank {rank} lost its lease on server {address}: {error.details()}"
-                log.info("%s", conn.lease_lost)  # the next call says whether the server restarted
+                log.debug("%s", conn.lease_lost)
                 return
             if error.code() == grpc.StatusCode.CANCELLED and self._stop.is_set():
                 return
