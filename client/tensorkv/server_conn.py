@@ -350,6 +350,8 @@ class ServerConn:
         """A pull of ``keys`` answered, after this worker's calls up to the sequence number
         ``issued``: the rounds of its pushes to them are complete; of those, only the last is
         kept (see the class docstring)."""
+        if not self._pushes_kept:  # nothing is kept where this worker does not realign
+            return
         for key in keys:
             kept = self._pushes_kept.get(key)
             if kept:
