@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 # System paths the README may name: they exist on any Linux host, not in a checkout.
-SYSTEM_PATHS = ("/dev/shm", "/proc/")
+SYSTEM_PATHS = ("/dev/shm", "/proc/", "/var/lib/tensorkv")  # the last: the image's state directory
 # A path-like token: something/with/slashes, optionally starting with ./, ../ or /.
 _PATH = re.compile(r"(?<![\w:/.-])(?:\.{1,2}/|/)?[\w.-]+(?:/[\w.*-]+)+/?")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
