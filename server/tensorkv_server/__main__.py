@@ -62,8 +62,8 @@ def parse_args(argv=None):
                              "run): the newest whole one is restored at start, and new ones are written there; "
                              "one server per directory (default: none, nothing survives a restart)")
     parser.add_argument("--snapshot-interval", type=float, default=60.0, metavar="S",
-                        help="seconds between snapshots to --state-dir, each written only when the state "
-                             "changed since the last; 0: only on SIGTERM/SIGINT and on a Snapshot call "
+                        help="seconds between snapshots to --state-dir (one of an unchanged state is a hard "
+                             "link to the one before); 0: only on SIGTERM/SIGINT and on a Snapshot call "
                              "(default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")

@@ -145,7 +145,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
              "on" if servicer.shared_memory else "off", f"on port {data_port.port}" if data_port else "off",
              security.describe(), extra={"event": "server_started"})
 
-    periodic = asyncio.create_task(_every(snapshot_interval, lambda: snapshots.take(if_changed=True))) \
+    periodic = asyncio.create_task(_every(snapshot_interval, snapshots.take)) \
         if snapshots and snapshot_interval > 0 else None
     metrics.LIVENESS.state = "serving"
     ticking = asyncio.create_task(_tick(metrics.LIVENESS))
@@ -165,9 +165,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     failed = None
     if snapshots is not None:
         try:
-            if await snapshots.take(if_changed=True) is None:
-                log.info("nothing changed since snapshot %s: it holds this state, not written again",
-                         snapshots.last_written or snapshots.restored_from)
+            await snapshots.take()
         except OSError as error:  # logged by take; the process then ends with status 1
             failed = error
     log.info("stopped", extra={"event": "server_stopped"})

@@ -13,6 +13,7 @@ arrays the server keeps. The format is in docs/snapshot.md.
 """
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -352,6 +353,8 @@ class Snapshots:
         self._sequence = max((number for number, _ in self._files()), default=0)
         self._lock = asyncio.Lock()
         self._written_stamp = None  # _stamp of the state the newest snapshot holds (written or restored)
+        self._summary = None  # (keys, run number) of that snapshot
+        self._links = True  # whether the directory's file system makes hard links
 
     def _hold(self, directory):
         """Lock the directory for this process (for as long as it lives): two servers that
@@ -394,53 +397,71 @@ class Snapshots:
             self.restored_from = name
             self.restored_round = max((entry["round"] - 1 for entry in header["keys"]), default=0)
             self._written_stamp = _stamp(self.coordinator)
+            self._summary = len(header["keys"]), header["run"]["number"] if header["run"] else 0
             run = self.coordinator.members.run
             log.info("restored %s, run %d, from %s", plural(len(header["keys"]), "key"), run.number if run else 0,
                      path, extra={"event": "snapshot_restored"})
             return
         log.info("no snapshot to restore in %s: the server starts empty", self.directory)
 
-    async def take(self, if_changed=False):
+    async def take(self):
         """(file name, number of keys, run number) of a new snapshot of the current state.
         One snapshot at a time, each holding a copy of every value until its file is written:
         one asked for meanwhile (a Snapshot call, the last one at SIGTERM) waits, and one
         cancelled while its file is written keeps its turn until the file is done. A failure
-        is logged and counted here, then raised. With ``if_changed``, None when the state is
-        the one the newest snapshot holds, and that file is still there (an idle server writes
-        nothing); after a failure, a snapshot is written whatever changed."""
+        is logged and counted here, then raised. When nothing changed since the newest
+        snapshot (still in the directory, and none failed since), the new one is a hard link
+        to its file: no copy, no write (an idle server wrote its whole state every interval)."""
         async with self._lock:
             stamp = _stamp(self.coordinator)
             newest = self.last_written or self.restored_from
-            if if_changed and stamp == self._written_stamp and not self.last_error \
-                    and os.path.isfile(os.path.join(self.directory, newest)):
-                log.debug("snapshot not taken: nothing changed since %s", newest)
-                return None
+            unchanged = self._links and stamp == self._written_stamp and not self.last_error \
+                and os.path.isfile(os.path.join(self.directory, newest))
             name = None
             try:
-                engine = self.coordinator.engine
-                buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
-                header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile are copied anew
                 self._sequence += 1
                 name = f"snapshot-{self._sequence:012d}.tkv"
-                write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays))
-                try:
-                    await asyncio.shield(write)
-                except asyncio.CancelledError:
-                    await asyncio.wait([write])
-                    if write.exception() is not None:
-                        self._failed(name, write.exception())
-                    raise
+                if unchanged and await asyncio.to_thread(self._link, name, newest):
+                    summary = self._summary
+                else:
+                    engine = self.coordinator.engine
+                    buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
+                    header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile: copied anew
+                    summary = len(header["keys"]), header["run"]["number"] if header["run"] else 0
+                    write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays))
+                    try:
+                        await asyncio.shield(write)
+                    except asyncio.CancelledError:
+                        await asyncio.wait([write])
+                        if write.exception() is not None:
+                            self._failed(name, write.exception())
+                        raise
             except Exception as error:
                 self._failed(name, error)
                 raise
-        run = header["run"]["number"] if header["run"] else 0
         self.last_written, self.last_written_time, self.last_error = name, time.time(), ""
-        self._written_stamp = stamp  # taken before the copy: a change made during it is written next time
-        metrics.COUNTS.snapshots_written += 1
+        self._written_stamp, self._summary = stamp, summary  # the stamp from before the copy: a change made
+        metrics.COUNTS.snapshots_written += 1                 # during it is written next time
         metrics.COUNTS.last_snapshot_time = self.last_written_time
-        log.info("snapshot %s written: %s, run %d", name, plural(len(header["keys"]), "key"), run,
+        log.info("snapshot %s written: %s, run %d%s", name, plural(summary[0], "key"), summary[1],
+                 f" (nothing changed since {newest}: a link to its file)" if unchanged and self._links else "",
                  extra={"event": "snapshot_written"})
-        return name, len(header["keys"]), run
+        return name, *summary
+
+    def _link(self, name, source):
+        """Make ``name`` a hard link to the snapshot file ``source``; False where the file system
+        has no hard links (then every snapshot is written whole)."""
+        try:
+            os.link(os.path.join(self.directory, source), os.path.join(self.directory, name))
+        except OSError as error:
+            if error.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            log.info("--state-dir %s has no hard links (%s): every snapshot is written whole", self.directory,
+                     error.strerror)
+            self._links = False
+            return False
+        self._settle(name)
+        return True
 
     def _failed(self, name, error):
         self.failures += 1
@@ -462,6 +483,10 @@ class Snapshots:
             with contextlib.suppress(OSError):
                 os.remove(path + ".part")
             raise
+        self._settle(name)
+
+    def _settle(self, name):
+        """The new snapshot ``name`` is in place: flush the directory, remove the oldest ones."""
         directory = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(directory)
