@@ -266,12 +266,15 @@ def test_snapshots_are_written_every_interval_and_the_two_newest_kept(tmp_path):
             wait_until(pushed_until_a_third, "a third periodic snapshot")
             closed = files()[-1]
         # A new snapshot is in place a moment before the oldest one is removed: wait for that.
-        wait_until(lambda: len(files()) <= 2, "at most the two newest snapshots")
-        # idle now: the next snapshots link to the one of the run's end (the store closed)
-        wait_until(lambda: len(files()) == 2 and files()[0] > closed and os.path.samefile(
-            state / files()[0], state / files()[1]), "two snapshots of an idle server, one file")
-        assert _info(cluster).last_snapshot == files()[1]
-        assert f"(nothing changed since {files()[0]}: a link to its file)" in _log(cluster)
+        wait_until(lambda: len(files()) <= 3, "the two newest snapshots, and one of another state")
+        # idle now: the next snapshots link to the one of the run's end (the store closed), and
+        # the newest snapshot of another state stays, should that one file be damaged
+        wait_until(lambda: len(files()) == 3 and files()[1] > closed and os.path.samefile(
+            state / files()[1], state / files()[2]), "two snapshots of an idle server, one file")
+        newest = files()
+        assert not os.path.samefile(state / newest[0], state / newest[1])
+        assert _info(cluster).last_snapshot == newest[2]
+        assert f"(nothing changed since {newest[1]}: a link to its file)" in _log(cluster)
 
 
 def test_without_a_state_dir_the_server_warns_and_refuses_snapshots(tmp_path):

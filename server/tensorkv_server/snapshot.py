@@ -8,7 +8,8 @@ open (they are lost, as a crash loses them). The arrays are copied on the loop, 
 buffers whose pages a thread has touched first (faulting in fresh pages costs this VM many
 times the copy, and would hold up every call); the file is written in a thread, in one
 pass from those buffers: ``NAME.part``, fsync, renamed over ``NAME``, fsync of the
-directory. The two newest snapshots are kept. A restore reads the file straight into the
+directory. The two newest snapshots are kept (and, when they are links to one file, the newest
+other one). A restore reads the file straight into the
 arrays the server keeps. The format is in docs/snapshot.md.
 """
 import asyncio
@@ -493,7 +494,20 @@ class Snapshots:
         finally:
             os.close(directory)
         try:  # the snapshot is written: what follows only frees room
-            for _, old in self._files()[KEEP:]:
+            for old in self._superseded():
                 os.remove(os.path.join(self.directory, old))
         except OSError as error:
             log.warning("snapshot %s written, but an older one was not removed: %s", name, error)
+
+    def _superseded(self):
+        """The snapshot files to remove: all but the KEEP newest and, when those are links to
+        one file (an idle server's), the newest older one that is another file, so that a
+        damaged file still leaves a snapshot to restore."""
+        files = [name for _, name in self._files()]
+        kept = {os.stat(os.path.join(self.directory, name)).st_ino for name in files[:KEEP]}
+        older = files[KEEP:]
+        if len(kept) == 1:
+            other = next((name for name in older if os.stat(os.path.join(self.directory, name)).st_ino not in kept),
+                         None)
+            older = [name for name in older if name != other]
+        return older
