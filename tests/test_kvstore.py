@@ -42,6 +42,22 @@ def test_unknown_type_and_options():
         tensorkv.create("local", servers="h:1")
 
 
+@pytest.mark.parametrize("name, kind", [("local_update_cpu", "local"), ("local_allreduce_cpu", "local"),
+                                        ("local_allreduce_device", "device")])
+def test_mxnets_other_names_of_the_embedded_stores(name, kind):
+    """Scripts written for MXNet create these (an MXNet parity probe: they were refused)."""
+    with tensorkv.create(name) as kv:
+        assert kv.type == name
+        kv.init(3, ones(1))
+        kv.push(3, [ones(2), ones(3)])
+        np.testing.assert_array_equal(kv.pull(3), ones(5))
+        if kind == "local":  # no compression for MXNet's local stores; the device one takes it
+            with pytest.raises(tensorkv.FailedPreconditionError, match="not supported for a 'local' KVStore"):
+                kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        else:
+            kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_dtype(kv, dtype):
     if dtype is ml_dtypes.bfloat16 and kv.device != "cpu":

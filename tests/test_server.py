@@ -264,6 +264,8 @@ def test_unreachable_server_is_named(tmp_path):
 
 def test_init_twice_and_other_client_errors(tmp_path):
     with Cluster(num_workers=1, tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_device_sync", servers=cluster.addresses) as kv:  # MXNet's name of it
+            assert (kv.type, kv.rank, kv.num_workers) == ("dist_device_sync", 0, 1)
         with tensorkv.create("dist_sync", servers=cluster.addresses, num_workers=1) as kv:
             assert (kv.type, kv.rank, kv.num_workers) == ("dist_sync", 0, 1)
             kv.init("a", np.ones(2))

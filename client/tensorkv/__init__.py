@@ -23,6 +23,10 @@ __version__ = "0.1.0"
 
 EMBEDDED_TYPES = ("local", "device")
 DIST_TYPES = ("dist_sync", "dist_async")
+# MXNet's other names of the same stores (MXNet scripts pass them): where MXNet places its
+# update or sum differs between them, the store does not.
+ALIASES = {"local_update_cpu": "local", "local_allreduce_cpu": "local", "local_allreduce_device": "device",
+           "dist_sync_device": "dist_sync", "dist_device_sync": "dist_sync"}
 
 
 def create(name="local", **kwargs):
@@ -41,19 +45,29 @@ def create(name="local", **kwargs):
     ``'replace'``: the earlier run's keys, optimizer and states are dropped before the new
     run's first ``init``, as on a new server. Every worker of a run passes the same.
 
+    MXNet's other names of these (``'local_update_cpu'``, ``'local_allreduce_cpu'``,
+    ``'local_allreduce_device'``, ``'dist_sync_device'``, ``'dist_device_sync'``) make the
+    store they stand for (ALIASES); ``kv.type`` is the name given, as in MXNet.
+
     >>> kv = tensorkv.create('local')
     >>> kv.type
     'local'
+    >>> tensorkv.create('local_update_cpu').type
+    'local_update_cpu'
     """
-    if name in EMBEDDED_TYPES:
+    kind = ALIASES.get(name, name)
+    if kind in EMBEDDED_TYPES:
         from .local import LocalStore
-        return LocalStore(name, **kwargs)
-    if name in DIST_TYPES:
+        store = LocalStore(kind, **kwargs)
+    elif kind in DIST_TYPES:
         from .dist import DistStore
-        return DistStore(name, **kwargs)
-    raise InvalidArgumentError(
-        f"unknown KVStore type {name!r}; use one of {', '.join(EMBEDDED_TYPES + DIST_TYPES)}"
-    )
+        store = DistStore(kind, **kwargs)
+    else:
+        raise InvalidArgumentError(
+            f"unknown KVStore type {name!r}; use one of {', '.join(EMBEDDED_TYPES + DIST_TYPES)} "
+            f"(or MXNet's {', '.join(ALIASES)})")
+    store._type = name
+    return store
 
 
 def reset(servers=None, **options):

@@ -34,6 +34,7 @@ class LocalStore(KVStore):
         if kwargs:
             raise InvalidArgumentError(f"a {name!r} KVStore takes no options, got {', '.join(sorted(kwargs))}")
         super().__init__(name)
+        self._kind = name  # 'local' or 'device', whatever MXNet name kv.type shows (tensorkv.ALIASES)
         xp, self.device = select("auto") if name == "device" else (np, "cpu")
         self._engine = Engine(xp)
         self._lock = threading.RLock()
@@ -115,7 +116,7 @@ class LocalStore(KVStore):
             self._engine.updater = updater
 
     def _set_gradient_compression(self, compression_params):
-        if self.type == "local":
+        if self._kind == "local":
             raise FailedPreconditionError(
                 "gradient compression is not supported for a 'local' KVStore (as in MXNet): use 'device' (each "
                 "device's array compressed on its way to the sum) or a 'dist_sync' or 'dist_async' store")
