@@ -523,3 +523,21 @@ def test_an_engine_applies_a_push_in_order_when_some_values_go_to_the_optimizer_
     for key in ("a", "b"):
         np.testing.assert_array_equal(engines[0].get(key).array, engines[1].get(key).array)
     np.testing.assert_array_equal(engines[1].get("b").array, [[0, 0], [-0.5, -0.5]])
+
+
+def test_an_optimizer_takes_a_new_learning_rate_as_mxnets_does():
+    """MXNet's Optimizer.set_learning_rate (an MXNet parity probe: missing): an embedded store
+    updates with the object itself, so its next update takes it; refused with a schedule."""
+    sgd = SGD(learning_rate=0.1)
+    with tensorkv.create("local") as kv:
+        kv.init("w", np.zeros(2, np.float32))
+        kv.set_optimizer(sgd)
+        kv.push("w", np.ones(2, np.float32))
+        sgd.set_learning_rate(0.5)
+        kv.push("w", np.ones(2, np.float32))
+        np.testing.assert_allclose(kv.pull("w"), [-0.6, -0.6], rtol=1e-6)
+    with pytest.raises(tensorkv.InvalidArgumentError, match="learning_rate=nan is not finite"):
+        sgd.set_learning_rate(float("nan"))
+    scheduled = SGD(lr_scheduler=tensorkv.lr_scheduler.FactorScheduler(step=2, factor=0.5))
+    with pytest.raises(tensorkv.FailedPreconditionError, match="has an lr_scheduler"):
+        scheduled.set_learning_rate(0.5)

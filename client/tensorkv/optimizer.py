@@ -178,6 +178,23 @@ class Optimizer:
             args.append(f"lr_scheduler={self.lr_scheduler!r}")
         return f"{type(self).__name__}({', '.join(args)})"
 
+    def set_learning_rate(self, lr):
+        """Make ``lr`` the learning rate (MXNet's ``Optimizer.set_learning_rate``); refused when
+        the optimizer has an ``lr_scheduler``, as in MXNet. An embedded store updates with this
+        object, so its next update takes it; a server holds a copy of the optimizer, as MXNet's
+        do: there, call ``kv.set_learning_rate(lr)``.
+
+        >>> sgd = SGD(learning_rate=0.1)
+        >>> sgd.set_learning_rate(0.5)
+        >>> sgd.learning_rate
+        0.5
+        """
+        if self.lr_scheduler is not None:
+            raise FailedPreconditionError(
+                f"the optimizer has an lr_scheduler ({self.lr_scheduler!r}): its learning rate comes from the schedule "
+                "and set_learning_rate cannot change it, as in MXNet")
+        self.learning_rate = _number("learning_rate", lr)
+
     def learning_rate_at(self, num_update):
         """The learning rate of an update when the largest update count of any key is ``num_update``."""
         if self.lr_scheduler is None:
@@ -868,14 +885,13 @@ class Updater:
     def set_learning_rate(self, lr):
         """Make ``lr`` the learning rate of the updates to come; states and counts stay.
 
-        As MXNet's ``Optimizer.set_learning_rate``, refused when the optimizer has an lr_scheduler.
+        As MXNet's ``Optimizer.set_learning_rate``, refused when the optimizer has an lr_scheduler
+        (set_optimizer with a new schedule starts fresh states). The optimizer given to
+        set_optimizer is left as it was: a copy takes the new rate.
         """
-        if self.optimizer.lr_scheduler is not None:
-            raise FailedPreconditionError(
-                f"the optimizer has an lr_scheduler ({self.optimizer.lr_scheduler!r}): its learning rate comes "
-                "from the schedule and set_learning_rate cannot change it, as in MXNet; "
-                "set_optimizer with a new schedule starts fresh states")
-        self.optimizer = create(self.optimizer.name, **{**self.optimizer.params, "learning_rate": lr})
+        optimizer = create(self.optimizer.name, lr_scheduler=self.optimizer.lr_scheduler, **self.optimizer.params)
+        optimizer.set_learning_rate(lr)
+        self.optimizer = optimizer
 
     def check_states(self, key, weight, arrays):
         """Fresh states for ``weight`` holding copies of ``arrays``; errors name any count, shape or dtype mismatch."""
