@@ -551,7 +551,8 @@ class DistStore(KVStore):
         """[(full shape, rows)] of ``requests`` [(key, row ids)], all servers at once: a server
         holding a key whole is asked for the rows as asked, which go straight into
         ``outs[position]`` where that array fits them; the servers of a sliced key are asked
-        for the distinct rows that touch what they hold."""
+        for the distinct rows that touch what they hold (and, where they realign pushes after a
+        restart, for none: ServerConn.realigns)."""
         _MERGE.check_keys([key for key, _ in requests])
         self._learn_shapes({key for key, _ in requests if key not in self._meta})
         plan, results, row_bytes = {}, [], []
@@ -570,7 +571,9 @@ class DistStore(KVStore):
             results.append((shape, np.empty((len(unique),) + shape[1:], dtype), inverse))
             for index, where in placement:
                 mask = touching(unique, math.prod(shape[1:]), where)
-                if mask.any():
+                # A server that realigns after a restart is asked with no rows too: the pull
+                # tells it the rounds of this worker's pushes, which went to every slice, ended.
+                if mask.any() or self._conns[index].realigns:
                     plan.setdefault(index, []).append((position, where, np.flatnonzero(mask), unique[mask]))
         outs = outs or {}
         answers = self._fanout(ServerConn.row_sparse_pull, {index: (

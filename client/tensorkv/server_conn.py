@@ -24,7 +24,7 @@ from . import packed, rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
-    ServerUnavailableError, ShapeMismatchError, key_repr,
+    RoundAbortedError, ServerUnavailableError, ShapeMismatchError, key_repr,
 )
 from .rpc import (
     CHANNEL_OPTIONS, READ_ONLY_CALLS, Deferred, Session, Stub, connection_lost, error_from_code, error_from_rpc,
@@ -114,6 +114,7 @@ class ServerConn:
         # row ids, rows))]: its last push whose round this worker saw complete (a pull of the key
         # answered after it), and those after it, where it realigns (see the class docstring)
         self._pushes_kept = {}
+        self._seen = {}  # key -> the sequence number of its kept push whose round was seen complete
         # sequence number -> the serialized request of a push sent without waiting (or, packed, its
         # layout and values; or its own Items), until its answer came
         self._unacked = {}
@@ -217,6 +218,13 @@ class ServerConn:
                     raise
                 reconnect = True
 
+    @property
+    def realigns(self):
+        """Whether this worker keeps copies of its pushes to send again after this server
+        restarts (sync mode, several workers, snapshots): then a pull of a key must reach
+        every server of its slices, to tell each that its rounds ended (_seen_complete)."""
+        return self._realign
+
     def _reconnect(self, deadline):
         """Open a new connection and register again under this worker's rank: in the place of
         its registration when the server still holds it, else afresh (the server restarted)."""
@@ -255,8 +263,8 @@ class ServerConn:
         RegisterRequest.previous_incarnation) and applies the others."""
         calls = {}
         if restarted:
-            for kept in self._pushes_kept.values():
-                for sequence, value in kept:
+            for kept in list(self._pushes_kept.values()):
+                for sequence, value in list(kept):
                     calls.setdefault(sequence, []).append(value)
         calls.update((sequence, _pushed_items(request)) for sequence, request in self._unacked.items())
         for sequence, values in sorted(calls.items()):
@@ -320,6 +328,9 @@ class ServerConn:
         """The error to raise for the push ``sequence`` of ``keys``, sent without waiting, which
         failed with ``error`` (its undo run); it is no longer to be sent again."""
         self._unacked.pop(sequence, None)
+        for key in keys:  # it changed nothing: a restart must not send it again
+            kept = self._pushes_kept.get(key, [])
+            kept[:] = [entry for entry in kept if entry[0] != sequence]
         undo = self._undos.pop(sequence, None)
         if undo is not None:
             undo()
@@ -346,6 +357,19 @@ class ServerConn:
         self._issued = next(self._sequences)
         return self._issued
 
+    def _pull_call(self, keys, kind, attempt, *args):
+        """``self._call(kind, attempt, *args)`` of a pull of ``keys``, whose answer says how the
+        rounds of this worker's pushes to them ended: complete (:meth:`_seen_complete`), or
+        aborted (RoundAbortedError: the server discarded the last of them)."""
+        issued = self._issued
+        try:
+            result = self._call(kind, attempt, *args)
+        except RoundAbortedError:
+            self._discarded(keys, issued)
+            raise
+        self._seen_complete(keys, issued)
+        return result
+
     def _seen_complete(self, keys, issued):
         """A pull of ``keys`` answered, after this worker's calls up to the sequence number
         ``issued``: the rounds of its pushes to them are complete; of those, only the last is
@@ -353,11 +377,22 @@ class ServerConn:
         if not self._pushes_kept:  # nothing is kept where this worker does not realign
             return
         for key in keys:
-            kept = self._pushes_kept.get(key)
-            if kept:
-                seen = [index for index, (sequence, _) in enumerate(kept) if sequence <= issued]
-                if seen:
-                    del kept[:seen[-1]]
+            kept = self._pushes_kept.get(key, [])
+            seen = [index for index, (sequence, _) in enumerate(kept) if sequence <= issued]
+            if seen:
+                del kept[:seen[-1]]
+                self._seen[key] = kept[0][0]
+
+    def _discarded(self, keys, issued):
+        """A pull of ``keys`` raised RoundAbortedError: the last push to each, sent before the
+        call ``issued`` and not seen complete, was discarded with its round; a restart must
+        not send it again."""
+        for key in keys:
+            kept = self._pushes_kept.get(key, [])
+            unseen = [index for index, (sequence, _) in enumerate(kept)
+                      if sequence <= issued and sequence != self._seen.get(key)]
+            if unseen:
+                del kept[unseen[-1]]
 
     def settle(self):
         """Wait for the answers of the pushes sent without waiting; raise the first one's error."""
@@ -390,10 +425,8 @@ class ServerConn:
     def pull(self, part, outs, sizes, shapes=None):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None;
         ``shapes``: [(shape, dtype)] of their values when each is known and whole on this server."""
-        issued = self._issued
-        items = self._call("pull", self._pull_once, part, outs, sizes, shapes, next(self._pull_sequences))
-        self._seen_complete([key for _, key in part], issued)
-        return items
+        return self._pull_call([key for _, key in part], "pull", self._pull_once, part, outs, sizes, shapes,
+                               next(self._pull_sequences))
 
     def _pull_once(self, timeout, part, outs, sizes, shapes, pull_sequence):
         keys = [key for _, key in part]
@@ -425,9 +458,7 @@ class ServerConn:
     def pull_packed(self, layout, targets):
         """Pull the values of ``layout`` into ``targets``, writable C-contiguous NumPy arrays of its
         shapes and dtype, in its order (a fused list, tensorkv.fusion)."""
-        issued = self._issued
-        self._call("pull", self._pull_packed_once, layout, targets, next(self._pull_sequences))
-        self._seen_complete(layout.keys, issued)
+        self._pull_call(layout.keys, "pull", self._pull_packed_once, layout, targets, next(self._pull_sequences))
 
     def _pull_packed_once(self, timeout, layout, targets, pull_sequence):
         session = self.session
@@ -465,10 +496,8 @@ class ServerConn:
         """The rows (NumPy arrays) of each (key, row ids) of ``part``, in order; ``sizes``: their
         bytes; ``outs``: as for :meth:`pull`, by index into ``part``. On the Session stream
         (large rows on its data channel) when the call fits it, else a RowSparsePull."""
-        issued = self._issued
-        rows = self._call("row_sparse_pull", self._row_sparse_pull_once, part, sizes, outs, next(self._pull_sequences))
-        self._seen_complete([key for key, _ in part], issued)
-        return rows
+        return self._pull_call([key for key, _ in part], "row_sparse_pull", self._row_sparse_pull_once, part, sizes,
+                               outs, next(self._pull_sequences))
 
     def _row_sparse_pull_once(self, timeout, part, sizes, outs, pull_sequence):
         items = [(position, Item(key, row_ids)) for position, (key, row_ids) in enumerate(part)]
