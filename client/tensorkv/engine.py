@@ -356,7 +356,8 @@ class Engine:
         may raise after it changed some keys, or part of one: then every value is put back as
         it was, and the exception goes on."""
         with self.on_device():
-            saved = {key: self._copy(self.get(key).array, self.get(key).array.dtype) for key in grouped}
+            arrays = {key: self.get(key).array for key in grouped}
+            saved = {key: self._copy(array, array.dtype) for key, array in arrays.items()}
         try:
             for key, values in grouped.items():
                 self.apply(key, self.merge(values))

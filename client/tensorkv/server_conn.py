@@ -306,7 +306,7 @@ class ServerConn:
         if defer and sum(item.array.nbytes for _, item in part) <= DEFER_MAX_BYTES:
             deferred = self._deferred(sequence, [item.key for _, item in part], undo)
         self._call("push", self._push_once, part, sequence, deferred)
-        self._keep(self._copies(part, sequence), sequence)
+        self._keep(self._copies(part), sequence)
 
     def _deferred(self, sequence, keys, undo=None):
         """The Deferred of the push ``sequence`` of ``keys``, to be sent without waiting."""
@@ -338,7 +338,7 @@ class ServerConn:
         return type(error)(f"an earlier push of {plural(len(keys), 'key')} ({named}) to server {self.address}, sent "
                            f"without waiting for its answer, failed and changed nothing: {error}")
 
-    def _copies(self, part, sequence):
+    def _copies(self, part):
         """[(key, a copy of its Item)] of ``part`` to keep where this worker realigns."""
         if not self._realign:
             return []
@@ -408,7 +408,7 @@ class ServerConn:
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
         sequence = self._next_sequence()
-        copies = self._copies(part, sequence)  # before the pull writes into arrays that may be the pushed ones
+        copies = self._copies(part)  # before the pull writes into arrays that may be the pushed ones
         items = self._call("pushpull", self._pushpull_once, part, outs, sequence)
         self._keep(copies, sequence)
         self._seen_complete([key for key, _ in copies], sequence)

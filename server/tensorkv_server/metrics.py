@@ -191,10 +191,6 @@ class _Handler(MetricsHandler):
         self.wfile.write(body)
 
 
-class _HttpServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-
 def start(port, host, engine):
     """Serve the metrics as Prometheus text on http://host:port/metrics, and the server's
     liveness on /healthz (Liveness), in a thread; the server interceptors that record the
@@ -202,9 +198,12 @@ def start(port, host, engine):
     if engine.xp is not np:
         _watch_device_memory(engine)
     bare = host[1:-1] if host.startswith("[") else host
-    server_class = type("_HttpServer", (_HttpServer,), {"address_family": socket.AF_INET6 if ":" in bare
-                                                        else socket.AF_INET})
-    http = server_class((bare, port), _Handler)
+
+    class HttpServer(ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+
+    http = HttpServer((bare, port), _Handler)
     threading.Thread(target=http.serve_forever, name="metrics-http", daemon=True).start()
     return [MetricsInterceptor()]
 

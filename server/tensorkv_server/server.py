@@ -73,7 +73,6 @@ def _options(limits):
         [("grpc.max_receive_message_length", longest)] + EXCLUSIVE_PORT
 
 
-
 class SnapshotFailed(Exception):
     """The snapshot at stop could not be written: what changed since the last one is lost."""
 

@@ -97,6 +97,11 @@ def _stamp(coordinator):
             coordinator._barriers_done, repr(members.saved_sequences(coordinator.open_sequences())))
 
 
+def _summary(header):
+    """(number of keys, run number) of a snapshot's header."""
+    return len(header["keys"]), header["run"]["number"] if header["run"] else 0
+
+
 def _host_copy(value, buffer):
     """A NumPy copy of ``value``: ``buffer`` holding it when they match, else a new array."""
     if not isinstance(value, np.ndarray):
@@ -397,8 +402,7 @@ class Snapshots:
                 continue
             self.restored_from = name
             self.restored_round = max((entry["round"] - 1 for entry in header["keys"]), default=0)
-            self._written_stamp = _stamp(self.coordinator)
-            self._summary = len(header["keys"]), header["run"]["number"] if header["run"] else 0
+            self._written_stamp, self._summary = _stamp(self.coordinator), _summary(header)
             run = self.coordinator.members.run
             log.info("restored %s, run %d, from %s", plural(len(header["keys"]), "key"), run.number if run else 0,
                      path, extra={"event": "snapshot_restored"})
@@ -422,13 +426,14 @@ class Snapshots:
             try:
                 self._sequence += 1
                 name = f"snapshot-{self._sequence:012d}.tkv"
-                if unchanged and await asyncio.to_thread(self._link, name, newest):
+                linked = unchanged and await asyncio.to_thread(self._link, name, newest)
+                if linked:
                     summary = self._summary
                 else:
                     engine = self.coordinator.engine
                     buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
                     header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile: copied anew
-                    summary = len(header["keys"]), header["run"]["number"] if header["run"] else 0
+                    summary = _summary(header)
                     write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays))
                     try:
                         await asyncio.shield(write)
@@ -441,11 +446,12 @@ class Snapshots:
                 self._failed(name, error)
                 raise
         self.last_written, self.last_written_time, self.last_error = name, time.time(), ""
-        self._written_stamp, self._summary = stamp, summary  # the stamp from before the copy: a change made
-        metrics.COUNTS.snapshots_written += 1                 # during it is written next time
+        # The stamp from before the copy: a change made during it is written next time.
+        self._written_stamp, self._summary = stamp, summary
+        metrics.COUNTS.snapshots_written += 1
         metrics.COUNTS.last_snapshot_time = self.last_written_time
         log.info("snapshot %s written: %s, run %d%s", name, plural(summary[0], "key"), summary[1],
-                 f" (nothing changed since {newest}: a link to its file)" if unchanged and self._links else "",
+                 f" (nothing changed since {newest}: a link to its file)" if linked else "",
                  extra={"event": "snapshot_written"})
         return name, *summary
 
