@@ -1,6 +1,7 @@
 """Real processes on 127.0.0.1, the way ps-lite's ``tests/local.sh S W`` runs them: S
 ``python -m tensorkv_server`` processes on free ports and W worker processes, every wait
 bounded, each process stopped by its own PID (SIGTERM, then SIGKILL)."""
+import contextlib
 import os
 import queue
 import signal
@@ -295,3 +296,16 @@ class DrivenWorker:
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGCONT)  # a paused worker must run to exit on SIGTERM
         stop(self.process)
+
+
+@contextlib.contextmanager
+def one_worker_store(kind, tmp_path, servers=1, **options):
+    """A 'local' store, or (``kind`` 'dist_sync') rank 0 of one worker on ``servers`` real
+    servers, made with ``options``."""
+    if kind == "local":
+        with tensorkv.create("local") as store:
+            yield store
+        return
+    with Cluster(servers=servers, num_workers=1, tmp_path=tmp_path) as cluster, \
+            tensorkv.create(kind, servers=cluster.addresses, **options) as store:
+        yield store

@@ -15,7 +15,7 @@ from tensorkv import lr_scheduler, states_file, states_wire
 from tensorkv.optimizer import SGD, Adam, Updater
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import WORKER_TIMEOUT, WORKERS, Cluster, check_workers
+from cluster import WORKER_TIMEOUT, WORKERS, Cluster, check_workers, one_worker_store
 
 ROUNDS = 14
 
@@ -155,13 +155,8 @@ def test_sgd_follows_the_schedule_on_local(name):
 @pytest.fixture(params=["local", "dist_sync"])
 def kv(request, tmp_path):
     """A 'local' store, or a dist_sync store whose 4-element keys are sliced over 2 real servers."""
-    if request.param == "local":
-        with tensorkv.create("local") as store:
-            yield store
-        return
-    with Cluster(servers=2, num_workers=1, tmp_path=tmp_path) as cluster:
-        with tensorkv.create("dist_sync", servers=cluster.addresses, bigarray_bound=2) as store:
-            yield store
+    with one_worker_store(request.param, tmp_path, servers=2, bigarray_bound=2) as store:
+        yield store
 
 
 W0 = np.array([1.0, -2.0, 0.5, 3.0])

@@ -1,5 +1,7 @@
 """Every optimizer against its MXNet 1.9 formula, computed here in plain Python, step by step."""
+import json
 import math
+import pathlib
 
 import ml_dtypes
 import numpy as np
@@ -284,6 +286,27 @@ def test_signum(momentum, wd_lh, wd, rescale, clip_at):
     opt = Signum(learning_rate=0.05, momentum=momentum, wd_lh=wd_lh, wd=wd, rescale_grad=rescale,
                  clip_gradient=clip_at)
     np.testing.assert_allclose(run(opt), expect_signum(0.05, momentum, wd_lh, wd, rescale, clip_at), rtol=1e-12)
+
+
+MXNET_BITS = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_optimizer_bits.json").read_text())
+
+
+def _hex_floats(hexes):
+    return np.array([float.fromhex(h) for h in hexes], np.float32)
+
+
+@pytest.mark.parametrize("case", MXNET_BITS["cases"],
+                         ids=[f"{case['name']}-{index}" for index, case in enumerate(MXNET_BITS["cases"])])
+def test_the_store_holds_mxnets_bits(case):
+    """8 pushes through the 'local' store give MXNet 1.9.1's float32 bits (its kernels' order of
+    operations, constants such as 1 - beta1 in float32); tests/data/mxnet_optimizer_bits.py
+    wrote the numbers with MXNet."""
+    with tensorkv.create("local") as kv:
+        kv.set_optimizer(optimizer.create(case["name"], **case["params"]))
+        kv.init(0, _hex_floats(MXNET_BITS["weight"]))
+        for grad in MXNET_BITS["grads"]:
+            kv.push(0, _hex_floats(grad))
+        np.testing.assert_array_equal(kv.pull(0), _hex_floats(case["expected"]))
 
 
 def test_mxnet_defaults():

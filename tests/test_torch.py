@@ -7,19 +7,14 @@ import pytest
 
 import tensorkv
 
-from cluster import Cluster, check_workers
+from cluster import Cluster, check_workers, one_worker_store
 
 torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(params=["local", "dist_sync"])
 def kv(request, tmp_path):
-    if request.param == "local":
-        with tensorkv.create("local") as store:
-            yield store
-        return
-    with Cluster(num_workers=1, tmp_path=tmp_path) as cluster, \
-            tensorkv.create("dist_sync", servers=cluster.addresses) as store:
+    with one_worker_store(request.param, tmp_path) as store:
         yield store
 
 

@@ -34,6 +34,7 @@ import re
 import numpy as np
 
 from .backend import array_module, empty
+from .codec import check_key
 from .kernels import Kernel, sum_into
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .lr_scheduler import LRScheduler
@@ -155,6 +156,8 @@ class Optimizer:
         self.clip_gradient = _bound("clip_gradient", clip_gradient)
         self.lr_scheduler = lr_scheduler
         self.multi_precision = _flag("multi_precision", multi_precision)
+        self.lr_mult = {}
+        self.wd_mult = {}
 
     @classmethod
     def parameter_names(cls):
@@ -170,7 +173,8 @@ class Optimizer:
 
     def __eq__(self, other):
         return isinstance(other, Optimizer) and \
-            (self.name, self.params, self.lr_scheduler) == (other.name, other.params, other.lr_scheduler)
+            (self.name, self.params, self.lr_scheduler, self.lr_mult, self.wd_mult) == \
+            (other.name, other.params, other.lr_scheduler, other.lr_mult, other.wd_mult)
 
     def __repr__(self):
         args = [f"{k}={v!r}" for k, v in self.params.items()]
@@ -195,11 +199,45 @@ class Optimizer:
                 "and set_learning_rate cannot change it, as in MXNet")
         self.learning_rate = _number("learning_rate", lr)
 
+    def set_lr_mult(self, args_lr_mult):
+        """Make ``{key: multiplier}`` the keys' learning-rate multipliers (MXNet's
+        ``Optimizer.set_lr_mult``; a key not in it keeps the optimizer's rate). A multiplier of
+        0 freezes a key; with an lr_scheduler the key's rate is the schedule's times its
+        multiplier. As MXNet's, a server gets the multipliers the optimizer has when
+        ``kv.set_optimizer`` sends it; an embedded store reads them at each update.
+
+        >>> sgd = SGD(learning_rate=0.1)
+        >>> sgd.set_lr_mult({'embedding': 0.0, 'fc': 2.0})
+        >>> sgd.learning_rate_of('fc', num_update=1), sgd.learning_rate_of('bias', num_update=1)
+        (0.2, 0.1)
+        """
+        self.lr_mult = _multipliers("lr_mult", args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        """Make ``{key: multiplier}`` the keys' weight-decay multipliers (MXNet's
+        ``Optimizer.set_wd_mult``), e.g. 0 for the biases; a key not in it keeps ``wd``.
+
+        >>> sgd = SGD(learning_rate=0.1, wd=0.01)
+        >>> sgd.set_wd_mult({'fc_bias': 0.0})
+        >>> sgd.wd_of('fc_bias'), sgd.wd_of('fc_weight')
+        (0.0, 0.01)
+        """
+        self.wd_mult = _multipliers("wd_mult", args_wd_mult)
+
     def learning_rate_at(self, num_update):
         """The learning rate of an update when the largest update count of any key is ``num_update``."""
         if self.lr_scheduler is None:
             return self.learning_rate
         return self.lr_scheduler.at(num_update, self.learning_rate)
+
+    def learning_rate_of(self, key, num_update):
+        """The learning rate of an update of ``key`` (MXNet's ``Optimizer._get_lr``): the rate
+        at ``num_update`` times the key's multiplier."""
+        return self.learning_rate_at(num_update) * self.lr_mult.get(key, 1.0)
+
+    def wd_of(self, key):
+        """The weight decay of ``key`` (MXNet's ``Optimizer._get_wd``): ``wd`` times its multiplier."""
+        return self.wd * self.wd_mult.get(key, 1.0)
 
     def state_names(self):
         """The names of the per-key state arrays the update keeps, in the order
@@ -224,27 +262,28 @@ class Optimizer:
         sum_into(master, [weight])
         return (master,) + states
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         """(statements, {scalar: value}) of the update, for this key's ``t``-th update at
-        learning rate ``lr`` (see :meth:`learning_rate_at`).
+        learning rate ``lr`` and weight decay ``wd`` (see :meth:`learning_rate_of`, :meth:`wd_of`).
 
         The statements read ``grad``, ``weight``, the states and the scalars, and assign
         ``weight`` and every state (see :class:`tensorkv.kernels.Kernel`).
         """
         raise NotImplementedError
 
-    def update(self, xp, weight, grad, state, t, lr):
-        """Update ``weight`` and ``state`` in place from ``grad`` at learning rate ``lr``; ``t``
-        counts this key's updates from 1. One fused kernel on a GPU; ``grad`` may be wider
-        than ``weight`` (the float32 sum of float16 pushes)."""
-        kernel, names, scalars = self.kernel(weight.dtype, t, lr)
+    def update(self, xp, weight, grad, state, t, lr, wd=None):
+        """Update ``weight`` and ``state`` in place from ``grad`` at learning rate ``lr`` and
+        weight decay ``wd`` (None: ``self.wd``); ``t`` counts this key's updates from 1. One
+        fused kernel on a GPU; ``grad`` may be wider than ``weight`` (the float32 sum of float16
+        pushes)."""
+        kernel, names, scalars = self.kernel(weight.dtype, t, lr, wd)
         arrays = dict(zip(names, state), weight=weight, grad=grad)
         kernel(arrays, scalars, _compute_dtype(weight.dtype))
 
-    def kernel(self, dtype, t, lr):
+    def kernel(self, dtype, t, lr, wd=None):
         """(the Kernel, the names of its state arrays in order, its scalars) of the ``t``-th
-        update at ``lr`` of a weight of ``dtype``."""
-        body, scalars = self.step(t, lr)
+        update at ``lr`` and ``wd`` (None: ``self.wd``) of a weight of ``dtype``."""
+        body, scalars = self.step(t, lr, self.wd if wd is None else wd)
         names = self.state_names()
         if self._keeps_master(dtype):  # the same statements on the master copy, then rounded into weight
             body, names = _WEIGHT.sub("master", body) + "\nweight = master", ("master",) + names
@@ -259,8 +298,8 @@ class Optimizer:
             lines.append("g = clip(g, clip_gradient)")
         return lines
 
-    def _scalars(self, **more):
-        scalars = {"rescale_grad": self.rescale_grad, "wd": self.wd}
+    def _scalars(self, wd, **more):
+        scalars = {"rescale_grad": self.rescale_grad, "wd": wd}
         if self.clip_gradient is not None:
             scalars["clip_gradient"] = self.clip_gradient
         scalars.update(more)
@@ -268,6 +307,13 @@ class Optimizer:
 
 
 _WEIGHT = re.compile(r"\bweight\b")
+
+
+def _multipliers(name, multipliers):
+    """``{key: float}`` from a mapping of keys to finite numbers; InvalidArgumentError naming the key otherwise."""
+    if not isinstance(multipliers, dict):
+        raise InvalidArgumentError(f"{name} must be a dict of key to multiplier, got {type(multipliers).__name__}")
+    return {check_key(key): _number(f"{name} of key {key_repr(key)}", value) for key, value in multipliers.items()}
 
 
 def _flag(name, value):
@@ -286,13 +332,14 @@ def _statements(*lines):
 
 
 class SGD(Optimizer):
-    """Stochastic gradient descent with momentum and weight decay (MXNet's ``sgd_update`` /
-    ``sgd_mom_update``)::
+    """Stochastic gradient descent with momentum and weight decay (MXNet's ``multi_sgd_update``
+    / ``multi_sgd_mom_update``, which MXNet's store runs for SGD)::
 
         g = clip(rescale_grad * grad, clip_gradient)
-        momentum == 0:  weight = (1 - lr * wd) * weight - lr * g
-        momentum != 0:  mom = momentum * mom - lr * wd * weight - lr * g
-                        weight = weight + mom
+        mom = momentum * mom - lr * wd * weight - lr * g    (mom is 0 before it when momentum is 0)
+        weight = weight + mom
+
+    Without clipping, ``lr * g`` is ``(lr * rescale_grad) * grad``, as in MXNet's kernel.
 
     >>> sgd = SGD(learning_rate=0.1, momentum=0.9, wd=0.0, rescale_grad=1.0)
     >>> sgd.name, sgd.params['learning_rate']
@@ -309,13 +356,17 @@ class SGD(Optimizer):
     def state_names(self):
         return ("mom",) if self.momentum != 0 else ()
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         if self.momentum == 0:
-            return _statements(*self._gradient(), "weight = keep * weight - lr * g"), \
-                self._scalars(lr=lr, keep=1 - lr * self.wd)
-        return _statements(*self._gradient(), "mom = momentum * mom - lr_wd * weight - lr * g",
-                           "weight = weight + mom"), \
-            self._scalars(lr=lr, lr_wd=lr * self.wd, momentum=self.momentum)
+            return f"weight = weight + (0 - lr * wd * weight - {self._scaled_gradient()})", self._scalars(wd, lr=lr)
+        return _statements(f"mom = momentum * mom - lr * wd * weight - {self._scaled_gradient()}",
+                           "weight = weight + mom"), self._scalars(wd, lr=lr, momentum=self.momentum)
+
+    def _scaled_gradient(self):
+        """``lr`` times the gradient, in the order of MXNet's SGD kernels' operations."""
+        if self.clip_gradient is None:
+            return "lr * rescale_grad * grad"
+        return "lr * clip(rescale_grad * grad, clip_gradient)"
 
 
 class Adam(Optimizer):
@@ -344,15 +395,14 @@ class Adam(Optimizer):
     def state_names(self):
         return ("mean", "var")
 
-    def step(self, t, lr):
-        lr_t = lr * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
+    def step(self, t, lr, wd):
+        lr_t = lr * (math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t))  # grouped as MXNet does
         return _statements(
             *self._gradient(with_wd=True),
-            "mean = beta1 * mean + one_minus_beta1 * g",
-            "var = beta2 * var + one_minus_beta2 * g * g",
+            "mean = beta1 * mean + (1 - beta1) * g",  # 1 - beta1 in the kernel's dtype, as MXNet's adam_update
+            "var = beta2 * var + (1 - beta2) * g * g",
             "weight = weight - lr_t * mean / (sqrt(var) + epsilon)",
-        ), self._scalars(beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
-                         one_minus_beta2=1 - self.beta2, lr_t=lr_t, epsilon=self.epsilon)
+        ), self._scalars(wd, beta1=self.beta1, beta2=self.beta2, lr_t=lr_t, epsilon=self.epsilon)
 
 
 class AdaGrad(Optimizer):
@@ -378,12 +428,12 @@ class AdaGrad(Optimizer):
     def state_names(self):
         return ("history",)
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         return _statements(
             *self._gradient(),
             "history = history + g * g",
             "weight = weight - lr * (g / sqrt(history + eps) + wd * weight)",
-        ), self._scalars(lr=lr, eps=self.eps)
+        ), self._scalars(wd, lr=lr, eps=self.eps)
 
 
 class RMSProp(Optimizer):
@@ -419,17 +469,20 @@ class RMSProp(Optimizer):
     def state_names(self):
         return ("n", "mean", "delta") if self.centered else ("n",)
 
-    def step(self, t, lr):
-        lines = [*self._gradient(with_wd=True), "n = one_minus_gamma1 * g * g + gamma1 * n"]
-        scalars = self._scalars(lr=lr, gamma1=self.gamma1, one_minus_gamma1=1 - self.gamma1,
-                                epsilon=self.epsilon)
+    def step(self, t, lr, wd):
+        # the operations grouped as in MXNet's rmspropalex_update / rmsprop_update, 1 - gamma1 in
+        # the kernel's dtype as there, so that the numbers are MXNet's
+        lines = self._gradient(with_wd=True)
+        scalars = self._scalars(wd, lr=lr, gamma1=self.gamma1, epsilon=self.epsilon)
         if self.centered:
-            lines += ["mean = one_minus_gamma1 * g + gamma1 * mean",
+            lines += ["n = (1 - gamma1) * g * g + gamma1 * n",
+                      "mean = (1 - gamma1) * g + gamma1 * mean",
                       "delta = gamma2 * delta - lr * g / sqrt(n - mean * mean + epsilon)",
                       "weight = weight + delta"]
             scalars["gamma2"] = self.gamma2
         else:
-            lines.append("weight = weight - lr * g / sqrt(n + epsilon)")
+            lines += ["n = (1 - gamma1) * (g * g) + gamma1 * n",
+                      "weight = weight - lr * (g / sqrt(n + epsilon))"]
         if self.clip_weights is not None:
             lines.append("weight = clip(weight, clip_weights)")
             scalars["clip_weights"] = self.clip_weights
@@ -462,14 +515,14 @@ class Signum(Optimizer):
     def state_names(self):
         return ("mom",) if self.momentum != 0 else ()
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         if self.momentum == 0:
-            return "weight = keep * weight - lr * sign(grad)", {"lr": lr, "keep": 1 - lr * self.wd}
+            return "weight = keep * weight - lr * sign(grad)", {"lr": lr, "keep": 1 - lr * wd}
         return _statements(
             *self._gradient(),
             "mom = momentum * mom - one_minus_momentum * (wd * weight + g)",
             "weight = keep * weight + lr * sign(mom)",
-        ), self._scalars(lr=lr, momentum=self.momentum, one_minus_momentum=1 - self.momentum,
+        ), self._scalars(wd, lr=lr, momentum=self.momentum, one_minus_momentum=1 - self.momentum,
                          keep=1 - lr * self.wd_lh)
 
 
@@ -491,15 +544,15 @@ class NAG(SGD):
 
     name = "nag"
 
-    def step(self, t, lr):
-        if self.momentum == 0:
-            return super().step(t, lr)
+    def step(self, t, lr, wd):
+        if self.momentum == 0:  # MXNet's sgd_update: not the kernel SGD's store runs
+            return f"weight = (1 - lr * wd) * weight - {self._scaled_gradient()}", self._scalars(wd, lr=lr)
         return _statements(
             *self._gradient(),
             "mom = momentum * mom",
             "weight = weight - mom + (momentum + 1) * (mom - lr * (g + wd * weight))",
             "mom = mom - lr * (g + wd * weight)",
-        ), self._scalars(lr=lr, momentum=self.momentum)
+        ), self._scalars(wd, lr=lr, momentum=self.momentum)
 
 
 class AdaDelta(Optimizer):
@@ -526,14 +579,14 @@ class AdaDelta(Optimizer):
     def state_names(self):
         return ("acc_g", "acc_delta")
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         return _statements(
             *self._gradient(),
             "acc_g = rho * acc_g + one_minus_rho * g * g",
             "delta = sqrt(acc_delta + epsilon) / sqrt(acc_g + epsilon) * g",
             "acc_delta = rho * acc_delta + one_minus_rho * delta * delta",
             "weight = weight - (delta + wd * weight)",
-        ), self._scalars(rho=self.rho, one_minus_rho=1 - self.rho, epsilon=self.epsilon)
+        ), self._scalars(wd, rho=self.rho, one_minus_rho=1 - self.rho, epsilon=self.epsilon)
 
 
 class Adamax(Optimizer):
@@ -559,13 +612,13 @@ class Adamax(Optimizer):
     def state_names(self):
         return ("mean", "norm")
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         return _statements(
             *self._gradient(with_wd=True),
             "mean = beta1 * mean + one_minus_beta1 * g",
             "norm = maximum(beta2 * norm, abs(g))",
             "weight = weight - lr_t * mean / norm",
-        ), self._scalars(beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
+        ), self._scalars(wd, beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
                          lr_t=lr / (1 - self.beta1 ** t))
 
 
@@ -603,7 +656,7 @@ class Nadam(Optimizer):
     def _momentum(self, t):
         return self.beta1 * (1.0 - 0.5 * 0.96 ** (t * self.schedule_decay))
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         schedule = _momentum_schedule(self.beta1, self.schedule_decay, t)
         momentum, momentum_next = self._momentum(t), self._momentum(t + 1)
         return _statements(
@@ -612,7 +665,7 @@ class Nadam(Optimizer):
             "var = beta2 * var + one_minus_beta2 * g * g",
             "m_bar = one_minus_momentum * (g / one_minus_schedule) + momentum_next * (mean / one_minus_schedule_next)",
             "weight = weight - lr * m_bar / (sqrt(var / one_minus_beta2_t) + epsilon)",
-        ), self._scalars(beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
+        ), self._scalars(wd, beta1=self.beta1, one_minus_beta1=1 - self.beta1, beta2=self.beta2,
                          one_minus_beta2=1 - self.beta2, one_minus_momentum=1 - momentum,
                          one_minus_schedule=1 - schedule, momentum_next=momentum_next,
                          one_minus_schedule_next=1 - schedule * momentum_next, one_minus_beta2_t=1 - self.beta2 ** t,
@@ -661,13 +714,13 @@ class Ftrl(Optimizer):
     def state_names(self):
         return ("z", "n")
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         return _statements(
             *self._gradient(),
             "z = z + (g - (sqrt(n + g * g) - sqrt(n)) * weight / lr)",
             "n = n + g * g",
             "weight = (sign(z) * lamda1 - z) / ((beta + sqrt(n)) / lr + wd) * above(abs(z), lamda1)",
-        ), self._scalars(lr=lr, lamda1=self.lamda1, beta=self.beta)
+        ), self._scalars(wd, lr=lr, lamda1=self.lamda1, beta=self.beta)
 
 
 class FTML(Optimizer):
@@ -698,7 +751,7 @@ class FTML(Optimizer):
     def state_names(self):
         return ("d", "v", "z")
 
-    def step(self, t, lr):
+    def step(self, t, lr, wd):
         return _statements(
             *self._gradient(with_wd=True),
             "v = beta2 * v + (1 - beta2) * (g * g)",
@@ -706,7 +759,7 @@ class FTML(Optimizer):
             "z = beta1 * z + (1 - beta1) * g - (d_t - beta1 * d) * weight",
             "d = d_t",
             "weight = -z / d_t",
-        ), self._scalars(lr=lr, beta1=self.beta1, beta2=self.beta2, beta1_t=_power32(self.beta1, t),
+        ), self._scalars(wd, lr=lr, beta1=self.beta1, beta2=self.beta2, beta1_t=_power32(self.beta1, t),
                          beta2_t=_power32(self.beta2, t), epsilon=self.epsilon)
 
 
@@ -719,10 +772,12 @@ def _power32(base, t):
 OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, Adamax, Nadam, AdaGrad, AdaDelta, RMSProp, Signum, Ftrl, FTML)}
 
 
-def create(name, lr_scheduler=None, **params):
-    """The optimizer called ``name`` (case-insensitive) with hyper-parameters ``params``.
+def create(name, lr_scheduler=None, lr_mult=None, wd_mult=None, **params):
+    """The optimizer called ``name`` (case-insensitive) with hyper-parameters ``params`` (and
+    the keys' multipliers, as :meth:`Optimizer.set_lr_mult` and :meth:`Optimizer.set_wd_mult`).
 
-    This is how a server rebuilds an optimizer from ``(opt.name, opt.params, opt.lr_scheduler)``.
+    This is how a server rebuilds an optimizer from ``(opt.name, opt.params, opt.lr_scheduler,
+    opt.lr_mult, opt.wd_mult)``.
 
     >>> create('adam', learning_rate=0.01)
     Adam(learning_rate=0.01, beta1=0.9, beta2=0.999, epsilon=1e-08, wd=0.0, rescale_grad=1.0)
@@ -736,7 +791,16 @@ def create(name, lr_scheduler=None, **params):
             f"optimizer {cls.name!r} has no parameter {_shown(unknown)}; "
             f"its parameters are {', '.join(cls.parameter_names())}"
         )
-    return cls(**params, lr_scheduler=lr_scheduler)
+    optimizer = cls(**params, lr_scheduler=lr_scheduler)
+    optimizer.set_lr_mult(lr_mult or {})
+    optimizer.set_wd_mult(wd_mult or {})
+    return optimizer
+
+
+def copy(optimizer):
+    """A new optimizer equal to ``optimizer``."""
+    return create(optimizer.name, lr_scheduler=optimizer.lr_scheduler, lr_mult=optimizer.lr_mult,
+                  wd_mult=optimizer.wd_mult, **optimizer.params)
 
 
 def _shown(names, most=5, chars=40):
@@ -800,13 +864,13 @@ class Updater:
             )
 
     def __call__(self, key, grad, weight):
-        self._step(key, weight, lambda xp, state, t, lr: self.optimizer.update(xp, weight, grad, state, t, lr))
+        self._step(key, weight, lambda xp, state, t, lr, wd: self.optimizer.update(xp, weight, grad, state, t, lr, wd))
 
     def update_each(self, updates):
         """``self(key, grad, weight)`` for each (key, grad, weight) of ``updates``, in order, with
         the same results: on NumPy, where a kernel call costs tens of µs whatever its size, small
         values (GATHER_MAX_BYTES at most) whose updates share their scalars (``t``, learning
-        rate) and dtypes are gathered into one array per input, GATHER_GROUP_BYTES of weights at
+        rate, weight decay) and dtypes are gathered into one array per input, GATHER_GROUP_BYTES of weights at
         most, updated by one kernel call and written back. A key is counted once its update ran;
         a key given twice is updated twice, in order."""
         groups, num_update, seen = {}, self.num_update, set()
@@ -817,33 +881,33 @@ class Updater:
             seen.add(key)
             xp, state, t, _ = self._next(key, weight)
             num_update = max(num_update, t)  # as each earlier key's update left it
-            lr = self.optimizer.learning_rate_at(num_update)
+            lr, wd = self.optimizer.learning_rate_of(key, num_update), self.optimizer.wd_of(key)
             small = xp is np and weight.nbytes <= GATHER_MAX_BYTES and weight.flags.c_contiguous \
                 and all(array.flags.c_contiguous for array in state)
-            group = (t, lr, weight.dtype, grad.dtype) if small else (key,)
-            groups.setdefault(group, (xp, t, lr, []))[3].append((key, grad, weight, state, num_update))
+            group = (t, lr, wd, weight.dtype, grad.dtype) if small else (key,)
+            groups.setdefault(group, (xp, t, lr, wd, []))[4].append((key, grad, weight, state, num_update))
         self._run_groups(groups)
 
     def _run_groups(self, groups):
         """Run the kernels of :meth:`update_each`'s ``groups``; count each group's keys after its
         kernel ran."""
-        for xp, t, lr, members in groups.values():
+        for xp, t, lr, wd, members in groups.values():
             for chunk in _chunks(members):
                 if len(chunk) == 1:
                     _, grad, weight, state, _ = chunk[0]
-                    self.optimizer.update(xp, weight, grad, state, t, lr)
+                    self.optimizer.update(xp, weight, grad, state, t, lr, wd)
                 else:
-                    self._update_gathered(chunk, t, lr)
+                    self._update_gathered(chunk, t, lr, wd)
                 for key, _, _, _, num_update in chunk:
                     self._count(key, t, max(self.num_update, num_update))
 
-    def _update_gathered(self, members, t, lr):
+    def _update_gathered(self, members, t, lr, wd):
         """One kernel call over the (key, grad, weight, state, _) ``members`` (C-contiguous NumPy
         arrays), gathered end to end; the weights and states written back."""
         flat = [[array.reshape(-1) for array in (weight, *state)] for _, _, weight, state, _ in members]
         gathered = [np.concatenate(column) for column in zip(*flat)]
         grad = np.concatenate([grad.reshape(-1) for _, grad, _, _, _ in members])
-        self.optimizer.update(np, gathered[0], grad, gathered[1:], t, lr)
+        self.optimizer.update(np, gathered[0], grad, gathered[1:], t, lr, wd)
         start = 0
         for arrays in flat:
             end = start + arrays[0].size
@@ -855,18 +919,18 @@ class Updater:
         """The lazy update (MXNet's ``lazy_update``): ``grad``, full-width rows of the distinct
         row ``ids`` of a value of ``shape``, updates only those rows of ``weight`` (the value,
         or its elements ``slice``) and of its states. It counts as one update of the key."""
-        def update(xp, state, t, lr):
+        def update(xp, state, t, lr, wd):
             views = [Rows(array, shape, slice) for array in (weight, *state)]
             gathered = [view.gather(ids) for view in views]
-            self.optimizer.update(xp, gathered[0], grad, gathered[1:], t, lr)
+            self.optimizer.update(xp, gathered[0], grad, gathered[1:], t, lr, wd)
             for view, array in zip(views, gathered):
                 view.scatter(ids, array)
         self._step(key, weight, update)
 
     def _step(self, key, weight, update):
-        """``update(xp, state, t, lr)`` for the next update of ``key``, then count it."""
+        """``update(xp, state, t, lr, wd)`` for the next update of ``key``, then count it."""
         xp, state, t, num_update = self._next(key, weight)
-        update(xp, state, t, self.optimizer.learning_rate_at(num_update))
+        update(xp, state, t, self.optimizer.learning_rate_of(key, num_update), self.optimizer.wd_of(key))
         self._count(key, t, num_update)
 
     def _next(self, key, weight):
@@ -889,7 +953,7 @@ class Updater:
         (set_optimizer with a new schedule starts fresh states). The optimizer given to
         set_optimizer is left as it was: a copy takes the new rate.
         """
-        optimizer = create(self.optimizer.name, lr_scheduler=self.optimizer.lr_scheduler, **self.optimizer.params)
+        optimizer = copy(self.optimizer)
         optimizer.set_learning_rate(lr)
         self.optimizer = optimizer
 

@@ -48,10 +48,12 @@ def save(fname, optimizer, states):
 
 
 def optimizer_header(optimizer):
-    """The JSON-ready description of ``optimizer``: name, params and lr_scheduler."""
+    """The JSON-ready description of ``optimizer``: name, params, lr_scheduler and the keys'
+    multipliers (as [key, multiplier] pairs: a JSON object's names would turn int keys into str)."""
     schedule = optimizer.lr_scheduler
     return {"name": optimizer.name, "params": optimizer.params,
-            "lr_scheduler": schedule and {"name": schedule.name, "params": schedule.params}}
+            "lr_scheduler": schedule and {"name": schedule.name, "params": schedule.params},
+            "lr_mult": list(optimizer.lr_mult.items()), "wd_mult": list(optimizer.wd_mult.items())}
 
 
 def optimizer_from_header(description):
@@ -59,7 +61,8 @@ def optimizer_from_header(description):
     schedule = description.get("lr_scheduler")
     if schedule is not None:
         schedule = lr_scheduler.create(schedule["name"], **schedule["params"])
-    return create(description["name"], lr_scheduler=schedule, **description["params"])
+    return create(description["name"], lr_scheduler=schedule, lr_mult=dict(description.get("lr_mult", ())),
+                  wd_mult=dict(description.get("wd_mult", ())), **description["params"])
 
 
 def load(fname):
@@ -86,7 +89,7 @@ def load(fname):
                 raise InvalidArgumentError(f"bad entry {entry}")
             states[check_key(entry["key"])] = (num_update, [arrays.pop(f"state_{index + i}") for i in range(count)])
             index += count
-    except (KeyError, TypeError, AttributeError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise InvalidArgumentError(f"{fname}: malformed optimizer-states header ({error!r})") from None
     except InvalidArgumentError as error:
         raise InvalidArgumentError(f"{fname}: {error}") from None

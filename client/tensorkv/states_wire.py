@@ -42,6 +42,9 @@ def set_optimizer(message, optimizer):
     """Fill the Optimizer ``message`` from ``optimizer``."""
     message.name = optimizer.name
     message.params.update(optimizer.params)
+    for field, multipliers in ((message.lr_mult, optimizer.lr_mult), (message.wd_mult, optimizer.wd_mult)):
+        for key, multiplier in multipliers.items():
+            codec.set_key(field.add(multiplier=multiplier).key, key)
     schedule = optimizer.lr_scheduler
     if schedule is not None:
         message.lr_scheduler.name = schedule.name
@@ -62,7 +65,19 @@ def get_optimizer(message):
         if message.lr_scheduler.steps:
             params["step"] = list(message.lr_scheduler.steps)
         schedule = lr_scheduler.create(message.lr_scheduler.name, **params)
-    return optimizers.create(message.name, lr_scheduler=schedule, **message.params)
+    return optimizers.create(message.name, lr_scheduler=schedule, lr_mult=_multipliers(message.lr_mult, "lr_mult"),
+                             wd_mult=_multipliers(message.wd_mult, "wd_mult"), **message.params)
+
+
+def _multipliers(field, name):
+    """``{key: multiplier}`` of a repeated KeyMultiplier ``field``; a key twice is refused."""
+    multipliers = {}
+    for entry in field:
+        key = codec.check_key(codec.get_key(entry.key))
+        if key in multipliers:
+            raise InvalidArgumentError(f"key {key_repr(key)} appears twice in the optimizer's {name}")
+        multipliers[key] = entry.multiplier
+    return multipliers
 
 
 def _group(key_states, items):
