@@ -39,6 +39,9 @@ OPTIMIZERS = [
     ("nadam", dict(wd=0.01)),
     ("ftrl", dict(lamda1=0.1)),
     ("ftml", dict(learning_rate=0.01)),
+    ("lamb", dict(learning_rate=0.01, wd=0.01)),  # two passes and a norm (kernels.l2_norm) on the GPU
+    ("lamb", dict(learning_rate=0.01, multi_precision=True)),
+    ("dcasgd", dict(learning_rate=0.1, momentum=0.9, wd=0.01)),
 ]
 
 

@@ -164,6 +164,10 @@ OPTIMIZERS = [
     optimizer.FTML(learning_rate=0.01, wd=0.01),
     optimizer.SGD(learning_rate=0.1, momentum=0.9, multi_precision=True),  # the master-copy kernels
     optimizer.Adam(learning_rate=0.01, multi_precision=True),
+    optimizer.LAMB(learning_rate=0.01, wd=0.01, clip_gradient=1.0),  # two passes: direction_kernel, step_kernel
+    optimizer.LAMB(bias_correction=False, multi_precision=True),
+    optimizer.DCASGD(learning_rate=0.1, wd=0.01),
+    optimizer.DCASGD(learning_rate=0.1, momentum=0.9, clip_gradient=0.5, multi_precision=True),
 ]
 # (weight dtype, grad dtype): low-precision weights also take the float32 sum of their pushes.
 OPTIMIZER_DTYPES = [("float32", "float32"), ("float64", "float64"), ("float16", "float16"),
@@ -179,6 +183,14 @@ def _random(rng, dtype, size):
     return (rng.standard_normal(size) * 2).astype(dtype)
 
 
+def _passes(opt, dtype):
+    """[(Kernel, scalars)] of each pass of ``opt``'s update of a weight of ``dtype``."""
+    if isinstance(opt, optimizer.LAMB):
+        return [opt.direction_kernel(dtype, t=3, wd=opt.wd), opt.step_kernel(dtype, lr=0.01)]
+    kernel, _, scalars = opt.kernel(dtype, t=3, lr=opt.learning_rate)
+    return [(kernel, scalars)]
+
+
 def _cases():
     """(Kernel, {name: array}, {name: scalar}, compute dtype) covering every kernel the
     product runs, each in every dtype it runs in."""
@@ -186,11 +198,13 @@ def _cases():
     size = 4099
     for opt, (weight_dtype, grad_dtype) in itertools.product(OPTIMIZERS, OPTIMIZER_DTYPES):
         compute = optimizer._compute_dtype(np.dtype(weight_dtype))
-        kernel, names, scalars = opt.kernel(np.dtype(weight_dtype), t=3, lr=opt.learning_rate)
-        arrays = {"weight": _random(rng, weight_dtype, size), "grad": _random(rng, grad_dtype, size)}
-        for name in names:
-            arrays[name] = np.abs(_random(rng, compute, size))  # variances are not negative
-        yield f"{opt!r}-{np.dtype(weight_dtype)}-{np.dtype(grad_dtype)}", kernel, arrays, scalars, compute
+        for kernel, scalars in _passes(opt, np.dtype(weight_dtype)):
+            given = {"weight": weight_dtype, "grad": grad_dtype}
+            # the states and LAMB's direction in the compute dtype, not negative (variances are not)
+            arrays = {name: _random(rng, given[name], size) if name in given else np.abs(_random(rng, compute, size))
+                      for name in kernel.inputs + kernel.outputs}
+            yield f"{opt!r}-{kernel.name}-{np.dtype(weight_dtype)}-{np.dtype(grad_dtype)}", kernel, arrays, scalars, \
+                compute
     for (count, accumulate), kernel in kernels._SUMS.items():
         for dtype in SUM_DTYPES + ["float16", BF16]:
             compute = np.dtype(np.float32) if np.dtype(dtype) in (np.float16, BF16) else np.dtype(dtype)
@@ -220,8 +234,7 @@ def test_every_kernel_computes_in_cpp_what_numpy_computes(tmp_path):
         order = list(kernel.inputs) + list(kernel.outputs)
         pointers = (ctypes.c_void_p * len(order))(*[_as_kernel_sees(got[name]).ctypes.data for name in order])
         values = (ctypes.c_double * max(1, len(kernel.scalars)))(*[scalars[name] for name in kernel.scalars])
-        getattr(library, f"case{index}")(pointers, values, ctypes.c_longlong(arrays["total" if "total" in arrays
-                                                                                   else "weight"].size))
+        getattr(library, f"case{index}")(pointers, values, ctypes.c_longlong(next(iter(arrays.values())).size))
         for name in kernel.outputs:
             want, have = _as_kernel_sees(expected[name]), _as_kernel_sees(got[name])
             assert np.array_equal(have, want) or np.array_equal(
@@ -291,6 +304,29 @@ def test_outputs_read_before_assignment_are_loaded_and_temporaries_are_not():
         "p_y = tk_bf16_store((float)v_y);",
         "p_z = (float)v_z;",
     ]
+
+
+def test_wide_computes_in_double_and_rounds_once():
+    """``wide(x)``: every operation inside in double, as C++ computes a float expression that
+    meets a double (MXNet's LAMB direction), then rounded to the compute dtype."""
+    kernel = Kernel("k", "x", "y", "a", "y = wide(x / 3 + a * x) * 2")
+    assert kernel.cuda_source({"x": np.dtype(np.float32), "y": np.dtype(np.float32)}, np.float32)[2].splitlines()[1] \
+        == "float v_y = (((float)((((double)v_x) / 3.0) + (((double)s_a) * ((double)v_x)))) * 2.0f);"
+    x = np.random.default_rng(5).standard_normal(1000).astype(np.float32)
+    y = np.empty_like(x)
+    kernel({"x": x, "y": y}, {"a": 0.1}, np.float32)
+    wide = (x.astype(np.float64) / 3 + np.float64(np.float32(0.1)) * x.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(y, wide * np.float32(2))
+    assert not np.array_equal(y, (x / np.float32(3) + np.float32(0.1) * x) * np.float32(2))  # float32 differs
+
+
+@pytest.mark.parametrize("dtype", ["float16", BF16, "float32", "float64"])
+def test_l2_norm_sums_squares_in_float64_chunk_by_chunk(dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "NORM_CHUNK", 7)
+    x = np.random.default_rng(6).standard_normal(100).astype(dtype)
+    wide = x.astype(np.float64)
+    assert kernels.l2_norm(np, x.reshape(4, 25)) == pytest.approx(np.sqrt(np.dot(wide, wide)), rel=1e-15)
+    assert kernels.l2_norm(np, np.zeros((0, 3), dtype)) == 0.0
 
 
 def test_numpy_evaluation_writes_outputs_in_place_and_leaves_inputs():

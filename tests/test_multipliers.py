@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import states_file, states_wire
+from tensorkv import optimizer, states_file, states_wire
 from tensorkv.ctl import Server
 from tensorkv.optimizer import SGD, Adam, Updater
 from tensorkv.security import Security
@@ -134,7 +134,8 @@ def test_a_key_twice_among_the_multipliers_on_the_wire_is_invalid_argument(tmp_p
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda opt: opt.set_lr_mult({"w": float("nan")}), tensorkv.InvalidArgumentError, "lr_mult of key 'w'=nan is not finite"),
+    (lambda opt: opt.set_lr_mult({"w": float("nan")}), tensorkv.InvalidArgumentError,
+     "lr_mult of key 'w'=nan is not finite"),
     (lambda opt: opt.set_wd_mult({"w": "0"}), tensorkv.InvalidArgumentError, "wd_mult of key 'w'='0' is not a number"),
     (lambda opt: opt.set_lr_mult({1.5: 1.0}), tensorkv.KeyTypeError, "key 1.5 has type float"),
     (lambda opt: opt.set_wd_mult([("w", 0.0)]), tensorkv.InvalidArgumentError, "wd_mult must be a dict"),
@@ -153,3 +154,25 @@ def test_an_updater_reads_the_multipliers_at_each_update_as_mxnets_local_store_d
     opt.set_lr_mult({"w": 0.0})
     updater("w", np.ones(2, np.float32), weight)
     np.testing.assert_array_equal(weight, [-0.5, -0.5])
+
+
+@pytest.mark.parametrize("name", sorted(optimizer.OPTIMIZERS))
+def test_every_optimizer_takes_a_keys_multipliers_as_its_own_rate_and_decay(name):
+    """A key with lr_mult 2 and wd_mult 0 is updated as by the same optimizer at twice the rate
+    and no weight decay, bit for bit; a key without multipliers as by the optimizer itself."""
+    opt = optimizer.create(name, learning_rate=0.01, wd=0.1)
+    opt.set_lr_mult({"scaled": 2.0})
+    opt.set_wd_mult({"scaled": 0.0})
+    reference = {"scaled": optimizer.create(name, learning_rate=0.02, wd=0.0),
+                 "plain": optimizer.create(name, learning_rate=0.01, wd=0.1)}
+    updater = Updater(opt)
+    references = {key: Updater(reference[key]) for key in reference}
+    weights = {key: np.linspace(-1, 1, 8, dtype=np.float32) for key in reference}
+    expected = {key: weight.copy() for key, weight in weights.items()}
+    for step in range(1, 4):
+        grads = {key: np.linspace(0.5, -0.25, 8, dtype=np.float32) * step for key in reference}
+        updater.update_each([(key, grads[key], weights[key]) for key in reference])
+        for key in reference:
+            references[key](key, grads[key], expected[key])
+    for key in reference:
+        np.testing.assert_array_equal(weights[key], expected[key])

@@ -9,7 +9,9 @@ import pytest
 
 import tensorkv
 from tensorkv import optimizer
-from tensorkv.optimizer import FTML, NAG, SGD, AdaDelta, AdaGrad, Adam, Adamax, Ftrl, Nadam, RMSProp, Signum, Updater
+from tensorkv.optimizer import (
+    DCASGD, FTML, LAMB, NAG, SGD, AdaDelta, AdaGrad, Adam, Adamax, Ftrl, Nadam, RMSProp, Signum, Updater,
+)
 
 WEIGHT = [0.5, -1.0, 2.0, 0.0]
 GRADS = [[0.1, -0.3, 2.5, 0.0], [-1.2, 0.4, 0.05, 3.0], [0.7, 0.7, -2.2, -0.1]]
@@ -242,6 +244,154 @@ def test_ftml(beta1, wd, rescale, clip_at):
     np.testing.assert_allclose(run(opt), expect_ftml(0.05, beta1, 0.999, 1e-8, wd, rescale, clip_at), rtol=1e-12)
 
 
+def expect_lamb(lr, beta1, beta2, eps, lower, upper, bias_correction, wd, rescale, clip_at):
+    """MXNet 1.9's multi_lamb_update (what its Updater runs), whose powers are float32 ones."""
+    w, m, v, out = list(WEIGHT), [0.0] * 4, [0.0] * 4, []
+    for t, grad in enumerate(GRADS, start=1):
+        beta1_t, beta2_t = (float(np.float32(beta) ** np.float32(t)) for beta in (beta1, beta2))
+        direction = []
+        for i, g in enumerate(grad):
+            g = clip(rescale * g, clip_at)
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            mean, var = (m[i] / (1 - beta1_t), v[i] / (1 - beta2_t)) if bias_correction else (m[i], v[i])
+            direction.append(mean / (math.sqrt(var) + eps) + wd * w[i])
+        r1, r2 = math.sqrt(sum(x * x for x in w)), math.sqrt(sum(x * x for x in direction))
+        r1 = r1 if lower is None else max(r1, lower)
+        r1 = r1 if upper is None else min(r1, upper)
+        trusted = lr if r1 == 0 or r2 == 0 else lr * (r1 / r2)
+        w = [x - trusted * d for x, d in zip(w, direction)]
+        out.append(list(w))
+    return out
+
+
+def expect_dcasgd(lr, momentum, lamda, wd, rescale, clip_at):
+    w, mom, previous, out = list(WEIGHT), [0.0] * 4, list(WEIGHT), []
+    for grad in GRADS:
+        for i, g in enumerate(grad):
+            g = clip(rescale * g, clip_at)
+            mom[i] = momentum * mom[i] - lr * (g + wd * w[i] + lamda * g * g * (w[i] - previous[i]))
+            previous[i] = w[i]
+            w[i] += mom[i]
+        out.append(list(w))
+    return out
+
+
+@pytest.mark.parametrize("lower, upper, bias_correction, wd, rescale, clip_at", [
+    (None, None, True, 0.0, 1.0, None), (0.5, 3.0, True, 0.01, 0.5, 0.8), (None, 1.0, False, 0.1, 2.0, None),
+    (5.0, None, True, 0.0, 1.0, None),
+])
+def test_lamb(lower, upper, bias_correction, wd, rescale, clip_at):
+    opt = LAMB(learning_rate=0.05, beta1=0.8, beta2=0.99, epsilon=1e-5, lower_bound=lower, upper_bound=upper,
+               bias_correction=bias_correction, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    expected = expect_lamb(0.05, 0.8, 0.99, 1e-5, lower, upper, bias_correction, wd, rescale, clip_at)
+    np.testing.assert_allclose(run(opt), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("momentum, lamda, wd, rescale, clip_at", [
+    (0.0, 0.04, 0.0, 1.0, None), (0.0, 0.2, 0.01, 0.5, 0.8), (0.9, 0.1, 0.01, 2.0, 1.0),
+])
+def test_dcasgd(momentum, lamda, wd, rescale, clip_at):
+    opt = DCASGD(learning_rate=0.1, momentum=momentum, lamda=lamda, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
+    np.testing.assert_allclose(run(opt), expect_dcasgd(0.1, momentum, lamda, wd, rescale, clip_at), rtol=1e-12)
+
+
+# MXNet 1.9.1's weights (kv = mx.kv.create('local'); kv.set_optimizer(...); 8 pushes of
+# MXNET_GRADS into a key initialized with MXNET_WEIGHT), recorded on 2026-11-26.
+MXNET_WEIGHT = [3.0, -1.0, 2.0, 0.5, -2.5, 1.25]
+MXNET_GRADS = (((np.arange(48).reshape(8, 6) * 7) % 13 - 6) / 4).tolist()
+MXNET_LAMB = [
+    ("lamb", dict(learning_rate=0.01), "float32",
+     [3.1031830310821533, -1.0076308250427246, 2.192108392715454, 0.4905957579612732, -2.445253849029541,
+      1.1122745275497437]),
+    ("lamb", dict(learning_rate=0.05, wd=0.01, rescale_grad=0.5, clip_gradient=0.8, lower_bound=0.5, upper_bound=3.0),
+     "float32", [3.2783141136169434, -1.0093995332717896, 2.5795505046844482, 0.4714994430541992, -2.2874131202697754,
+                 0.7918434143066406]),
+    ("lamb", dict(learning_rate=0.01, bias_correction=False, wd=0.1), "float32",
+     [3.076376438140869, -0.9985468983650208, 2.175365924835205, 0.489958792924881, -2.422640323638916,
+      1.0993177890777588]),
+    ("lamb", dict(learning_rate=0.01, wd=0.01, multi_precision=True), "float16",
+     [3.087890625, -1.0029296875, 2.18359375, 0.49072265625, -2.43359375, 1.1044921875]),
+]
+MXNET_DCASGD = [
+    ("dcasgd", dict(learning_rate=0.1), "float32",
+     [3.0758848190307617, -1.0230680704116821, 2.2005221843719482, 0.6016131639480591, -2.4989962577819824,
+      1.1521881818771362]),
+    ("dcasgd", dict(learning_rate=0.1, lamda=0.2, wd=0.01, rescale_grad=0.5, clip_gradient=0.8), "float32",
+     [3.0137217044830322, -1.00334894657135, 2.0838053226470947, 0.5472339391708374, -2.479776382446289,
+      1.1919866800308228]),
+    ("dcasgd", dict(learning_rate=0.1, wd=0.01, multi_precision=True), "float16",
+     [3.05078125, -1.0146484375, 2.18359375, 0.59814453125, -2.48046875, 1.1435546875]),
+]
+
+
+def mxnet_cpu_norm(xp, array):
+    """MXNet's CPU multi_sum_sq, under the root: each square in the value's dtype, summed in
+    float32 in order (tensorkv sums them in float64)."""
+    squares = (np.asarray(array).reshape(-1) ** 2).astype(np.float32)
+    return float(np.sqrt(np.cumsum(squares, dtype=np.float32)[-1]))
+
+
+def pushed_through(kv, name, params, dtype):
+    kv.set_optimizer(optimizer.create(name, **params))
+    kv.init(0, np.array(MXNET_WEIGHT, dtype))
+    for grad in MXNET_GRADS:
+        kv.push(0, np.array(grad, dtype))
+    return kv.pull(0)
+
+
+@pytest.mark.parametrize("name, params, dtype, expected", MXNET_DCASGD + MXNET_LAMB)
+def test_mxnet_numbers_bit_for_bit(name, params, dtype, expected, monkeypatch):
+    """DCASGD as it is, LAMB with MXNet's float32 sum of squares for its norms: every other
+    operation of its two passes is MXNet's (the double arithmetic in its direction too)."""
+    monkeypatch.setattr(optimizer, "l2_norm", mxnet_cpu_norm)
+    with tensorkv.create("local") as kv:
+        np.testing.assert_array_equal(pushed_through(kv, name, params, dtype), np.array(expected, dtype))
+
+
+@pytest.mark.parametrize("name, params, dtype, expected", MXNET_LAMB)
+def test_lamb_with_its_own_norms_is_within_an_ulp_of_mxnet(name, params, dtype, expected):
+    """tensorkv's float64 sum of squares gives the correctly rounded norm; MXNet's float32 sum
+    differs from it in the last bit here and there, and the weights by an ulp at most."""
+    with tensorkv.create("local") as kv:
+        got = pushed_through(kv, name, params, dtype)
+    np.testing.assert_array_max_ulp(got, np.array(expected, dtype), maxulp=1)
+
+
+def test_lamb_and_dcasgd_through_a_server_are_the_embedded_stores(tmp_path):
+    """The same pushes through a server (the optimizer sent as data, rebuilt there) and an
+    embedded store: the same weights, bit for bit."""
+    from cluster import Cluster
+
+    with Cluster(tmp_path=tmp_path) as cluster:
+        for name, params, dtype, _ in MXNET_LAMB + MXNET_DCASGD:
+            with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="replace") as kv:
+                remote = pushed_through(kv, name, params, dtype)
+            with tensorkv.create("local") as kv:
+                np.testing.assert_array_equal(remote, pushed_through(kv, name, params, dtype), err_msg=name)
+
+
+def test_lamb_updates_the_whole_value_on_a_row_sparse_push():
+    """MXNet's LAMB has no lazy update: a row-sparse push is its dense gradient (the norms
+    are the whole value's); DCASGD's too. SGD updates the pushed rows only."""
+    from tensorkv.rowsparse import RowSparse
+
+    rows = RowSparse(np.ones((1, 3), np.float32), np.array([1]), (2, 3))
+    dense = np.array([[0, 0, 0], [1, 1, 1]], np.float32)
+    for opt in (LAMB(learning_rate=0.1, wd=0.1), DCASGD(learning_rate=0.1, wd=0.1), SGD(learning_rate=0.1, wd=0.1)):
+        weights = []
+        for pushed in (rows, dense):
+            with tensorkv.create("local") as kv:
+                kv.set_optimizer(opt)
+                kv.init("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+                kv.push("w", pushed)
+                weights.append(kv.pull("w"))
+        if opt.lazy_update:
+            np.testing.assert_array_equal(weights[0][0], [0, 1, 2])  # the row not pushed: unchanged
+        else:
+            np.testing.assert_array_equal(weights[0], weights[1])
+
+
 def test_optimizers_that_divide_by_the_learning_rate_refuse_zero():
     for cls in (Ftrl, FTML):
         with pytest.raises(tensorkv.InvalidArgumentError, match="learning_rate=0 is outside"):
@@ -319,12 +469,17 @@ def test_mxnet_defaults():
     assert Signum().params == {"learning_rate": 0.01, "momentum": 0.9, "wd_lh": 0.0, "wd": 0.0, "rescale_grad": 1.0}
     assert SGD(clip_gradient=2).params["clip_gradient"] == 2.0
     assert [cls().name for cls in (SGD, Adam, AdaGrad, RMSProp, Signum)] == ["sgd", "adam", "adagrad", "rmsprop", "signum"]
+    assert LAMB().params == {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-6,
+                             "bias_correction": 1.0, "wd": 0.0, "rescale_grad": 1.0}
+    assert DCASGD().params == {"learning_rate": 0.01, "momentum": 0.0, "lamda": 0.04, "wd": 0.0, "rescale_grad": 1.0}
 
 
 @pytest.mark.parametrize("opt", [SGD(momentum=0.9, clip_gradient=1.0), Adam(wd=0.1), AdaGrad(eps=1e-6),
                                  RMSProp(centered=True, clip_weights=3.0), Signum(wd_lh=0.01),
                                  NAG(momentum=0.9), Adamax(beta1=0.8), Nadam(schedule_decay=0.01), AdaDelta(rho=0.8),
-                                 Ftrl(lamda1=0.1, beta=2.0), FTML(beta1=0.5), SGD(multi_precision=True)])
+                                 Ftrl(lamda1=0.1, beta=2.0), FTML(beta1=0.5), SGD(multi_precision=True),
+                                 LAMB(lower_bound=0.1, upper_bound=10, bias_correction=False),
+                                 DCASGD(momentum=0.9, lamda=0.1)])
 def test_create_rebuilds_from_name_and_params(opt):
     rebuilt = optimizer.create(opt.name.upper(), **opt.params)
     assert rebuilt == opt and type(rebuilt) is type(opt)
@@ -332,8 +487,8 @@ def test_create_rebuilds_from_name_and_params(opt):
 
 
 def test_create_rejects_unknown_names_and_bad_values():
-    with pytest.raises(tensorkv.InvalidArgumentError, match="unknown optimizer 'lamb'"):
-        optimizer.create("lamb")
+    with pytest.raises(tensorkv.InvalidArgumentError, match="unknown optimizer 'lbsgd'"):
+        optimizer.create("lbsgd")
     with pytest.raises(tensorkv.InvalidArgumentError, match="no parameter epsilon"):
         optimizer.create("adagrad", epsilon=1e-7)
     with pytest.raises(tensorkv.InvalidArgumentError, match="learning_rate='fast'"):
@@ -364,6 +519,8 @@ def test_create_rejects_unknown_names_and_bad_values():
     (lambda: Signum(momentum=1), "momentum=1 is outside its range [0, 1)"),
     (lambda: Signum(wd_lh=-1), "wd_lh=-1 is outside its range [0, inf)"),
     (lambda: optimizer.create("adam", beta1=1.0), "beta1=1 is outside its range [0, 1)"),
+    (lambda: LAMB(lower_bound=0), "lower_bound=0 is outside its range (0, inf)"),
+    (lambda: DCASGD(lamda=-0.1), "lamda=-0.1 is outside its range [0, inf)"),
 ])
 def test_parameters_outside_their_range_are_refused(make, words):
     with pytest.raises(tensorkv.InvalidArgumentError) as caught:
@@ -373,7 +530,7 @@ def test_parameters_outside_their_range_are_refused(make, words):
 
 def test_every_parameter_has_a_range():
     names = {name for cls in optimizer.OPTIMIZERS.values() for name in cls.parameter_names()} \
-        - {"centered", "multi_precision"}  # flags
+        - {"centered", "multi_precision", "bias_correction"}  # flags
     assert names == set(optimizer.RANGES)
 
 
@@ -405,7 +562,8 @@ MULTI_PRECISION = [SGD(learning_rate=0.1, momentum=0.9, wd=0.01, multi_precision
                    AdaGrad(multi_precision=True), RMSProp(centered=True, multi_precision=True),
                    Signum(momentum=0.0, multi_precision=True), NAG(momentum=0.9, wd=0.01, multi_precision=True),
                    Adamax(multi_precision=True), Nadam(multi_precision=True), AdaDelta(multi_precision=True),
-                   Ftrl(multi_precision=True), FTML(learning_rate=0.01, multi_precision=True)]
+                   Ftrl(multi_precision=True), FTML(learning_rate=0.01, multi_precision=True),
+                   DCASGD(momentum=0.9, wd=0.01, multi_precision=True)]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
@@ -480,6 +638,8 @@ def test_updater_rejects_integer_weights():
                                  SGD(learning_rate=0.1, momentum=0.9, multi_precision=True),
                                  Adam(learning_rate=0.01, multi_precision=True), NAG(momentum=0.9, wd=0.01),
                                  Adamax(), Nadam(), AdaDelta(wd=0.01), Ftrl(lamda1=0.1), FTML(learning_rate=0.01),
+                                 LAMB(learning_rate=0.01, wd=0.01), LAMB(multi_precision=True),
+                                 DCASGD(learning_rate=0.1, momentum=0.9),
                                  SGD(learning_rate=1.0, momentum=0.5,
                                      lr_scheduler=tensorkv.lr_scheduler.FactorScheduler(step=2, factor=0.5))])
 def test_updates_made_together_equal_the_updates_made_key_by_key(opt):

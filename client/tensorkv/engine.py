@@ -278,7 +278,8 @@ class Engine:
 
     def _apply_rows(self, key, value):
         """Apply the canonical RowSparse ``value``: the optimizer updates its rows only (and
-        their states: MXNet's lazy_update); with no updater the value is assigned, as MXNet's
+        their states: MXNet's lazy_update), or, one without a lazy update (LAMB, DCASGD), all
+        of the value with the dense gradient; with no updater the value is assigned, as MXNet's
         KVStore stores a pushed row_sparse value (the other rows become zero); a Python
         updater gets it dense."""
         stored = self.get(key)
@@ -288,6 +289,8 @@ class Engine:
             if self.updater is None:
                 stored.array[...] = 0
                 Rows(stored.array, stored.shape, stored.slice).scatter(value.indices, data)
+            elif isinstance(self.updater, Updater) and not self.updater.optimizer.lazy_update:
+                self.updater(key, self._dense(key, value), stored.array)
             elif isinstance(self.updater, Updater):
                 self.updater.update_rows(key, stored.array, stored.shape, stored.slice, value.indices, data)
             else:

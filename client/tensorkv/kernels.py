@@ -3,9 +3,10 @@ one CUDA kernel through CuPy on a GPU or as NumPy ufuncs on the host.
 
 A :class:`Kernel` is statements in a small Python-syntax language (``name = expression``
 with ``+ - * /``, unary ``-``, numbers, and the functions ``sqrt``, ``sign``, ``abs``,
-``clip(x, bound)``, ``maximum(x, y)`` and ``above(x, y)`` (1 where x > y, else 0)) over named
-arrays and scalars. On CuPy it becomes one
-``cupy.ElementwiseKernel``: every element is loaded once, computed in registers in the
+``clip(x, bound)``, ``maximum(x, y)``, ``above(x, y)`` (1 where x > y, else 0) and ``wide(x)``
+(x computed in float64, then rounded to the compute dtype: what C++ does where a float
+expression meets a double, as in MXNet's LAMB)) over named arrays and scalars. On CuPy it
+becomes one ``cupy.ElementwiseKernel``: every element is loaded once, computed in registers in the
 compute dtype and stored once, so an optimizer step is one pass over its arrays with no
 temporaries. float16 and bfloat16 reach the kernel as their uint16 bits and are converted
 there (CuPy has no bfloat16), so low-precision values are computed in float32. On NumPy
@@ -21,6 +22,7 @@ tested where there is no GPU.
 [1. 3. 5.]
 """
 import ast
+import math
 import threading
 
 import numpy as np
@@ -90,7 +92,8 @@ __device__ __forceinline__ double tk_above(double x, double y) { return x > y ? 
 _C_COMPUTE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 _BINARY = {ast.Add: ("+", np.add), ast.Sub: ("-", np.subtract), ast.Mult: ("*", np.multiply),
            ast.Div: ("/", np.divide)}
-_FUNCTIONS = {"sqrt": 1, "sign": 1, "abs": 1, "clip": 2, "maximum": 2, "above": 2}
+_FUNCTIONS = {"sqrt": 1, "sign": 1, "abs": 1, "clip": 2, "maximum": 2, "above": 2, "wide": 1}
+_WIDE = np.dtype(np.float64)
 
 
 def _names(text):
@@ -197,9 +200,9 @@ class Kernel:
         size = flat[self.outputs[0]].size
         taken = []  # scratch arrays of this call
 
-        def scratch():
-            taken.append(_SCRATCH.take(size * compute.itemsize))
-            return taken[-1][:size * compute.itemsize].view(compute)
+        def scratch(dtype=compute):
+            taken.append(_SCRATCH.take(size * dtype.itemsize))
+            return taken[-1][:size * dtype.itemsize].view(dtype)
 
         try:
             # Arrays are read as they are: each ufunc converts its operands to the compute
@@ -224,6 +227,8 @@ class Kernel:
                 return value, False
             out[...] = value
             return out, False
+        if isinstance(node, ast.Call) and node.func.id == "wide":
+            return self._evaluate_wide(node.args[0], env, scalar, scratch, out)
         if isinstance(node, ast.Call):
             args = [self._evaluate(arg, env, scalar, scratch) for arg in node.args]
             target = _target(out, args if _FUNCTIONS[node.func.id] == 2 and node.func.id != "clip" else args[:1],
@@ -253,6 +258,15 @@ class Kernel:
                                               dtype=scalar)
         return value, out is None and isinstance(value, np.ndarray)
 
+    def _evaluate_wide(self, node, env, scalar, scratch, out):
+        """:meth:`_evaluate` of ``wide(node)``: ``node`` in float64, rounded to the compute dtype."""
+        value, _ = self._evaluate(node, env, _WIDE.type, lambda: scratch(_WIDE))
+        if not isinstance(value, np.ndarray):
+            return scalar(value), False
+        target = out if out is not None else scratch()
+        np.copyto(target, value, casting="unsafe")
+        return target, out is None
+
     # ---- CuPy -------------------------------------------------------------------------
 
     def cuda_source(self, kinds, compute):
@@ -277,21 +291,26 @@ class Kernel:
             lines.append(f"p_{name} = {_store(kinds[name], f'v_{name}')};")
         return in_params, out_params, "\n".join(lines)
 
-    def _c(self, node, compute):
+    def _c(self, node, compute, wide=False):
+        """The C++ of ``node`` in ``compute``; ``wide``: inside ``wide()``, where every operand
+        is cast to double so that each operation runs in double."""
         if isinstance(node, ast.Name):
-            return f"s_{node.id}" if node.id in self.scalars else f"v_{node.id}"
+            name = f"s_{node.id}" if node.id in self.scalars else f"v_{node.id}"
+            return f"((double){name})" if wide else name
         if isinstance(node, ast.Constant):
             if compute.kind != "f":
                 return str(int(node.value))
             return repr(float(node.value)) + ("f" if compute == np.float32 else "")
         if isinstance(node, ast.UnaryOp):
-            return f"(-{self._c(node.operand, compute)})"
+            return f"(-{self._c(node.operand, compute, wide)})"
+        if isinstance(node, ast.Call) and node.func.id == "wide":
+            return f"(({_C_COMPUTE[compute]}){self._c(node.args[0], _WIDE, wide=True)})"
         if isinstance(node, ast.Call):
-            args = ", ".join(self._c(arg, compute) for arg in node.args)
+            args = ", ".join(self._c(arg, compute, wide) for arg in node.args)
             name = {"sqrt": "sqrtf" if compute == np.float32 else "sqrt"}.get(node.func.id, f"tk_{node.func.id}")
             return f"{name}({args})"
         op = _BINARY[type(node.op)][0]
-        return f"({self._c(node.left, compute)} {op} {self._c(node.right, compute)})"
+        return f"({self._c(node.left, compute, wide)} {op} {self._c(node.right, compute, wide)})"
 
     def _run_cupy(self, arrays, kinds, scalars, compute):
         import cupy
@@ -443,3 +462,31 @@ def sum_into(total, values, accumulate=False):
 
 def _host_writable(array):
     return type(array) is np.ndarray and array.flags.c_contiguous and array.flags.writeable
+
+
+# ---- norms ------------------------------------------------------------------------------------
+
+# Elements widened to float64 at a time by l2_norm: its scratch is 8 MiB whatever the array.
+NORM_CHUNK = 1 << 20
+
+
+def l2_norm(xp, array):
+    """The L2 norm of all of ``array`` (namespace ``xp``, any floating dtype, a DeviceBFloat16
+    too) as a Python float: a reduction, where the kernels above are element-wise.
+
+    The squares are summed in float64, chunk by chunk, so the norm of a float32 or narrower
+    array, rounded to float32, is the correctly rounded one on NumPy and on CuPy alike
+    (their summation orders differ far below float32's precision). On CuPy, reading the
+    result back waits for the GPU.
+
+    >>> l2_norm(np, np.array([3, 4], np.float16))
+    5.0
+    """
+    flat = array.reshape(-1)
+    total = 0.0
+    for start in range(0, flat.size, NORM_CHUNK):
+        part = flat[start:start + NORM_CHUNK]
+        wide = xp.empty(part.size, np.float64)
+        sum_into(wide, [part])
+        total = total + xp.dot(wide, wide)
+    return math.sqrt(float(total))

@@ -4,7 +4,8 @@ An optimizer is data, a name and numbers (``opt.name``, ``opt.params``), so it c
 travel to a server and be rebuilt there with :func:`create`. Its update is one
 :class:`tensorkv.kernels.Kernel`: a single fused pass over weight, gradient and states on
 a GPU (CuPy), the same statements as NumPy ufuncs on the host, so an embedded store and a
-GPU server run the same formula. float16 and bfloat16 weights are updated in float32 and
+GPU server run the same formula (LAMB's is two, with the norms of the whole value between
+them: :meth:`LAMB.update`). float16 and bfloat16 weights are updated in float32 and
 rounded back; optimizer states are float32 (float64 for float64 weights). With
 ``multi_precision=True``, as MXNet's, a float16 or bfloat16 weight also keeps a float32
 master copy among its states: the update runs on it, and the weight is its rounding, so
@@ -35,7 +36,7 @@ import numpy as np
 
 from .backend import array_module, empty
 from .codec import check_key
-from .kernels import Kernel, sum_into
+from .kernels import Kernel, l2_norm, sum_into
 from .errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .lr_scheduler import LRScheduler
 from .rowsparse import Rows
@@ -65,6 +66,9 @@ RANGES = {
     "lamda1": (0.0, True, None, False),
     "beta": (0.0, True, None, False),
     "schedule_decay": (0.0, True, None, False),
+    "lower_bound": (0.0, False, None, False),
+    "upper_bound": (0.0, False, None, False),
+    "lamda": (0.0, True, None, False),
 }
 
 
@@ -142,6 +146,13 @@ class Optimizer:
     """
 
     name = None
+    # Whether the update is element-wise, so that Updater.update_each may run the values of
+    # several keys as one array; False where it reads norms of the whole value (LAMB).
+    elementwise = True
+    # Whether a row-sparse push updates only its rows and their states (MXNet's lazy_update);
+    # False: it updates the whole value with the dense gradient it stands for, as MXNet's
+    # optimizers without a row-sparse update do.
+    lazy_update = True
 
     def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
                  multi_precision=False):
@@ -285,9 +296,9 @@ class Optimizer:
         update at ``lr`` and ``wd`` (None: ``self.wd``) of a weight of ``dtype``."""
         body, scalars = self.step(t, lr, self.wd if wd is None else wd)
         names = self.state_names()
-        if self._keeps_master(dtype):  # the same statements on the master copy, then rounded into weight
-            body, names = _WEIGHT.sub("master", body) + "\nweight = master", ("master",) + names
-        return _kernel(self.name, names, tuple(scalars), body), names, scalars
+        if self._keeps_master(dtype):
+            body, names = _on_master(body), ("master",) + names
+        return _kernel(self.name, ("grad",), ("weight",) + names, tuple(scalars), body), names, scalars
 
     # ---- helpers for subclasses ---------------------------------------------------------
 
@@ -321,10 +332,16 @@ def _flag(name, value):
     return value if isinstance(value, bool) else bool(_number(name, value))
 
 
+def _on_master(body):
+    """The statements ``body`` run on the master copy instead of the weight, which becomes
+    the copy's rounding."""
+    return _WEIGHT.sub("master", body) + "\nweight = master"
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(name, states, scalars, body):
+def _kernel(name, inputs, outputs, scalars, body):
     """One Kernel per update text: compiled once per dtype, shared by every optimizer."""
-    return Kernel(name, "grad", ("weight",) + states, scalars, body)
+    return Kernel(name, inputs, outputs, scalars, body)
 
 
 def _statements(*lines):
@@ -769,7 +786,148 @@ def _power32(base, t):
     return float(np.float32(base) ** np.float32(t))
 
 
-OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, Adamax, Nadam, AdaGrad, AdaDelta, RMSProp, Signum, Ftrl, FTML)}
+class LAMB(Optimizer):
+    """LAMB, layer-wise adaptive moments (MXNet's, as its Updater runs it:
+    ``multi_lamb_update``): Adam's direction, then a step scaled by the trust ratio of the
+    weight's norm to the direction's::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        mean = beta1 * mean + (1 - beta1) * g
+        var = beta2 * var + (1 - beta2) * g**2
+        bias_correction:  mean, var = mean / (1 - beta1**t), var / (1 - beta2**t)  (for the direction only)
+        direction = mean / (sqrt(var) + epsilon) + wd * weight
+        r1 = min(max(norm(weight), lower_bound), upper_bound)
+        r2 = norm(direction)
+        weight = weight - lr * (r1 / r2) * direction     (lr alone where r1 or r2 is 0)
+
+    The norms are L2 norms of the whole value, a reduction between two element-wise passes
+    (:func:`tensorkv.kernels.l2_norm`, with the squares summed in float64: MXNet's CPU sums
+    them in float32, which can differ in the norm's last bit). With ``multi_precision``,
+    ``r1`` is the norm of the float16 weight, as in MXNet. So a key is updated on its own, and a
+    row-sparse push updates all of the value, as MXNet's dense-only LAMB does. With several
+    servers, a value split into slices (``bigarray_bound``) is updated with each slice's
+    norms, as MXNet's dist store updates its slices. ``bias_correction`` travels as 1.0 / 0.0
+    in ``params``.
+
+    >>> LAMB(lower_bound=0.1, bias_correction=False).params['bias_correction']
+    0.0
+    """
+
+    name = "lamb"
+    elementwise = False
+    lazy_update = False
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6, lower_bound=None,
+                 upper_bound=None, bias_correction=True, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.beta1 = _number("beta1", beta1)
+        self.beta2 = _number("beta2", beta2)
+        self.epsilon = _number("epsilon", epsilon)
+        self.lower_bound = _bound("lower_bound", lower_bound)
+        self.upper_bound = _bound("upper_bound", upper_bound)
+        self.bias_correction = _flag("bias_correction", bias_correction)
+
+    def state_names(self):
+        return ("mean", "var")
+
+    def update(self, xp, weight, grad, state, t, lr, wd=None):
+        """The first pass (moments and direction), the two norms, then the step."""
+        compute = _compute_dtype(weight.dtype)
+        names = ("master",) * self._keeps_master(weight.dtype) + self.state_names()
+        arrays = dict(zip(names, state), weight=weight, grad=grad, direction=empty(xp, weight.shape, compute))
+        kernel, scalars = self.direction_kernel(weight.dtype, t, self.wd if wd is None else wd)
+        kernel(arrays, scalars, compute)
+        # r1 is the weight's norm, not its master copy's, as in MXNet's multi_mp_lamb_update.
+        trusted = self.trust_lr(compute, lr, l2_norm(xp, weight), l2_norm(xp, arrays["direction"]))
+        kernel, scalars = self.step_kernel(weight.dtype, trusted)
+        kernel(arrays, scalars, compute)
+
+    def direction_kernel(self, dtype, t, wd):
+        """(Kernel, scalars) of the first pass at weight decay ``wd``: it updates ``mean`` and
+        ``var`` and writes ``direction``."""
+        lines = [*self._gradient(), "mean = beta1 * mean + (1 - beta1) * g", "var = beta2 * var + (1 - beta2) * g * g"]
+        scalars = self._scalars(wd, beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon)
+        mean, var = "mean", "var"
+        if self.bias_correction:
+            lines += ["mean_hat = mean / (1 - beta1_t)", "var_hat = var / (1 - beta2_t)"]
+            mean, var = "mean_hat", "var_hat"
+            scalars.update(beta1_t=_power32(self.beta1, t), beta2_t=_power32(self.beta2, t))
+        # MXNet's kernel (multi_lamb_update, which its Updater runs) takes the double sqrt of a
+        # float: the rest of its expression is computed in double.
+        lines += ["decay = wd * weight", f"direction = wide({mean} / (sqrt({var}) + epsilon) + decay)"]
+        body, weight = _statements(*lines), "weight"
+        if self._keeps_master(dtype):
+            body, weight = _WEIGHT.sub("master", body), "master"
+        return _kernel(f"{self.name}_direction", ("grad", weight), ("mean", "var", "direction"), tuple(scalars),
+                       body), scalars
+
+    def trust_lr(self, compute, lr, r1, r2):
+        """``lr`` scaled by the trust ratio of the norms ``r1`` (the weight's) and ``r2`` (the
+        direction's), computed in the ``compute`` dtype as MXNet's phase-2 kernel does."""
+        number = compute.type
+        lr, r1, r2 = number(lr), number(r1), number(r2)
+        if self.lower_bound is not None:
+            r1 = max(r1, number(self.lower_bound))
+        if self.upper_bound is not None:
+            r1 = min(r1, number(self.upper_bound))
+        return float(lr if r1 == 0 or r2 == 0 else lr * (r1 / r2))
+
+    def step_kernel(self, dtype, lr):
+        """(Kernel, scalars) of the second pass: the step along ``direction`` at the trusted ``lr``."""
+        body, outputs = "weight = weight - lr * direction", ("weight",)
+        if self._keeps_master(dtype):
+            body, outputs = _on_master(body), ("weight", "master")
+        return _kernel(self.name, ("direction",), outputs, ("lr",), body), {"lr": lr}
+
+
+class DCASGD(Optimizer):
+    """Delay-compensated asynchronous SGD (MXNet's ``DCASGD``): the gradient is corrected by
+    how far the weight moved since the previous update, kept as a state::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        step = -lr * (g + wd * weight + lamda * g * g * (weight - previous))
+        momentum != 0:  mom = momentum * mom + step;  step = mom
+        previous = weight
+        weight = weight + step
+
+    The ``previous`` state starts as a copy of the weight. MXNet 1.9.1's DCASGD with a
+    ``momentum`` other than 0 raises inside its update (it tests an array's truth) and the
+    weight never changes; here it is the formula above.
+
+    >>> DCASGD(momentum=0.9).state_names()
+    ('mom', 'previous')
+    """
+
+    name = "dcasgd"
+    lazy_update = False
+
+    def __init__(self, learning_rate=None, momentum=0.0, lamda=0.04, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False):
+        super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.momentum = _number("momentum", momentum)
+        self.lamda = _number("lamda", lamda)
+
+    def state_names(self):
+        return ("mom", "previous") if self.momentum != 0 else ("previous",)
+
+    def create_state(self, xp, weight):
+        states = super().create_state(xp, weight)
+        sum_into(states[-1], [weight])
+        return states
+
+    def step(self, t, lr, wd):
+        step = "-lr * (g + wd * weight + lamda * g * g * (weight - previous))"
+        lines = [f"mom = momentum * mom + {step}", "previous = weight", "weight = weight + mom"] \
+            if self.momentum != 0 else [f"step = {step}", "previous = weight", "weight = weight + step"]
+        scalars = self._scalars(wd, lr=lr, lamda=self.lamda)
+        if self.momentum != 0:
+            scalars["momentum"] = self.momentum
+        return _statements(*self._gradient(), *lines), scalars
+
+
+OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, Adamax, Nadam, AdaGrad, AdaDelta, RMSProp, Signum, Ftrl, FTML,
+                                        LAMB, DCASGD)}
 
 
 def create(name, lr_scheduler=None, lr_mult=None, wd_mult=None, **params):
@@ -882,7 +1040,8 @@ class Updater:
             xp, state, t, _ = self._next(key, weight)
             num_update = max(num_update, t)  # as each earlier key's update left it
             lr, wd = self.optimizer.learning_rate_of(key, num_update), self.optimizer.wd_of(key)
-            small = xp is np and weight.nbytes <= GATHER_MAX_BYTES and weight.flags.c_contiguous \
+            small = self.optimizer.elementwise and xp is np and weight.nbytes <= GATHER_MAX_BYTES \
+                and weight.flags.c_contiguous \
                 and all(array.flags.c_contiguous for array in state)
             group = (t, lr, wd, weight.dtype, grad.dtype) if small else (key,)
             groups.setdefault(group, (xp, t, lr, wd, []))[4].append((key, grad, weight, state, num_update))
