@@ -58,10 +58,10 @@ def test_status_shows_every_server(job):
     code, out, err = ctl("status", servers=cluster.addresses)
     assert code == 0 and err == ""
     header, *rows = out.splitlines()
-    assert header.split() == ["server", "mode", "workers", "ranks", "keys", "run", "optimizer", "version",
+    assert header.split() == ["server", "mode", "workers", "ranks", "keys", "run", "job", "optimizer", "version",
                               "lease_ttl_ms", "expired_leases", "server_id", "restored_from", "snapshot"]
-    assert [row.split()[:4] + row.split()[5:7] + row.split()[8:10] + row.split()[11:] for row in rows] == [
-        [address, "sync", "2/2", "0,1", "1", "-", str(LEASE_MS), "0", "off"] for address in cluster.addresses]
+    assert [row.split()[:4] + row.split()[5:8] + row.split()[9:11] + row.split()[12:] for row in rows] == [
+        [address, "sync", "2/2", "0,1", "1", "-", "-", str(LEASE_MS), "0", "off"] for address in cluster.addresses]
     assert sorted(int(row.split()[4]) for row in rows) == [1, 2]  # weight on both, bias on one
     infos = ctl_json("status", servers=cluster.addresses)
     assert [info["server"] for info in infos] == cluster.addresses

@@ -84,6 +84,9 @@ def test_servers_and_workers_agree_on_the_counts(rendered):
     assert env["TENSORKV_NUM_WORKERS"]["value"] == str(workers)
     assert env["TENSORKV_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    # the job: one for every pod of this Job, its retries included (a label the Job controller sets)
+    assert env["TENSORKV_JOB"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['batch.kubernetes.io/controller-uid']"
     server_args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _option(server_args, "--num-workers") == str(workers)
     (wait,) = job["spec"]["template"]["spec"]["initContainers"]  # until every server answers

@@ -234,3 +234,45 @@ def test_a_restored_run_goes_on_with_its_workers_and_within_a_lease_with_new_one
         assert unfinished.register(0)[2] is True and unfinished.run.number == 8
 
     asyncio.run(registrations())
+
+
+def test_a_job_named_by_its_workers_decides_who_joins_a_run(monkeypatch):
+    """Where the run and the registration both name a job (RegisterRequest.job), the job decides
+    instead of if_exists: a worker of the run's job joins the restored run whatever it asks for
+    ('replace' included: a worker process restarted with the server); one of another job is
+    refused while the run has ranks, and otherwise starts a new run; one without a job (or a run
+    without one) follows if_exists as before."""
+    import asyncio
+    import types
+
+    from tensorkv_server import membership
+
+    now = [100.0]
+    monkeypatch.setattr(membership, "time", types.SimpleNamespace(monotonic=lambda: now[0], time_ns=lambda: 0))
+
+    def restored(job="train-7"):
+        members = membership.Membership(num_workers=2, lease_timeout=10.0)
+        members.restore_run(membership.Run(7, membership.REPLACE, job), going=True)
+        return members
+
+    async def registrations():
+        members = restored()
+        assert members.register(0, if_exists=membership.REPLACE, job="train-7")[2] is False
+        assert members.run.number == 7 and members.run.job == "train-7"
+        with pytest.raises(tensorkv.FailedPreconditionError,
+                           match=r"this worker is of job 'other', but run 7 on this server \(ranks \[0\] registered\) "
+                                 r"is job 'train-7''s: a server serves one job at a time"):
+            members.register(1, if_exists=membership.REPLACE, job="other")
+        assert members.register(1, if_exists=membership.FAIL, job="train-7")[2] is False  # the job, not if_exists
+        members = restored()
+        started = members.register(0, if_exists=membership.RESUME, job="other")
+        assert started[2] is True and members.run.number == 8 and members.run.job == "other"
+        members = restored()
+        now[0] += 11.0  # past a lease of the restart: the restored run is over, the job starts a new one
+        assert members.register(0, if_exists=membership.REPLACE, job="train-7")[2] is True
+        members = restored()
+        assert members.register(0, if_exists=membership.REPLACE)[2] is True  # no job named: as before
+        members = restored(job="")
+        assert members.register(0, if_exists=membership.REPLACE, job="train-7")[2] is True  # nor by the run
+
+    asyncio.run(registrations())

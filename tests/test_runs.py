@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import tensorkv
+from tensorkv.ctl import Server
+from tensorkv.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import Cluster, check_workers, rank_1_after_a_round
+from cluster import STOP_TIMEOUT, Cluster, check_workers, rank_1_after_a_round
 
 ROUNDS = 3
 BASE = np.array([1, -1, 2, 0.5])
@@ -180,3 +182,27 @@ def test_a_rank_that_rejoins_a_run_going_on_is_not_a_new_run(tmp_path):
                 kv.push("w", np.full(4, 10.0 * (kv.rank + 1), np.float32))
             for kv in (kv0, kv1):
                 np.testing.assert_array_equal(kv.pull("w"), [30.0] * 4)
+
+
+@pytest.mark.parametrize("job, expected", [("train-7", [-2.0] * 4), ("another-job", [-1.0] * 4)],
+                         ids=["same-job", "another-job"])
+def test_a_worker_of_the_job_restarted_with_its_server_rejoins_the_restored_run(tmp_path, job, expected):
+    """A 'replace' job's only worker and its server are killed with -9 together (a node that
+    reboots); the server restarts from its snapshot. The job's worker, started again with
+    'replace', rejoins the restored run (TENSORKV_JOB names the job) and goes on from the
+    restored value; a worker of another job starts a new run that drops it, as 'replace' asks."""
+    server_args = ("--state-dir", str(tmp_path / "state"), "--snapshot-interval", "0")
+    env = {"TENSORKV_IF_EXISTS": "replace", "TENSORKV_JOB": "train-7"}
+    with Cluster(num_workers=1, tmp_path=tmp_path, server_args=server_args) as cluster:
+        first = cluster.start_worker("job_step", "hold", env=env)
+        try:
+            assert json.loads(first.stdout.readline()) == [-1.0] * 4
+            assert first.stdout.readline() == "holding\n"
+            Server(cluster.addresses[0], Security(), 10.0).kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+        finally:
+            first.kill()  # by its pid
+            first.wait(STOP_TIMEOUT)
+        cluster.restart()
+        [out] = check_workers(cluster.run_workers("job_step", env={**env, "TENSORKV_JOB": job}))
+    assert json.loads(out) == expected
+

@@ -44,6 +44,10 @@ def create(name="local", **kwargs):
     stored values, and the optimizer and its states stay, so training continues from them;
     ``'replace'``: the earlier run's keys, optimizer and states are dropped before the new
     run's first ``init``, as on a new server. Every worker of a run passes the same.
+    ``job=`` (else ``TENSORKV_JOB``, which ``tensorkv-launch`` sets) names the job: a server
+    then refuses another job's workers while a run is registered, and a worker process of
+    the job restarted together with a server rejoins the run the server restored from its
+    snapshot, whatever its ``if_exists`` (with 'replace' it would otherwise start afresh).
 
     MXNet's other names of these (``'local_update_cpu'``, ``'local_allreduce_cpu'``,
     ``'local_allreduce_device'``, ``'dist_sync_device'``, ``'dist_device_sync'``) make the

@@ -141,7 +141,8 @@ def status(args, servers):
     for server, info in _answers(args, servers, Server.info, "info"):
         row = {"server": server.address, "mode": _MODES.get(info.mode, "?"),
                "workers": f"{len(info.registered_ranks)}/{info.num_workers}", "ranks": _ranks(info.registered_ranks),
-               "keys": info.num_keys, "run": info.run, "optimizer": info.optimizer or "-", "version": info.version}
+               "keys": info.num_keys, "run": info.run, "job": info.job or "-", "optimizer": info.optimizer or "-",
+               "version": info.version}
         row.update((field, getattr(info, field)) for field in STATUS_EXTRAS if field in info.DESCRIPTOR.fields_by_name)
         row["snapshot"] = _snapshot(info)
         rows.append(row if args.output == "table" else {"server": server.address, **_fields(info)})

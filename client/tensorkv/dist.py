@@ -163,7 +163,10 @@ class DistStore(KVStore):
     proves it is on this host and on the server's raw-TCP data channel otherwise; 'tcp'
     uses the data channel only; 'grpc' always sends them in the gRPC messages.
     ``if_exists`` (or ``TENSORKV_IF_EXISTS``) is what a new run does with the keys that an
-    earlier run left on a server: 'fail' (the default), 'resume' or 'replace'.
+    earlier run left on a server: 'fail' (the default), 'resume' or 'replace'. ``job`` (or
+    ``TENSORKV_JOB``, which tensorkv-launch sets) names the job the worker belongs to: a server
+    then keeps one job's workers together, and a worker process of the job restarted with a
+    server rejoins the run the server restored whatever its ``if_exists``.
     ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
     (:class:`tensorkv.security.Security`).
     """
@@ -172,7 +175,7 @@ class DistStore(KVStore):
 
     def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
-                 if_exists=None, tls_ca=None, tls_cert=None, tls_key=None, token=None):
+                 if_exists=None, job=None, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         super().__init__(name)
         transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
@@ -191,7 +194,8 @@ class DistStore(KVStore):
         # or TENSORKV_NO_SESSION=1).
         if session is None:
             session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
-        self._conns = [ServerConn(address, self._security, timeout, session) for address in addresses]
+        job = job or os.environ.get("TENSORKV_JOB") or ""
+        self._conns = [ServerConn(address, self._security, timeout, session, job) for address in addresses]
         self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         self._lists = FusedLists()  # of the lists of keys pushed and pulled (tensorkv.fusion)

@@ -91,9 +91,10 @@ class ServerConn:
     does not hold the round before it (KNOWN GAP: what closes it is the round of each push on
     the wire, so that the server can place every push sent again)."""
 
-    def __init__(self, address, security, timeout, session=True):
+    def __init__(self, address, security, timeout, session=True, job=""):
         self.address = address
         self.timeout = timeout
+        self.job = job  # RegisterRequest.job of every registration
         self._security = security
         self._uses_session = session
         self._connect()
@@ -156,7 +157,7 @@ class ServerConn:
         tried again (:meth:`_through_resets`), with the same RegisterRequest.request_id until
         the registration is answered, so that the server makes it once."""
         request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous,
-                                              request_id=self._request_id)
+                                              request_id=self._request_id, job=self.job)
         response = self._through_resets("register", self.stub.Register, request,
                                         self.timeout if timeout is None else timeout)
         self._request_id = _request_id()

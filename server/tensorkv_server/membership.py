@@ -31,6 +31,14 @@ the same. A server restarted from a snapshot taken while a run was going on keep
 (:meth:`Membership.restore_run`): its workers register again naming their previous
 incarnations and go on in it, and a new worker that registers within a lease of the restart
 joins it too, as it would have joined before the restart, unless it asks for 'replace'.
+
+A run remembers the *job* of the registration that started it (RegisterRequest.job, e.g.
+TENSORKV_JOB; empty: none). Where both a run and a registration name a job, the job decides
+instead of ``if_exists``: a worker of the run's job joins the run going on, or the run restored
+from a snapshot within a lease of the restart (a worker process of the job that was restarted
+with the server, asking for 'replace', would otherwise start a new run that drops the keys the
+server restored), and a worker of another job is refused while the run goes on, or starts a
+new run in place of the restored one.
 """
 import asyncio
 import logging
@@ -42,6 +50,8 @@ from tensorkv.words import plural
 log = logging.getLogger(__name__)
 
 FAIL, RESUME, REPLACE = "fail", "resume", "replace"
+# The longest job name a registration may give (RegisterRequest.job), in UTF-8 bytes.
+MAX_JOB_BYTES = 256
 # A number left out of a rank's sequence (a call refused before it changed anything) counts
 # as applied once this many later numbers have been.
 SEQUENCE_WINDOW = 256
@@ -51,13 +61,15 @@ FAILURES_KEPT = 16
 
 
 class Run:
-    """One run: its number (1, 2, ... since the server started) and its ``if_exists``."""
+    """One run: its number (1, 2, ... since the server started), its ``if_exists`` and the
+    ``job`` of the registration that started it ("": none named)."""
 
-    __slots__ = ("number", "if_exists")
+    __slots__ = ("number", "if_exists", "job")
 
-    def __init__(self, number, if_exists):
+    def __init__(self, number, if_exists, job=""):
         self.number = number
         self.if_exists = if_exists
+        self.job = job
 
 
 class _Lease:
@@ -135,10 +147,11 @@ class Membership:
         """Whether a run is going on: some rank is registered."""
         return bool(self.incarnations)
 
-    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0):
+    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job=""):
         """(rank, incarnation, whether it started a new run) of a new registration of
-        ``rank``, or of the lowest free rank; FailedPreconditionError if it is taken, or if
-        ``if_exists`` is not that of the run going on. With ``previous``, the incarnation
+        ``rank``, or of the lowest free rank, by a worker of ``job`` ("": none named);
+        FailedPreconditionError if the rank is taken, or if ``if_exists`` is not that of the
+        run going on (or, where both name one, its job is not). With ``previous``, the incarnation
         that held ``rank`` before the caller's connection broke: the new registration takes
         its place when it still holds the rank; FailedPreconditionError if its lease expired.
         A ``request_id`` (not 0) whose registration still holds its rank gets that
@@ -156,13 +169,18 @@ class Membership:
         # A worker of the restored run, back: its if_exists was checked when it first registered.
         returning = self._restored_run is not None and previous is not None \
             and self._restored.get(rank, (None,))[0] == previous
+        same_job = self._same_job(job)
+        if self.running and same_job is False:
+            raise FailedPreconditionError(
+                f"this worker is of job {job!r}, but run {self.run.number} on this server (ranks {self.ranks} "
+                f"registered) is job {self.run.job!r}'s: a server serves one job at a time")
         # A new worker joins the restored run if it asks for what the run did; one that asks for
         # another (a job started again with 'resume' or 'replace') starts a new run, and so does
         # one asking for 'replace' (a job that starts over, whatever the run before asked for:
-        # joining, its init would keep the restored values).
-        going = self.running or returning or (
-            self._restored_run_open() and if_exists == self.run.if_exists and if_exists != REPLACE)
-        if going and not returning and if_exists != self.run.if_exists:
+        # joining, its init would keep the restored values). Where both name a job, the job decides.
+        going = self.running or returning or (self._restored_run_open() and (
+            if_exists == self.run.if_exists and if_exists != REPLACE if same_job is None else same_job))
+        if going and not returning and not same_job and if_exists != self.run.if_exists:
             raise FailedPreconditionError(
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
                 f"(ranks {self.ranks} registered) started with if_exists={self.run.if_exists!r}: every worker "
@@ -182,9 +200,10 @@ class Membership:
                 f"from {heard:.1f} s ago): if it is gone, its lease expires {self.lease_timeout:g} s after it was last "
                 "heard from (--lease-timeout), and the rank is free then")
         if not going:
-            self.run = Run(self.run.number + 1 if self.run else 1, if_exists)
+            self.run = Run(self.run.number + 1 if self.run else 1, if_exists, job)
             self._restored_run = None
-            log.info("run %d starts (if_exists=%r)", self.run.number, if_exists, extra={"event": "run_started"})
+            log.info("run %d starts (if_exists=%r%s)", self.run.number, if_exists, f", job {job!r}" if job else "",
+                     extra={"event": "run_started"})
         elif not self.running:
             log.info("run %d goes on after this server's restart", self.run.number, extra={"event": "run_resumed"})
         incarnation = self.incarnations[rank] = self._next_incarnation
@@ -198,6 +217,12 @@ class Membership:
                  rank, incarnation, len(self.incarnations), self.num_workers,
                  extra={"event": "worker_registered", "rank": rank})
         return rank, incarnation, not going
+
+    def _same_job(self, job):
+        """Whether ``job`` is the current run's job; None where either names none."""
+        if not job or self.run is None or not self.run.job:
+            return None
+        return job == self.run.job
 
     def _restored_run_open(self):
         """Whether a new worker that registers may join the run restored from a snapshot: within

@@ -139,10 +139,10 @@ class Coordinator:
 
     # ---- membership -------------------------------------------------------------------
 
-    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0):
+    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job=""):
         """(rank, incarnation) of a new registration: see :meth:`Membership.register`. The
         first registration of a run with if_exists 'replace' drops what earlier runs left."""
-        rank, incarnation, started = self.members.register(rank, if_exists, previous, request_id)
+        rank, incarnation, started = self.members.register(rank, if_exists, previous, request_id, job)
         if started and if_exists == REPLACE:
             log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
                      len(self.engine))
@@ -614,6 +614,7 @@ class Coordinator:
             "num_keys": len(self.engine), "device": self.device,
             "optimizer": self.optimizer.name if self.optimizer else "",
             "run": run.number if run else 0, "if_exists": run.if_exists if run else None,
+            "job": run.job if run else "",
             "lease_timeout": self.members.lease_timeout, "leases": self.members.leases(),
             "expired_leases": self.members.expired_leases,
         }

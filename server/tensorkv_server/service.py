@@ -30,7 +30,7 @@ from tensorkv.words import plural, size
 from . import datachan, logs, metrics, shm
 from .deadline import within
 from .limits import Limits, max_call_bytes
-from .membership import FAIL, REPLACE, RESUME
+from .membership import FAIL, MAX_JOB_BYTES, REPLACE, RESUME
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -225,9 +225,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if_exists = _IF_EXISTS_BY_VALUE.get(request.if_exists)
         if if_exists is None:
             raise InvalidArgumentError(f"unknown if_exists value {request.if_exists}")
+        if len(request.job.encode()) > MAX_JOB_BYTES:
+            raise InvalidArgumentError(f"job {request.job[:40]!r}... is {len(request.job.encode())} bytes long; "
+                                       f"at most {MAX_JOB_BYTES}")
         rank, incarnation = self.coordinator.register(
             request.rank if request.HasField("rank") else None, if_exists,
-            request.previous_incarnation if request.HasField("previous_incarnation") else None, request.request_id)
+            request.previous_incarnation if request.HasField("previous_incarnation") else None, request.request_id,
+            request.job)
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation,
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))

@@ -80,7 +80,8 @@ def capture(coordinator, buffers):
     header = {"format": FORMAT, "version": VERSION, "mode": coordinator.mode, "num_workers": coordinator.num_workers,
               "key_type": engine._key_type and engine._key_type.__name__, "keys": keys,
               "optimizer": optimizer and states_file.optimizer_header(optimizer), "states": state_keys,
-              "run": run and {"number": run.number, "if_exists": run.if_exists, "going": coordinator.members.run_going_on},
+              "run": run and {"number": run.number, "if_exists": run.if_exists, "job": run.job,
+                              "going": coordinator.members.run_going_on},
               "next_incarnation": coordinator.members._next_incarnation,
               "sequences": coordinator.members.saved_sequences(coordinator.open_sequences()),
               "barriers_done": coordinator._barriers_done}
@@ -292,7 +293,8 @@ def restore(coordinator, header, arrays):
     run = header["run"]
     if run is not None:
         # Snapshots written before "going" was saved: going on if a rank's sequence numbers were saved.
-        members.restore_run(Run(run["number"], run["if_exists"]), run.get("going", bool(header.get("sequences"))))
+        members.restore_run(Run(run["number"], run["if_exists"], run.get("job", "")),
+                            run.get("going", bool(header.get("sequences"))))
         coordinator.optimizer_run = run["number"]  # the last run's, or an earlier one's: not a later run's
     members._next_incarnation = max(members._next_incarnation, header["next_incarnation"])
     members.restore_sequences(header.get("sequences", []))
