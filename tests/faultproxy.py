@@ -2,7 +2,8 @@
 
 ``FaultProxy(target)`` listens on 127.0.0.1:``port`` and relays every connection to
 ``target`` ('host:port'), each direction in its own thread. On command it resets every open
-connection (:meth:`reset`: the client sees ECONNRESET; the server sees its peer go) or
+connection (:meth:`reset`: the client sees ECONNRESET; the server sees its peer go; a reset
+from either side is passed on to the other, as a router does) or
 swallows what the server sends (:meth:`hold_replies`), so that a call reaches the server but
 its answer never reaches the client, or stalls both directions for a while (:meth:`stall`). Every thread is a daemon and :meth:`close` ends them.
 """
@@ -40,13 +41,15 @@ class FaultProxy:
                 _abort(client)
                 continue
             with self._lock:
-                self._pairs.append((client, server))
+                held = [self._holding.is_set()]  # this connection's replies are dropped while held[0]
+                self._pairs.append((client, server, held))
                 self.connections += 1
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, held), daemon=True).start()
 
-    def _pump(self, source, sink, replies):
-        """Relay ``source`` to ``sink`` until either ends; an end of ``source`` is passed on."""
+    def _pump(self, source, sink, held):
+        """Relay ``source`` to ``sink`` until either ends; an end of ``source`` is passed on.
+        ``held``: for a server's replies, the connection's flag (dropped while ``held[0]``)."""
         while True:
             try:
                 data = source.recv(_CHUNK)
@@ -54,17 +57,22 @@ class FaultProxy:
                     sink.shutdown(socket.SHUT_WR)
                     return
                 self._flowing.wait()
-                if not (replies and self._holding.is_set()):
+                if not (held and held[0]):
                     sink.sendall(data)
-            except OSError:  # reset, or closed by reset()
+            except OSError:  # reset (passed on, as a router passes on an RST), or closed by reset()
+                _abort(sink)
                 return
 
     def hold_replies(self, holding=True):
-        """From now on, drop (``holding``) or relay again what servers send to clients."""
-        if holding:
-            self._holding.set()
-        else:
-            self._holding.clear()
+        """From now on, drop (``holding``) or relay again what servers send to clients, on the
+        open connections and on those made until the next :meth:`reset`."""
+        with self._lock:
+            if holding:
+                self._holding.set()
+            else:
+                self._holding.clear()
+            for _, _, held in self._pairs:
+                held[0] = holding
 
     def stall(self, seconds):
         """Relay nothing, either way, for ``seconds`` (the connections stay open)."""
@@ -74,10 +82,13 @@ class FaultProxy:
         timer.start()
 
     def reset(self):
-        """Reset every open connection: an RST to the client, the server's side closed."""
+        """Reset every open connection: an RST to the client, the server's side closed. The
+        connections made after it are not held: a client that connects again at once (before
+        the test can call hold_replies(False)) must not lose the new connection's replies."""
         with self._lock:
             pairs, self._pairs = self._pairs, []
-        for client, server in pairs:
+            self._holding.clear()
+        for client, server, _ in pairs:
             _abort(client)
             _abort(server)
 
@@ -95,9 +106,10 @@ class FaultProxy:
 
 def _abort(sock):
     """Close ``sock`` with an RST rather than a FIN (SO_LINGER with a zero timeout); the
-    shutdown first wakes a thread blocked reading it, which would keep it open."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    shutdown first wakes a thread blocked reading it, which would keep it open. A socket
+    closed already is left as it is."""
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.shutdown(socket.SHUT_RD)
     except OSError:
         pass

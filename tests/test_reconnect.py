@@ -213,6 +213,35 @@ def test_a_push_in_a_snapshot_is_not_applied_again_by_the_restarted_server(tmp_p
             np.testing.assert_array_equal(kv.pull("w"), [6] * 4)
 
 
+def test_a_worker_that_reconnected_after_the_snapshot_is_matched_to_the_numbers_it_saved(tmp_path):
+    """Both ranks push and pull round 1; the server writes a snapshot; rank 0 pushes again and
+    its pull waits for rank 1 when its connection is reset: it registers again, a new
+    incarnation in the place of the one the snapshot saved. The server is killed with -9 and
+    restarted from the snapshot. Rank 0 names the incarnations it held, so it gets back the
+    numbers the snapshot saved: its push of round 1, sent again, is not applied twice (before:
+    it was, as round 2's, with rank 1's push of step 2, and the rounds were a push apart)."""
+    with _sgd_pair_through_proxy(tmp_path) as (cluster, server, proxy, kv0, kv1, port):
+        kv0.push("w", np.full(4, 1, np.float32))
+        kv1.push("w", np.full(4, 2, np.float32))
+        np.testing.assert_array_equal(kv0.pull("w"), [-3] * 4)
+        np.testing.assert_array_equal(kv1.pull("w"), [-3] * 4)
+        server.kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+        before = kv0._conns[0].incarnation
+        kv0.push("w", np.full(4, 10, np.float32))
+        pulled = _in_thread(lambda: kv0.pull("w"))  # waits for rank 1's push of step 2
+        wait_until(lambda: _pushes(port) == 3, "rank 0's push of step 2 in an open round")
+        proxy.reset()
+        wait_until(lambda: kv0._conns[0].incarnation != before, "rank 0 registered again in its own place")
+        cluster.restart()
+        kv1.push("w", np.full(4, 20, np.float32))
+        np.testing.assert_array_equal(kv1.pull("w"), [-33] * 4)
+        np.testing.assert_array_equal(pulled(), [-33] * 4)
+        assert server.keys()[0].updates == 2
+        kv0.push("w", np.full(4, 100, np.float32))
+        kv1.push("w", np.full(4, 200, np.float32))
+        np.testing.assert_array_equal(kv0.pull("w"), [-333] * 4)
+
+
 def test_a_push_of_a_round_open_at_the_snapshot_is_applied_by_the_restarted_server(tmp_path):
     """As above, with 2 workers: rank 0's push waits in an open round when the snapshot is
     taken, so the snapshot holds neither it nor its number, and the push sent again counts."""
@@ -275,6 +304,22 @@ def _sgd_pair(tmp_path):
         kv0.init("w", np.zeros(4, np.float32))
         kv1.init("w", np.zeros(4, np.float32))
         yield cluster, Server(cluster.addresses[0], Security(), 10.0), kv0, kv1
+
+
+@contextlib.contextmanager
+def _sgd_pair_through_proxy(tmp_path):
+    """As :func:`_sgd_pair`, with rank 0 reaching the server through a FaultProxy and a metrics
+    port: (cluster, Server, proxy, rank 0's store, rank 1's store, the metrics port)."""
+    state, port = str(tmp_path / "state"), free_port()
+    server_args = ("--state-dir", state, "--snapshot-interval", "0", "--metrics-port", str(port))
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=server_args) as cluster, \
+            FaultProxy(cluster.addresses[0]) as proxy, \
+            tensorkv.create("dist_sync", servers=proxy.address, rank=0, timeout=TIMEOUT) as kv0, \
+            tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+        kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
+        kv0.init("w", np.zeros(4, np.float32))
+        kv1.init("w", np.zeros(4, np.float32))
+        yield cluster, Server(cluster.addresses[0], Security(), 10.0), proxy, kv0, kv1, port
 
 
 def test_a_round_in_the_snapshot_is_not_applied_again_when_the_workers_line_up(tmp_path):

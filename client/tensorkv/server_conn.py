@@ -8,6 +8,7 @@ A ``part`` is the list [(position, Item)] of the values of one call that go to t
 by position: a pulled value goes straight into ``outs[position][0]`` where that is a NumPy
 array of its dtype and shape.
 """
+import collections
 import itertools
 import logging
 import math
@@ -35,6 +36,8 @@ from .v1 import kvstore_pb2, tensor_pb2
 
 # Calls whose values (per server) take at most this many bytes use the Session stream.
 SESSION_MAX_BYTES = CHUNK_BYTES
+# Earlier incarnations a registration names (RegisterRequest.earlier_incarnations): as many as a server reads.
+MAX_EARLIER_INCARNATIONS = 16
 # With shared memory, values of at least this many bytes travel through the region.
 SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
 # With a data channel, values of at least this many bytes travel on it.
@@ -100,6 +103,8 @@ class ServerConn:
         self._connect()
         self.rank = None
         self.incarnation = None  # of this worker's registration here; None while not registered
+        # The incarnations it held here before, oldest first (RegisterRequest.earlier_incarnations).
+        self._earlier = collections.deque(maxlen=MAX_EARLIER_INCARNATIONS)
         self.lease_ttl = 0.0  # seconds; 0: a server without leases
         self.lease_lost = None  # why the server no longer renews the lease (set by lease.Heartbeat)
         self.server_id = None  # Info.server_id when this worker registered
@@ -157,10 +162,15 @@ class ServerConn:
         tried again (:meth:`_through_resets`), with the same RegisterRequest.request_id until
         the registration is answered, so that the server makes it once."""
         request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous,
-                                              request_id=self._request_id, job=self.job)
+                                              request_id=self._request_id, job=self.job,
+                                              earlier_incarnations=self._earlier if previous is not None else ())
         response = self._through_resets("register", self.stub.Register, request,
                                         self.timeout if timeout is None else timeout)
         self._request_id = _request_id()
+        if previous is None:
+            self._earlier.clear()
+        elif response.incarnation != previous:
+            self._earlier.append(previous)
         self.rank, self.incarnation = response.rank, response.incarnation
         self.lease_ttl = response.lease_ttl_ms / 1000
         self.lease_lost = None

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 FAIL, RESUME, REPLACE = "fail", "resume", "replace"
 # The longest job name a registration may give (RegisterRequest.job), in UTF-8 bytes.
 MAX_JOB_BYTES = 256
+# How many of a worker's earlier incarnations a registration is matched against (the newest of
+# RegisterRequest.earlier_incarnations); a worker sends as many.
+MAX_EARLIER_INCARNATIONS = 16
 # A number left out of a rank's sequence (a call refused before it changed anything) counts
 # as applied once this many later numbers have been.
 SEQUENCE_WINDOW = 256
@@ -147,7 +150,7 @@ class Membership:
         """Whether a run is going on: some rank is registered."""
         return bool(self.incarnations)
 
-    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job=""):
+    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job="", earlier=()):
         """(rank, incarnation, whether it started a new run) of a new registration of
         ``rank``, or of the lowest free rank, by a worker of ``job`` ("": none named);
         FailedPreconditionError if the rank is taken, or if ``if_exists`` is not that of the
@@ -155,7 +158,9 @@ class Membership:
         that held ``rank`` before the caller's connection broke: the new registration takes
         its place when it still holds the rank; FailedPreconditionError if its lease expired.
         A ``request_id`` (not 0) whose registration still holds its rank gets that
-        registration again (RegisterRequest.request_id)."""
+        registration again (RegisterRequest.request_id). ``earlier``: the incarnations the
+        worker held here before ``previous`` (RegisterRequest.earlier_incarnations); on a server
+        restored from a snapshot, the numbers it saved for any of them come back to the worker."""
         if request_id:
             made = next((held for held, made_by in self._request_ids.items() if made_by == request_id), None)
             if made is not None and rank in (None, made):
@@ -167,8 +172,8 @@ class Membership:
             if self._expired.get(rank) == previous:
                 self.check(rank, previous)  # raises: that lease expired
         # A worker of the restored run, back: its if_exists was checked when it first registered.
-        returning = self._restored_run is not None and previous is not None \
-            and self._restored.get(rank, (None,))[0] == previous
+        held = {previous, *earlier} if previous is not None else set()
+        returning = self._restored_run is not None and self._restored.get(rank, (None,))[0] in held
         same_job = self._same_job(job)
         if self.running and same_job is False:
             raise FailedPreconditionError(
@@ -211,7 +216,7 @@ class Membership:
         self._grant(rank, incarnation)
         self._request_ids[rank] = request_id
         restored = self._restored.pop(rank, None)
-        if restored is not None and previous is not None and restored[0] == previous:
+        if restored is not None and restored[0] in held:
             self._applied[rank] = restored[1]  # the same worker, after this server restarted
         log.info("worker registered with rank %d, incarnation %d (%d of %d)",
                  rank, incarnation, len(self.incarnations), self.num_workers,

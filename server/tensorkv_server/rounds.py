@@ -139,10 +139,10 @@ class Coordinator:
 
     # ---- membership -------------------------------------------------------------------
 
-    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job=""):
+    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job="", earlier=()):
         """(rank, incarnation) of a new registration: see :meth:`Membership.register`. The
         first registration of a run with if_exists 'replace' drops what earlier runs left."""
-        rank, incarnation, started = self.members.register(rank, if_exists, previous, request_id, job)
+        rank, incarnation, started = self.members.register(rank, if_exists, previous, request_id, job, earlier)
         if started and if_exists == REPLACE:
             log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
                      len(self.engine))

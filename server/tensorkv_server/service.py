@@ -30,7 +30,7 @@ from tensorkv.words import plural, size
 from . import datachan, logs, metrics, shm
 from .deadline import within
 from .limits import Limits, max_call_bytes
-from .membership import FAIL, MAX_JOB_BYTES, REPLACE, RESUME
+from .membership import FAIL, MAX_EARLIER_INCARNATIONS, MAX_JOB_BYTES, REPLACE, RESUME
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         rank, incarnation = self.coordinator.register(
             request.rank if request.HasField("rank") else None, if_exists,
             request.previous_incarnation if request.HasField("previous_incarnation") else None, request.request_id,
-            request.job)
+            request.job, request.earlier_incarnations[-MAX_EARLIER_INCARNATIONS:])
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation,
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
