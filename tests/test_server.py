@@ -1,4 +1,5 @@
 """tensorkv servers and workers as real processes on 127.0.0.1 (see cluster.py)."""
+import asyncio
 import json
 import os
 import platform
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorkv
 from tensorkv import states_file
+from tensorkv.engine import Engine
 from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
@@ -22,6 +24,7 @@ from cluster import (
     ROOT, STOP_TIMEOUT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, rank_1_after_a_round, stop, wait_until,
 )
 from tensorkv.allocator import SERVER_TUNABLES
+from tensorkv_server.rounds import Coordinator
 
 SERVICE = "tensorkv.v1.KVStoreService"
 
@@ -358,6 +361,47 @@ def test_sigterm_stops_cleanly_and_fails_waits_with_unavailable(tmp_path):
         cluster.stop()
     log = (tmp_path / "server0.log").read_text()
     assert "stopped" in log and "Traceback" not in log
+
+
+def test_sigterm_ends_open_sessions_before_grpc_stops(tmp_path):
+    """Two workers with open Session streams, one with its calls on the data channel, one on
+    gRPC only: a SIGTERM ends both streams itself (UNAVAILABLE), so that gRPC has none to
+    abort: its "Aborting method ... due to server stop" per stream, or its traceback of a
+    cancelled one, was in the log of every such stop."""
+    cluster = Cluster(num_workers=2, tmp_path=tmp_path)
+    stores = []
+    try:
+        stores = [tensorkv.create("dist_sync", servers=cluster.addresses, rank=rank, transport=transport)
+                  for rank, transport in enumerate(("auto", "grpc"))]
+
+        def step(kv):
+            kv.init("w", np.zeros(1 << 16, np.float32))
+            kv.push("w", np.ones(1 << 16, np.float32))
+            return kv.pull("w")
+
+        with ThreadPoolExecutor(2) as pool:
+            for value in pool.map(step, stores):
+                np.testing.assert_array_equal(value, np.full(1 << 16, 2, np.float32))
+        os.kill(cluster.processes[0].pid, signal.SIGTERM)
+        assert cluster.processes[0].wait(timeout=STOP_TIMEOUT) == 0
+    finally:
+        for kv in stores:
+            kv.close()
+        cluster.stop()
+    log = (tmp_path / "server0.log").read_text()
+    assert "stopped" in log
+    assert "Aborting method" not in log and "grpc._cython" not in log and "Traceback" not in log, log
+
+
+def test_a_server_that_stops_takes_no_new_registration():
+    async def register_after_shutdown():
+        coordinator = Coordinator(Engine(np), 2, "sync", 60.0)
+        coordinator.register(0)
+        coordinator.shutdown()
+        coordinator.register(1)
+
+    with pytest.raises(tensorkv.ServerUnavailableError, match="the server is shutting down"):
+        asyncio.run(register_after_shutdown())
 
 
 def test_tutorial_against_a_server(tmp_path):

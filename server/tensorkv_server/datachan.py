@@ -122,10 +122,11 @@ class DataPort:
 
 class StreamChannel:
     """The data channel of one Session stream: none, offered (a token is out), or bound; and,
-    where the client asked for it, the task that serves the stream's calls on it."""
+    where the client asked for it, the task that serves the stream's calls on it, whose wait
+    for the next call ``streams`` (streams.OpenStreams) ends when the server stops."""
 
-    def __init__(self, port, peer):
-        self._port, self.peer = port, peer
+    def __init__(self, port, peer, streams):
+        self._port, self.peer, self._streams = port, peer, streams
         self._token = self._waiter = None
         self._calls = None  # the task of serve_calls
 
@@ -152,11 +153,11 @@ class StreamChannel:
         self._calls.add_done_callback(_log_failure)
 
     async def _serve_calls(self, waiter, handle, send_after, max_bytes):
-        link = await waiter
         header = bytearray(FRAME_HEADER)
         try:
+            link = await self._streams.next_call(lambda: waiter)
             while True:
-                await link.read_into(memoryview(header))
+                await self._streams.next_call(lambda: link.read_into(memoryview(header)))
                 size = int.from_bytes(header, "little")
                 if size > max_bytes:  # refused unread (its id unknown: 0), and the bytes that follow it unknown
                     log.warning("data channel of %s closed: a call of %d bytes (at most %d)", self.peer, size,
@@ -183,6 +184,11 @@ class StreamChannel:
         finally:
             if self._waiter is waiter:
                 self.close()
+
+    async def calls_ended(self):
+        """Wait until the task serving calls on the channel, if any, has ended."""
+        if self._calls is not None:
+            await asyncio.wait([self._calls])
 
     @property
     def bound(self):

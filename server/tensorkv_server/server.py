@@ -99,8 +99,9 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
                 interceptors=(), snapshots=None, snapshot_interval=0, advertised_data_port=0):
     """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish. Requests are held to
-    ``limits`` (a limits.Limits). ``security``: a ServerSecurity (default: plaintext, no
+    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish; the Session streams
+    still open then end with UNAVAILABLE at their next call's boundary (streams.OpenStreams),
+    before gRPC stops. Requests are held to ``limits`` (a limits.Limits). ``security``: a ServerSecurity (default: plaintext, no
     tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
     interceptors, which run before the token check (so that refused calls are counted too).
     ``snapshots``: a snapshot.Snapshots, taken every ``snapshot_interval`` seconds (0: never)
@@ -156,11 +157,12 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace,
              extra={"event": "server_stopping"})
     await health_servicer.enter_graceful_shutdown()
-    servicer.stopping = True
     coordinator.shutdown()
     if data_port is not None:
         data_port.close()  # no new channels; the streams' own close as they end
-    await server.stop(grace)
+    stopping_since = loop.time()
+    await servicer.streams.end(grace)
+    await server.stop(max(0.0, grace - (loop.time() - stopping_since)))
     failed = None
     if snapshots is not None:
         try:

@@ -32,6 +32,7 @@ from .deadline import within
 from .limits import Limits, max_call_bytes
 from .membership import FAIL, MAX_EARLIER_INCARNATIONS, MAX_JOB_BYTES, REPLACE, RESUME
 from .staging import Staging
+from .streams import OpenStreams
 
 log = logging.getLogger(__name__)
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
@@ -162,7 +163,8 @@ def _parser(method):
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     def __init__(self, coordinator, shared_memory=True, data_port=None, limits=Limits(), snapshots=None):
         self.coordinator = coordinator
-        self.stopping = False  # set when the server starts to stop
+        # The Session streams, ended by the server's stop (streams.OpenStreams.end).
+        self.streams = OpenStreams()
         # The snapshot.Snapshots of --state-dir, or None; and this process's random id.
         self.snapshots = snapshots
         self.server_id = secrets.randbits(64)
@@ -327,10 +329,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # The shared-memory regions and the data channel of this stream: released when it
         # ends, however it ends.
         regions = shm.Regions(context.peer())
-        channel = datachan.StreamChannel(self.data_port, context.peer()) if self.data_port else None
+        channel = datachan.StreamChannel(self.data_port, context.peer(), self.streams) if self.data_port else None
         layouts = packed.Layouts()
+        self.streams.opened()
         try:
-            async for data in self._until_stopped(request_iterator):
+            async for data in self._requests(request_iterator):
                 metrics.received("grpc", len(data))
                 response, outgoing, close = await self._session_call(data, regions, channel, layouts)
                 if close:
@@ -345,20 +348,22 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 if outgoing is not None:
                     await self._send_after(channel, outgoing)
         finally:
-            regions.close()
             if channel is not None:
+                if self.streams.ending:  # its calls on the channel end at their next boundary
+                    await channel.calls_ended()
                 channel.close()
+            regions.close()
+            self.streams.closed()
 
-    async def _until_stopped(self, requests):
-        """The requests of a stream, ending quietly when the server stops under a stream that
-        waits for its next message (one whose calls go on its data channel waits for all of
-        them): gRPC then raises its own error from the read."""
-        try:
-            async for request in requests:
-                yield request
-        except Exception:
-            if not self.stopping:
-                raise
+    async def _requests(self, requests):
+        """The requests of a stream, until the server stops (OpenStreams.next_call)."""
+        requests = aiter(requests)
+        while True:
+            try:
+                request = await self.streams.next_call(lambda: anext(requests))
+            except StopAsyncIteration:
+                return
+            yield request
 
     async def _session_call(self, data, regions, channel, layouts, on_channel=False):
         """(the serialized SessionResponse to one serialized SessionRequest, None or (buffer
