@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import trustme
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -24,6 +25,7 @@ from tensorkv_server.security import RefusalLog
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
+from test_metrics import scrape
 
 SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 MAINTENANCE = maintenance_pb2.DESCRIPTOR.services_by_name["MaintenanceService"]
@@ -203,16 +205,60 @@ def test_tls_refusals_fail_at_once_and_say_why(pki, tmp_path):
         _fails_at_once("does not use TLS", servers=plaintext.addresses[0], tls_ca=pki.ca_file)
 
 
-def test_an_expired_server_certificate_is_named(tmp_path):
-    expired = Pki(tmp_path, server_not_after=datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1))
+def _utc_now():
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def test_a_server_certificate_that_expires_while_serving_is_named(tmp_path):
+    """An expired certificate is refused at start (below): here it expires once the server serves."""
+    expiring = Pki(tmp_path, server_not_after=_utc_now() + datetime.timedelta(seconds=8))
+    with Cluster(tmp_path=tmp_path, server_args=expiring.server_args(), security=Security(expiring.ca_file)) as cluster:
+        time.sleep(max(0.0, (_not_after(expiring.cert) - _utc_now()).total_seconds() + 1))
+        _fails_at_once("certificate has expired", servers=cluster.addresses[0], tls_ca=expiring.ca_file)
+
+
+def _not_after(pem_file):
+    """The notAfter of the first certificate of ``pem_file``."""
+    return x509.load_pem_x509_certificate(open(pem_file, "rb").read()).not_valid_after_utc
+
+
+def test_an_expired_server_certificate_refuses_to_start_naming_the_file_and_date(tmp_path):
+    expired = Pki(tmp_path, server_not_after=_utc_now() - datetime.timedelta(days=1))
+    result = subprocess.run(_server("--port", str(free_port()), *expired.server_args()), capture_output=True,
+                            text=True, timeout=30)
+    day = f"{_not_after(expired.cert):%Y-%m-%d %H:%M:%S} UTC"
+    assert result.returncode == 2 and result.stderr == \
+        f"tensorkv-server: --tls-cert {expired.cert} expired on {day}: renew it\n", result.stderr
+
+
+def test_certificate_expiry_is_a_metric_and_a_warning_within_30_days(tmp_path):
+    pki = Pki(tmp_path, server_not_after=_utc_now() + datetime.timedelta(days=10))
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "tensorkv_server", "--port", str(port), "--device", "cpu",
-                                *expired.server_args()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: _listening(port), "the server's port")
-        _fails_at_once("certificate has expired", servers=f"127.0.0.1:{port}", tls_ca=expired.ca_file)
-    finally:
-        stop(process)
+    security = Security(pki.ca_file, pki.client_cert, pki.client_key)
+    with Cluster(tmp_path=tmp_path, server_args=[*pki.server_args(mutual=True), "--metrics-port", str(port)],
+                 security=security):
+        _, samples = scrape(port)
+    expiry = "tensorkv_tls_certificate_expiry_timestamp_seconds"
+    assert samples[(expiry, (("certificate", "server"),))] == _not_after(pki.cert).timestamp()
+    assert samples[(expiry, (("certificate", "client_ca"),))] == _not_after(pki.ca_file).timestamp()
+    day = f"{_not_after(pki.cert):%Y-%m-%d %H:%M:%S} UTC"
+    log = (tmp_path / "server0.log").read_text()
+    assert f"WARNING tensorkv_server.main: --tls-cert {pki.cert} expires on {day}, within 30 days" in log, log
+    assert "--tls-client-ca" not in log, log  # the CA lasts until 3000
+
+
+def test_a_rotation_to_an_expired_certificate_keeps_the_previous_one(pki, tmp_path):
+    port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=[*pki.server_args(), "--metrics-port", str(port)],
+                 security=Security(pki.ca_file)) as cluster:
+        expired = Pki(tmp_path / "expired", server_not_after=_utc_now() - datetime.timedelta(days=1))
+        for source, target in ((expired.cert, pki.cert), (expired.key, pki.key)):
+            os.replace(source, target)
+        assert Security(pki.ca_file).diagnose(cluster.addresses[0]) is None  # a new connection: the previous pair
+        log = (tmp_path / "server0.log").read_text()
+        assert f"--tls-cert {pki.cert} expired on" in log and "keeping the previous certificate" in log, log
+        _, samples = scrape(port)
+    assert samples[("tensorkv_tls_certificate_expiry_timestamp_seconds", (("certificate", "server"),))] > time.time()
 
 
 def test_mutual_tls_refuses_a_client_without_or_with_a_foreign_certificate(pki, tmp_path):
@@ -245,14 +291,6 @@ def test_a_rotated_certificate_serves_new_connections(pki, tmp_path):
             assert (kv.pull("w") == 1).all()  # the open connection keeps its session
         with tensorkv.create("dist_sync", servers=servers, tls_ca=new.ca_file) as kv:
             assert (kv.pull("w") == 1).all()
-
-
-def _listening(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), 0.5).close()
-        return True
-    except OSError:
-        return False
 
 
 def _raw_call(channel, method, metadata, request=b""):

@@ -147,6 +147,11 @@ class _CountsCollector:
 
 REGISTRY.register(_CountsCollector())
 
+CERTIFICATE_EXPIRY = Gauge(
+    "tensorkv_tls_certificate_expiry_timestamp_seconds",
+    "When a TLS certificate file in use expires (the earliest notAfter of its certificates), in Unix seconds: "
+    "certificate=server for --tls-cert, client_ca for --tls-client-ca.", ["certificate"])
+
 
 class Liveness:
     """Whether the server serves and its event loop runs, for ``GET /healthz`` on the metrics

@@ -13,7 +13,14 @@ method but the health service (probes need no token, and it says only SERVING or
 Certificate files are looked at again on each new connection, of the gRPC port and of the
 data channel: replacing them (cert and key together, e.g. by renaming new files over them)
 serves the new pair to new connections, while connections already open keep theirs.
+
+A certificate file (--tls-cert, --tls-client-ca) is as good as the first of its certificates
+to expire (its notAfter): one that has passed it is refused, at start (the server does not
+start) and at a rotation (the previous pair stays); one within EXPIRY_WARNING_DAYS of it is
+warned about. The metric tensorkv_tls_certificate_expiry_timestamp_seconds says when each
+file in use expires.
 """
+import datetime
 import hmac
 import logging
 import os
@@ -22,10 +29,13 @@ import time
 from pathlib import Path
 
 import grpc
+from cryptography import x509
 
 from tensorkv.errors import ERROR_METADATA_KEY, PermissionDeniedError, UnauthenticatedError
 from tensorkv.security import is_loopback
 from tensorkv.v1 import kvstore_pb2, maintenance_pb2
+
+from . import metrics
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +47,11 @@ PUBLIC_PREFIX = "/grpc.health.v1.Health/"
 READ_ONLY_MARK = "ro"
 MIN_TOKEN_CHARS = 16
 _REFUSALS_KEPT = 4096  # (host, reason) pairs RefusalLog remembers before it forgets quiet ones
+EXPIRY_WARNING_DAYS = 30
+
+
+class ExpiredCertificate(ValueError):
+    """A certificate file with a certificate that has expired."""
 
 
 def add_arguments(parser):
@@ -93,7 +108,8 @@ class ServerSecurity:
                                  "chmod o-rwx it")
         self._config = self._stamp = None
         if self.tls:
-            self._config, self._stamp = self._load(), self._file_stamp()
+            (self._config, expiries), self._stamp = self._load(), self._file_stamp()
+            self.warnings += _adopt(expiries)
 
     @classmethod
     def from_args(cls, args):
@@ -154,9 +170,15 @@ class ServerSecurity:
         return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, self._files))
 
     def _load(self):
+        """(the gRPC certificate configuration of the files as they are now, {metric label:
+        (flag, file, notAfter)} of its certificate files); ExpiredCertificate for one that expired."""
         cert, key, *ca = (Path(path).read_bytes() for path in self._files)
         ssl.create_default_context().load_cert_chain(self._files[0], self._files[1])  # a key that fits the cert
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca[0] if ca else None)
+        expiries = {"server": _expiry("--tls-cert", self._files[0], cert)}
+        if ca:
+            expiries["client_ca"] = _expiry("--tls-client-ca", self._files[2], ca[0])
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca[0] if ca else None), \
+            expiries
 
     def _fetch_config(self):
         """gRPC asks on each new connection: a new configuration when the files changed, else None."""
@@ -164,13 +186,41 @@ class ServerSecurity:
             stamp = self._file_stamp()
             if stamp == self._stamp:
                 return None
-            config = self._load()
-        except (OSError, ssl.SSLError) as error:  # mid-rotation: keep serving the last good pair
+            config, expiries = self._load()
+        except (OSError, ssl.SSLError, ValueError) as error:  # mid-rotation, or expired: keep the last good pair
             log.warning("TLS files changed but cannot be loaded (%s): keeping the previous certificate", error)
             return None
         self._stamp = stamp
         log.info("TLS certificate files changed: new connections get the new certificate")
+        for warning in _adopt(expiries):
+            log.warning("%s", warning)
         return config
+
+
+def _expiry(flag, path, pem):
+    """(``flag``, ``path``, the earliest notAfter of the certificates in ``pem``, the bytes of
+    ``path``, as an aware datetime); ExpiredCertificate when it has passed."""
+    not_after = min(cert.not_valid_after_utc for cert in x509.load_pem_x509_certificates(pem))
+    if not_after <= datetime.datetime.now(datetime.timezone.utc):
+        raise ExpiredCertificate(f"{flag} {path} expired on {_day(not_after)}: renew it")
+    return flag, path, not_after
+
+
+def _adopt(expiries):
+    """Set the expiry metric of the certificate files in use, {label: (flag, path, notAfter)};
+    the warnings about those that expire within EXPIRY_WARNING_DAYS."""
+    warnings = []
+    soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=EXPIRY_WARNING_DAYS)
+    for label, (flag, path, not_after) in expiries.items():
+        metrics.CERTIFICATE_EXPIRY.labels(label).set(not_after.timestamp())
+        if not_after < soon:
+            warnings.append(f"{flag} {path} expires on {_day(not_after)}, within {EXPIRY_WARNING_DAYS} days: "
+                            "renew it (replacing the files serves the new one to new connections)")
+    return warnings
+
+
+def _day(moment):
+    return f"{moment:%Y-%m-%d %H:%M:%S} UTC"
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
