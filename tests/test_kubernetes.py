@@ -38,7 +38,7 @@ def test_a_misspelled_field_is_refused():
 @pytest.fixture(scope="module")
 def rendered():
     by_kind = {doc["kind"]: doc for doc in render(DEPLOY)}
-    assert sorted(by_kind) == ["Job", "Service", "StatefulSet"]
+    assert sorted(by_kind) == ["Job", "PodDisruptionBudget", "Service", "StatefulSet"]
     return by_kind
 
 
@@ -69,6 +69,19 @@ def test_service_selects_the_servers_and_names_their_ports(rendered):
     for flag, name in (("--port", "grpc"), ("--data-port", "data"), ("--metrics-port", "metrics")):
         assert f'"{flag}", "{container_ports[name]}"' in entrypoint
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(container_ports["metrics"])
+
+
+def test_no_voluntary_eviction_takes_a_server(rendered):
+    """A node drain must not take a server of a running job without an operator: the budget
+    selects exactly the servers' pods and allows none of them to be evicted (its comment says
+    how to drain: a snapshot, then the pod deleted)."""
+    budget, statefulset = rendered["PodDisruptionBudget"], rendered["StatefulSet"]
+    assert budget["spec"]["selector"] == statefulset["spec"]["selector"]
+    assert budget["spec"]["selector"]["matchLabels"] == statefulset["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["maxUnavailable"] == 0 and "minAvailable" not in budget["spec"]
+    workers = rendered["Job"]["spec"]["template"]["metadata"]["labels"]
+    assert not budget["spec"]["selector"]["matchLabels"].items() <= workers.items()
+    assert "tensorkv snapshot save" in (DEPLOY / "server.yaml").read_text()
 
 
 def test_servers_and_workers_agree_on_the_counts(rendered):
