@@ -374,8 +374,8 @@ class SGD(Optimizer):
         return ("mom",) if self.momentum != 0 else ()
 
     def step(self, t, lr, wd):
-        if self.momentum == 0:
-            return f"weight = weight + (0 - lr * wd * weight - {self._scaled_gradient()})", self._scalars(wd, lr=lr)
+        if self.momentum == 0:  # MXNet's weight + (0 - a - b), which rounds as weight - (a + b)
+            return f"weight = weight - (lr * wd * weight + {self._scaled_gradient()})", self._scalars(wd, lr=lr)
         return _statements(f"mom = momentum * mom - lr * wd * weight - {self._scaled_gradient()}",
                            "weight = weight + mom"), self._scalars(wd, lr=lr, momentum=self.momentum)
 
