@@ -268,11 +268,19 @@ def test_a_job_named_by_its_workers_decides_who_joins_a_run(monkeypatch):
         started = members.register(0, if_exists=membership.RESUME, job="other")
         assert started[2] is True and members.run.number == 8 and members.run.job == "other"
         members = restored()
-        now[0] += 11.0  # past a lease of the restart: the restored run is over, the job starts a new one
-        assert members.register(0, if_exists=membership.REPLACE, job="train-7")[2] is True
+        now[0] += 600.0  # long past a lease of the restart: the job's worker still joins its run
+        assert members.register(0, if_exists=membership.REPLACE, job="train-7")[2] is False
         members = restored()
         assert members.register(0, if_exists=membership.REPLACE)[2] is True  # no job named: as before
         members = restored(job="")
         assert members.register(0, if_exists=membership.REPLACE, job="train-7")[2] is True  # nor by the run
+        # Once another run replaced the restored one, a worker of the restored run that comes back
+        # is not given the numbers saved for it (they would skip its pushes to the new run's keys)
+        members = restored()
+        members.restore_sequences([{"rank": 1, "incarnation": 55, "through": 5, "beyond": []}])
+        assert members.register(0, if_exists=membership.REPLACE, job="another")[2] is True
+        members.unregister(0, members.incarnations[0])
+        assert members.register(1, if_exists=membership.RESUME, previous=55, job="another")[2] is True
+        assert 5 not in members._applied.get(1, ())
 
     asyncio.run(registrations())

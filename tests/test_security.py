@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 import trustme
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -245,6 +248,36 @@ def test_certificate_expiry_is_a_metric_and_a_warning_within_30_days(tmp_path):
     log = (tmp_path / "server0.log").read_text()
     assert f"WARNING tensorkv_server.main: --tls-cert {pki.cert} expires on {day}, within 30 days" in log, log
     assert "--tls-client-ca" not in log, log  # the CA lasts until 3000
+
+
+def _retired_ca_pem():
+    """A CA certificate that expired yesterday, as PEM bytes."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "retired CA")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(_utc_now() - datetime.timedelta(days=400))
+            .not_valid_after(_utc_now() - datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_a_client_ca_bundle_that_still_holds_a_retired_ca_is_taken(pki, tmp_path):
+    """--tls-client-ca of the current CA and one that expired (as during a CA rotation): the
+    server starts, a worker with a certificate of the current CA gets in, and the metric says
+    when the bundle's last CA expires (a review: one expired CA in the bundle stopped the server)."""
+    bundle = tmp_path / "client-cas.pem"
+    bundle.write_bytes(_retired_ca_pem() + open(pki.ca_file, "rb").read())
+    port = free_port()
+    server_args = [*pki.server_args(), "--tls-client-ca", str(bundle), "--metrics-port", str(port)]
+    security = Security(pki.ca_file, pki.client_cert, pki.client_key)
+    with Cluster(tmp_path=tmp_path, server_args=server_args, security=security) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, tls_ca=pki.ca_file, tls_cert=pki.client_cert,
+                             tls_key=pki.client_key) as kv:
+            kv.init(1, np.ones(2))
+        _, samples = scrape(port)
+    assert samples[("tensorkv_tls_certificate_expiry_timestamp_seconds", (("certificate", "client_ca"),))] == \
+        _not_after(pki.ca_file).timestamp()
 
 
 def test_a_rotation_to_an_expired_certificate_keeps_the_previous_one(pki, tmp_path):

@@ -35,10 +35,10 @@ joins it too, as it would have joined before the restart, unless it asks for 're
 A run remembers the *job* of the registration that started it (RegisterRequest.job, e.g.
 TENSORKV_JOB; empty: none). Where both a run and a registration name a job, the job decides
 instead of ``if_exists``: a worker of the run's job joins the run going on, or the run restored
-from a snapshot within a lease of the restart (a worker process of the job that was restarted
-with the server, asking for 'replace', would otherwise start a new run that drops the keys the
-server restored), and a worker of another job is refused while the run goes on, or starts a
-new run in place of the restored one.
+from a snapshot whenever it comes (a worker process of the job that was restarted with the
+server, asking for 'replace', would otherwise start a new run that drops the keys the server
+restored), and a worker of another job is refused while the run has ranks registered, or starts
+a new run in place of the restored one.
 """
 import asyncio
 import logging
@@ -179,12 +179,15 @@ class Membership:
             raise FailedPreconditionError(
                 f"this worker is of job {job!r}, but run {self.run.number} on this server (ranks {self.ranks} "
                 f"registered) is job {self.run.job!r}'s: a server serves one job at a time")
-        # A new worker joins the restored run if it asks for what the run did; one that asks for
-        # another (a job started again with 'resume' or 'replace') starts a new run, and so does
-        # one asking for 'replace' (a job that starts over, whatever the run before asked for:
-        # joining, its init would keep the restored values). Where both name a job, the job decides.
-        going = self.running or returning or (self._restored_run_open() and (
-            if_exists == self.run.if_exists and if_exists != REPLACE if same_job is None else same_job))
+        if same_job is None:
+            # A new worker joins the restored run, within a lease of the restart, if it asks for
+            # what the run did; one that asks for another (a job started again with 'resume' or
+            # 'replace') starts a new run, and so does one asking for 'replace' (a job that starts
+            # over, whatever the run before asked for: joining, its init would keep the restored values).
+            rejoins = self._restored_run_open() and if_exists == self.run.if_exists and if_exists != REPLACE
+        else:  # where both name a job, the job decides, whenever its worker comes back
+            rejoins = self._restored_run is not None and same_job
+        going = self.running or returning or rejoins
         if going and not returning and not same_job and if_exists != self.run.if_exists:
             raise FailedPreconditionError(
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
@@ -206,7 +209,7 @@ class Membership:
                 "heard from (--lease-timeout), and the rank is free then")
         if not going:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists, job)
-            self._restored_run = None
+            self._end_restored_run()
             log.info("run %d starts (if_exists=%r%s)", self.run.number, if_exists, f", job {job!r}" if job else "",
                      extra={"event": "run_started"})
         elif not self.running:
@@ -228,6 +231,12 @@ class Membership:
         if not job or self.run is None or not self.run.job:
             return None
         return job == self.run.job
+
+    def _end_restored_run(self):
+        """The restored run is over: none of its workers can come back to it, and the numbers
+        saved for them are no one's."""
+        self._restored_run = None
+        self._restored.clear()
 
     def _restored_run_open(self):
         """Whether a new worker that registers may join the run restored from a snapshot: within
@@ -361,7 +370,7 @@ class Membership:
         self._failures.pop(rank, None)
         log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:
-            self._restored_run = None
+            self._end_restored_run()
             log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})
         return not self.running
 

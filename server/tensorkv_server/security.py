@@ -14,10 +14,11 @@ Certificate files are looked at again on each new connection, of the gRPC port a
 data channel: replacing them (cert and key together, e.g. by renaming new files over them)
 serves the new pair to new connections, while connections already open keep theirs.
 
-A certificate file (--tls-cert, --tls-client-ca) is as good as the first of its certificates
-to expire (its notAfter): one that has passed it is refused, at start (the server does not
-start) and at a rotation (the previous pair stays); one within EXPIRY_WARNING_DAYS of it is
-warned about. The metric tensorkv_tls_certificate_expiry_timestamp_seconds says when each
+A certificate file is as good as the first of its certificates to expire (its notAfter) for
+--tls-cert (a chain stops working then), and as the last for --tls-client-ca (a bundle of CAs
+works while one of them does: a retired CA kept in it during a rotation is normal): one that
+has passed it is refused, at start (the server does not start) and at a rotation (the previous
+pair stays); one within EXPIRY_WARNING_DAYS of it is warned about. The metric tensorkv_tls_certificate_expiry_timestamp_seconds says when each
 file in use expires.
 """
 import datetime
@@ -174,9 +175,9 @@ class ServerSecurity:
         (flag, file, notAfter)} of its certificate files); ExpiredCertificate for one that expired."""
         cert, key, *ca = (Path(path).read_bytes() for path in self._files)
         ssl.create_default_context().load_cert_chain(self._files[0], self._files[1])  # a key that fits the cert
-        expiries = {"server": _expiry("--tls-cert", self._files[0], cert)}
+        expiries = {"server": _expiry("--tls-cert", self._files[0], cert, min)}
         if ca:
-            expiries["client_ca"] = _expiry("--tls-client-ca", self._files[2], ca[0])
+            expiries["client_ca"] = _expiry("--tls-client-ca", self._files[2], ca[0], max)
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca[0] if ca else None), \
             expiries
 
@@ -197,10 +198,11 @@ class ServerSecurity:
         return config
 
 
-def _expiry(flag, path, pem):
-    """(``flag``, ``path``, the earliest notAfter of the certificates in ``pem``, the bytes of
-    ``path``, as an aware datetime); ExpiredCertificate when it has passed."""
-    not_after = min(cert.not_valid_after_utc for cert in x509.load_pem_x509_certificates(pem))
+def _expiry(flag, path, pem, first_or_last):
+    """(``flag``, ``path``, the notAfter of the certificates in ``pem``, the bytes of ``path``,
+    as an aware datetime: their first, ``min``, or last, ``max``); ExpiredCertificate when it
+    has passed."""
+    not_after = first_or_last(cert.not_valid_after_utc for cert in x509.load_pem_x509_certificates(pem))
     if not_after <= datetime.datetime.now(datetime.timezone.utc):
         raise ExpiredCertificate(f"{flag} {path} expired on {_day(not_after)}: renew it")
     return flag, path, not_after
