@@ -11,7 +11,7 @@ from tensorkv import optimizer, states_file, states_wire
 from tensorkv.ctl import Server
 from tensorkv.optimizer import SGD, Adam, Updater
 from tensorkv.security import Security
-from tensorkv.v1 import kvstore_pb2
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from cluster import Cluster, one_worker_store
 
@@ -115,6 +115,18 @@ def test_multipliers_travel_as_data():
     back = states_wire.get_optimizer(kvstore_pb2.Optimizer.FromString(message.SerializeToString()))
     assert back == _sgd([3, "b", -1]) and back.lr_mult == {3: 0.5, -1: 0.0} and back.wd_mult == {3: 0.0, "b": 2.0}
     assert back != SGD(learning_rate=0.1, momentum=0.9, wd=0.01)
+
+
+def test_a_server_says_how_many_multipliers_it_installed(tmp_path):
+    """SetUpdaterResponse.multipliers: a client reads it to tell a server from before them (which
+    installs the optimizer without them and answers 0; the client then raises
+    FailedPreconditionError, as it did against the server of 5554f97, run by hand)."""
+    message = kvstore_pb2.SetUpdaterRequest()
+    states_wire.set_optimizer(message.optimizer, _sgd(["a", "b", "c"]))
+    with Cluster(num_workers=1, tmp_path=tmp_path) as cluster:
+        with grpc.insecure_channel(cluster.addresses[0]) as channel:
+            response = kvstore_pb2_grpc.KVStoreServiceStub(channel).SetUpdater(iter([message]), timeout=10)
+    assert response.multipliers == 4
 
 
 def test_a_key_twice_among_the_multipliers_on_the_wire_is_invalid_argument(tmp_path):

@@ -534,7 +534,13 @@ class ServerConn:
     def set_updater(self, optimizer, key_states, kind):
         """Install ``optimizer`` with this server's ``key_states``; ``kind`` names the call in errors."""
         messages = list(states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states))
-        self._call(kind, self._unary_once, kind, "SetUpdater", messages)
+        response = self._call(kind, self._unary_once, kind, "SetUpdater", messages)
+        sent = len(optimizer.lr_mult) + len(optimizer.wd_mult)
+        if response.multipliers != sent:
+            raise FailedPreconditionError(
+                f"server {self.address} installed {optimizer.name!r} with {response.multipliers} of its {sent} per-key "
+                "multipliers (set_lr_mult, set_wd_mult): it is older than them; upgrade it, or set the optimizer "
+                "without multipliers")
 
     def set_learning_rate(self, learning_rate):
         request = kvstore_pb2.SetLearningRateRequest(learning_rate=learning_rate)

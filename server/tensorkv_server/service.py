@@ -533,7 +533,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if optimizer is None:
             raise InvalidArgumentError("SetUpdater names no optimizer")
         self.coordinator.set_optimizer(optimizer, key_states)
-        return kvstore_pb2.SetUpdaterResponse()
+        return kvstore_pb2.SetUpdaterResponse(multipliers=len(optimizer.lr_mult) + len(optimizer.wd_mult))
 
     async def GetOptimizerStates(self, request, context):
         optimizer, key_states = self.coordinator.optimizer_states()
