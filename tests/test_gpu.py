@@ -42,6 +42,8 @@ OPTIMIZERS = [
     ("lamb", dict(learning_rate=0.01, wd=0.01)),  # two passes and a norm (kernels.l2_norm) on the GPU
     ("lamb", dict(learning_rate=0.01, multi_precision=True)),
     ("dcasgd", dict(learning_rate=0.1, momentum=0.9, wd=0.01)),
+    ("lars", dict(learning_rate=0.1, momentum=0.9, eta=0.01, wd=0.01)),  # norms (kernels.l2_norm) before SGD's kernel
+    ("lars", dict(learning_rate=0.1, eta=0.01, multi_precision=True)),
 ]
 
 

@@ -166,6 +166,8 @@ OPTIMIZERS = [
     optimizer.Adam(learning_rate=0.01, multi_precision=True),
     optimizer.LAMB(learning_rate=0.01, wd=0.01, clip_gradient=1.0),  # two passes: direction_kernel, step_kernel
     optimizer.LAMB(bias_correction=False, multi_precision=True),
+    optimizer.LARS(learning_rate=0.1, momentum=0.9, wd=0.01, clip_gradient=0.5),  # SGD's kernel, corrected momentum
+    optimizer.LARS(learning_rate=0.1, multi_precision=True),
     optimizer.DCASGD(learning_rate=0.1, wd=0.01),
     optimizer.DCASGD(learning_rate=0.1, momentum=0.9, clip_gradient=0.5, multi_precision=True),
 ]

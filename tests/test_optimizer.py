@@ -10,8 +10,10 @@ import pytest
 import tensorkv
 from tensorkv import optimizer
 from tensorkv.optimizer import (
-    DCASGD, FTML, LAMB, NAG, SGD, AdaDelta, AdaGrad, Adam, Adamax, Ftrl, Nadam, RMSProp, Signum, Updater,
+    DCASGD, FTML, LAMB, LARS, NAG, SGD, AdaDelta, AdaGrad, Adam, Adamax, Ftrl, Nadam, RMSProp, Signum, Updater,
 )
+from tensorkv.lr_scheduler import FactorScheduler
+from tensorkv.rowsparse import RowSparse
 
 WEIGHT = [0.5, -1.0, 2.0, 0.0]
 GRADS = [[0.1, -0.3, 2.5, 0.0], [-1.2, 0.4, 0.05, 3.0], [0.7, 0.7, -2.2, -0.1]]
@@ -265,6 +267,21 @@ def expect_lamb(lr, beta1, beta2, eps, lower, upper, bias_correction, wd, rescal
     return out
 
 
+def expect_lars(lr, momentum, eta, eps, wd, rescale, clip_at, schedule=None, correction=True):
+    """MXNet 1.9's LARS of a single key, in float64: SGD at the rate scaled by the norms."""
+    w, mom, out = list(WEIGHT), [0.0] * 4, []
+    rate_at = (lambda t: schedule(t)) if schedule else (lambda t: lr)
+    for t, grad in enumerate(GRADS, start=1):
+        w_norm, g_norm = math.sqrt(sum(x * x for x in w)), rescale * math.sqrt(sum(g * g for g in grad))
+        rate = rate_at(t) * eta * w_norm / (g_norm + wd * w_norm + eps) if w_norm > 0 and g_norm > 0 else rate_at(t)
+        mu = momentum * rate_at(t) / rate_at(t - 1) if correction and t > 1 else momentum
+        for i, g in enumerate(grad):
+            mom[i] = mu * mom[i] - rate * wd * w[i] - rate * clip(rescale * g, clip_at)
+            w[i] += mom[i]
+        out.append(list(w))
+    return out
+
+
 def expect_dcasgd(lr, momentum, lamda, wd, rescale, clip_at):
     w, mom, previous, out = list(WEIGHT), [0.0] * 4, list(WEIGHT), []
     for grad in GRADS:
@@ -286,6 +303,28 @@ def test_lamb(lower, upper, bias_correction, wd, rescale, clip_at):
                bias_correction=bias_correction, wd=wd, rescale_grad=rescale, clip_gradient=clip_at)
     expected = expect_lamb(0.05, 0.8, 0.99, 1e-5, lower, upper, bias_correction, wd, rescale, clip_at)
     np.testing.assert_allclose(run(opt), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("momentum, eta, eps, wd, rescale, clip_at, correction", [
+    (0.0, 0.001, 0.0, 0.0, 1.0, None, True), (0.9, 0.01, 1e-3, 0.05, 0.5, 0.8, True),
+    (0.8, 0.02, 0.0, 0.01, 2.0, None, True), (0.8, 0.02, 0.0, 0.01, 2.0, None, False),
+])
+def test_lars(momentum, eta, eps, wd, rescale, clip_at, correction):
+    schedule = FactorScheduler(step=1, factor=0.5, base_lr=0.4)
+    opt = LARS(learning_rate=0.4, momentum=momentum, eta=eta, eps=eps, wd=wd, rescale_grad=rescale,
+               clip_gradient=clip_at, momentum_correction=correction, lr_scheduler=schedule)
+    expected = expect_lars(0.4, momentum, eta, eps, wd, rescale, clip_at, schedule, correction)
+    np.testing.assert_allclose(run(opt), expected, rtol=1e-12)
+
+
+def test_lars_keeps_the_plain_rate_of_gamma_beta_and_bias_keys():
+    """MXNet's LARS does not scale the rate of a key whose name ends in gamma, beta or bias."""
+    for key, scaled in (("bn_gamma", False), ("bn_beta", False), ("fc_bias", False), ("fc_weight", True), (3, True)):
+        opt = LARS(learning_rate=0.1, momentum=0.9, wd=0.01)
+        weight, plain = np.array(WEIGHT), np.array(WEIGHT)
+        Updater(opt)(key, np.array(GRADS[0]), weight)
+        Updater(SGD(learning_rate=0.1, momentum=0.9, wd=0.01))(key, np.array(GRADS[0]), plain)
+        assert (weight != plain).any() == scaled, key
 
 
 @pytest.mark.parametrize("momentum, lamda, wd, rescale, clip_at", [
@@ -313,6 +352,36 @@ MXNET_LAMB = [
     ("lamb", dict(learning_rate=0.01, wd=0.01, multi_precision=True), "float16",
      [3.087890625, -1.0029296875, 2.18359375, 0.49072265625, -2.43359375, 1.1044921875]),
 ]
+# (key, params, dtype, MXNet 1.9.1's weights): 'fc_bias' and 'bn_gamma' keep the plain rate; a
+# schedule of FactorScheduler(step=2, factor=0.5) makes momentum_correction count.
+MXNET_LARS = [
+    (0, dict(learning_rate=0.1), "float32",
+     [3.0001235008239746, -0.9999539256095886, 2.0003104209899902, 0.5002424716949463, -2.5001068115234375,
+      1.249825358390808]),
+    (0, dict(learning_rate=0.1, momentum=0.9, eta=0.01, wd=0.01), "float32",
+     [3.011124849319458, -0.9979885220527649, 2.0176777839660645, 0.49813535809516907, -2.4941816329956055,
+      1.2332394123077393]),
+    (0, dict(learning_rate=0.5, momentum=0.8, eta=0.02, eps=1e-3, wd=0.05, rescale_grad=0.5, clip_gradient=0.8),
+     "float32", [2.9537601470947266, -0.9541495442390442, 2.0440921783447266, 0.4800454378128052, -2.377335786819458,
+                 1.102365255355835]),
+    ("fc_bias", dict(learning_rate=0.1, momentum=0.9, eta=0.01, wd=0.01), "float32",
+     [3.5950281620025635, -1.0130248069763184, 3.02392315864563, 0.3468601703643799, -2.0619049072265625,
+      0.36100316047668457]),
+    ("bn_gamma", dict(learning_rate=0.1, wd=0.01), "float32",
+     [3.050112247467041, -1.0170031785964966, 2.1828088760375977, 0.5964124798774719, -2.4806182384490967,
+      1.141132116317749]),
+    (0, dict(learning_rate=0.5, momentum=0.9, eta=0.01, wd=0.01, lr_scheduler=FactorScheduler(step=2, factor=0.5)),
+     "float32", [3.0450453758239746, -1.0023044347763062, 2.042100429534912, 0.4796563982963562, -2.4774105548858643,
+                 1.205148458480835]),
+    (0, dict(learning_rate=0.5, momentum=0.9, eta=0.01, wd=0.01, momentum_correction=False,
+             lr_scheduler=FactorScheduler(step=2, factor=0.5)),
+     "float32", [3.0924558639526367, -1.0160465240478516, 2.0769431591033936, 0.44568341970443726,
+                 -2.4582364559173584, 1.1514945030212402]),
+    (0, dict(learning_rate=0.1, momentum=0.9, eta=0.01, wd=0.01, multi_precision=True), "float16",
+     [3.01171875, -0.998046875, 2.017578125, 0.498046875, -2.494140625, 1.2333984375]),
+    (0, dict(learning_rate=0.1, eta=0.01, wd=0.01, multi_precision=True), "float16",
+     [3.0, -0.99951171875, 2.001953125, 0.50244140625, -2.5, 1.248046875]),
+]
 MXNET_DCASGD = [
     ("dcasgd", dict(learning_rate=0.1), "float32",
      [3.0758848190307617, -1.0230680704116821, 2.2005221843719482, 0.6016131639480591, -2.4989962577819824,
@@ -332,12 +401,12 @@ def mxnet_cpu_norm(xp, array):
     return float(np.sqrt(np.cumsum(squares, dtype=np.float32)[-1]))
 
 
-def pushed_through(kv, name, params, dtype):
+def pushed_through(kv, name, params, dtype, key=0):
     kv.set_optimizer(optimizer.create(name, **params))
-    kv.init(0, np.array(MXNET_WEIGHT, dtype))
+    kv.init(key, np.array(MXNET_WEIGHT, dtype))
     for grad in MXNET_GRADS:
-        kv.push(0, np.array(grad, dtype))
-    return kv.pull(0)
+        kv.push(key, np.array(grad, dtype))
+    return kv.pull(key)
 
 
 @pytest.mark.parametrize("name, params, dtype, expected", MXNET_DCASGD + MXNET_LAMB)
@@ -358,17 +427,59 @@ def test_lamb_with_its_own_norms_is_within_an_ulp_of_mxnet(name, params, dtype, 
     np.testing.assert_array_max_ulp(got, np.array(expected, dtype), maxulp=1)
 
 
-def test_lamb_and_dcasgd_through_a_server_are_the_embedded_stores(tmp_path):
+@pytest.mark.parametrize("key, params, dtype, expected", MXNET_LARS)
+def test_lars_gives_mxnets_bits_with_its_norms(key, params, dtype, expected, monkeypatch):
+    """LARS with MXNet's float32 sums of squares for its norms: MXNet's multi_lars in float32,
+    then its SGD kernels, bit for bit."""
+    monkeypatch.setattr(optimizer, "l2_norm", mxnet_cpu_norm)
+    with tensorkv.create("local") as kv:
+        got = pushed_through(kv, "lars", params, dtype, key)
+    np.testing.assert_array_equal(got, np.array(expected, dtype))
+
+
+@pytest.mark.parametrize("key, params, dtype, expected", MXNET_LARS)
+def test_lars_with_its_own_norms_is_within_an_ulp_of_mxnet(key, params, dtype, expected):
+    """tensorkv's float64 sums of squares: 8 of the 9 settings give MXNet's bits, one is an
+    ulp off in one weight."""
+    with tensorkv.create("local") as kv:
+        got = pushed_through(kv, "lars", params, dtype, key)
+    np.testing.assert_array_max_ulp(got, np.array(expected, dtype), maxulp=1)
+
+
+# MXNet 1.9.1's LARS(learning_rate=0.1, momentum=0.9, eta=0.01, wd=0.1) after two pushes of a
+# row-sparse gradient of ones in row 1 of [[1, 2, 3], [4, 5, 6]], by lazy_update.
+MXNET_LARS_ROWS = {
+    True: [[1.0, 2.0, 3.0], [3.9855852127075195, 4.984555721282959, 5.983526229858398]],
+    False: [[0.9989704489707947, 1.9979408979415894, 2.99691104888916],
+            [3.9855854511260986, 4.984556198120117, 5.983526229858398]],
+}
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_lars_row_sparse_push_follows_lazy_update(lazy):
+    """lazy_update: the pushed rows only, at the rate from the whole weight's norm; else all of
+    the value, as by the dense gradient. MXNet's bits either way."""
+    with tensorkv.create("local") as kv:
+        kv.set_optimizer(LARS(learning_rate=0.1, momentum=0.9, eta=0.01, wd=0.1, lazy_update=lazy))
+        kv.init(0, np.arange(1, 7, dtype=np.float32).reshape(2, 3))
+        for _ in range(2):
+            kv.push(0, RowSparse(np.ones((1, 3), np.float32), np.array([1]), (2, 3)))
+        np.testing.assert_array_equal(kv.pull(0), np.array(MXNET_LARS_ROWS[lazy], np.float32))
+
+
+def test_lamb_lars_and_dcasgd_through_a_server_are_the_embedded_stores(tmp_path):
     """The same pushes through a server (the optimizer sent as data, rebuilt there) and an
     embedded store: the same weights, bit for bit."""
     from cluster import Cluster
 
     with Cluster(tmp_path=tmp_path) as cluster:
-        for name, params, dtype, _ in MXNET_LAMB + MXNET_DCASGD:
+        cases = [(name, 0, params, dtype) for name, params, dtype, _ in MXNET_LAMB + MXNET_DCASGD] \
+            + [("lars", key, params, dtype) for key, params, dtype, _ in MXNET_LARS]
+        for name, key, params, dtype in cases:
             with tensorkv.create("dist_sync", servers=cluster.addresses, if_exists="replace") as kv:
-                remote = pushed_through(kv, name, params, dtype)
+                remote = pushed_through(kv, name, params, dtype, key)
             with tensorkv.create("local") as kv:
-                np.testing.assert_array_equal(remote, pushed_through(kv, name, params, dtype), err_msg=name)
+                np.testing.assert_array_equal(remote, pushed_through(kv, name, params, dtype, key), err_msg=name)
 
 
 def test_lamb_updates_the_whole_value_on_a_row_sparse_push():
@@ -472,6 +583,8 @@ def test_mxnet_defaults():
     assert LAMB().params == {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-6,
                              "bias_correction": 1.0, "wd": 0.0, "rescale_grad": 1.0}
     assert DCASGD().params == {"learning_rate": 0.01, "momentum": 0.0, "lamda": 0.04, "wd": 0.0, "rescale_grad": 1.0}
+    assert LARS().params == {"learning_rate": 0.01, "momentum": 0.0, "lazy_update": 1.0, "eta": 0.001, "eps": 0.0,
+                             "momentum_correction": 1.0, "wd": 0.0, "rescale_grad": 1.0}
 
 
 @pytest.mark.parametrize("opt", [SGD(momentum=0.9, clip_gradient=1.0), Adam(wd=0.1), AdaGrad(eps=1e-6),
@@ -479,7 +592,8 @@ def test_mxnet_defaults():
                                  NAG(momentum=0.9), Adamax(beta1=0.8), Nadam(schedule_decay=0.01), AdaDelta(rho=0.8),
                                  Ftrl(lamda1=0.1, beta=2.0), FTML(beta1=0.5), SGD(multi_precision=True),
                                  LAMB(lower_bound=0.1, upper_bound=10, bias_correction=False),
-                                 DCASGD(momentum=0.9, lamda=0.1)])
+                                 DCASGD(momentum=0.9, lamda=0.1),
+                                 LARS(momentum=0.9, lazy_update=False, eta=0.01, eps=1e-6, momentum_correction=False)])
 def test_create_rebuilds_from_name_and_params(opt):
     rebuilt = optimizer.create(opt.name.upper(), **opt.params)
     assert rebuilt == opt and type(rebuilt) is type(opt)
@@ -521,6 +635,9 @@ def test_create_rejects_unknown_names_and_bad_values():
     (lambda: optimizer.create("adam", beta1=1.0), "beta1=1 is outside its range [0, 1)"),
     (lambda: LAMB(lower_bound=0), "lower_bound=0 is outside its range (0, inf)"),
     (lambda: DCASGD(lamda=-0.1), "lamda=-0.1 is outside its range [0, inf)"),
+    (lambda: LARS(eps=-1e-9), "eps=-1e-09 is outside its range [0, inf)"),  # 0, its default, is in
+    (lambda: AdaGrad(eps=0), "eps=0 is outside its range (0, inf)"),  # LARS's range is its own
+    (lambda: LARS(eta=-0.1), "eta=-0.1 is outside its range [0, inf)"),
 ])
 def test_parameters_outside_their_range_are_refused(make, words):
     with pytest.raises(tensorkv.InvalidArgumentError) as caught:
@@ -530,7 +647,7 @@ def test_parameters_outside_their_range_are_refused(make, words):
 
 def test_every_parameter_has_a_range():
     names = {name for cls in optimizer.OPTIMIZERS.values() for name in cls.parameter_names()} \
-        - {"centered", "multi_precision", "bias_correction"}  # flags
+        - {"centered", "multi_precision", "bias_correction", "lazy_update", "momentum_correction"}  # flags
     assert names == set(optimizer.RANGES)
 
 

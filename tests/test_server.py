@@ -225,7 +225,7 @@ def test_malformed_calls_of_other_kinds(raw_stub):
         (lambda: _pull(raw_stub, 42), "NOT_FOUND", "key 42 has not been initialized"),
         (lambda: _push(raw_stub, [_entry(1, b"\0" * 8)], rank=5), "FAILED_PRECONDITION", "rank 5 is out of range"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
-            optimizer=kvstore_pb2.Optimizer(name="lars"))]), timeout=5), "INVALID_ARGUMENT", "unknown optimizer"),
+            optimizer=kvstore_pb2.Optimizer(name="sgld"))]), timeout=5), "INVALID_ARGUMENT", "unknown optimizer"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
             optimizer=kvstore_pb2.Optimizer(name="sgd", params={"lr": 1}))]), timeout=5),
          "INVALID_ARGUMENT", "has no parameter lr"),

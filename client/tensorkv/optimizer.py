@@ -5,7 +5,7 @@ travel to a server and be rebuilt there with :func:`create`. Its update is one
 :class:`tensorkv.kernels.Kernel`: a single fused pass over weight, gradient and states on
 a GPU (CuPy), the same statements as NumPy ufuncs on the host, so an embedded store and a
 GPU server run the same formula (LAMB's is two, with the norms of the whole value between
-them: :meth:`LAMB.update`). float16 and bfloat16 weights are updated in float32 and
+them: :meth:`LAMB.update`; LARS reads its norms before its kernel: :meth:`LARS.adapted_rate`). float16 and bfloat16 weights are updated in float32 and
 rounded back; optimizer states are float32 (float64 for float64 weights). With
 ``multi_precision=True``, as MXNet's, a float16 or bfloat16 weight also keeps a float32
 master copy among its states: the update runs on it, and the weight is its rounding, so
@@ -69,7 +69,11 @@ RANGES = {
     "lower_bound": (0.0, False, None, False),
     "upper_bound": (0.0, False, None, False),
     "lamda": (0.0, True, None, False),
+    "eta": (0.0, True, None, False),
 }
+# LARS's eps, MXNet's default 0, may be 0: it is added to a denominator that is positive
+# wherever LARS scales the rate (the gradient's norm is).
+LARS_RANGES = dict(RANGES, eps=(0.0, True, None, False))
 
 
 def _range_text(low, low_in, high, high_in):
@@ -78,15 +82,15 @@ def _range_text(low, low_in, high, high_in):
             + ("inf" if high is None else f"{high:g}") + ("]" if high_in else ")"))
 
 
-def _number(name, value):
-    """``value`` as a float, checked against ``RANGES[name]``; InvalidArgumentError naming the
+def _number(name, value, ranges=RANGES):
+    """``value`` as a float, checked against ``ranges[name]``; InvalidArgumentError naming the
     parameter and its range otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise InvalidArgumentError(f"optimizer parameter {name}={value!r} is not a number")
     value = float(value)
     if not math.isfinite(value):
         raise InvalidArgumentError(f"optimizer parameter {name}={value!r} is not finite")
-    low, low_in, high, high_in = RANGES.get(name, (None, False, None, False))
+    low, low_in, high, high_in = ranges.get(name, (None, False, None, False))
     if (low is not None and (value < low or (value == low and not low_in))) or \
             (high is not None and (value > high or (value == high and not high_in))):
         raise InvalidArgumentError(
@@ -249,6 +253,12 @@ class Optimizer:
     def wd_of(self, key):
         """The weight decay of ``key`` (MXNet's ``Optimizer._get_wd``): ``wd`` times its multiplier."""
         return self.wd * self.wd_mult.get(key, 1.0)
+
+    def adapted_rate(self, xp, key, weight, grad, lr, wd):
+        """The learning rate the update of ``key`` runs at, given the whole ``weight`` and the
+        pushed ``grad`` before it (the Updater asks before every update): ``lr`` itself, but
+        for :class:`LARS`, which scales it by their norms."""
+        return lr
 
     def state_names(self):
         """The names of the per-key state arrays the update keeps, in the order
@@ -881,6 +891,84 @@ class LAMB(Optimizer):
         return _kernel(self.name, ("direction",), outputs, ("lr",), body), {"lr": lr}
 
 
+class LARS(SGD):
+    """LARS, layer-wise adaptive rate scaling (MXNet's, as its Updater runs it: ``multi_sum_sq``,
+    ``multi_lars``, then SGD's ``multi_sgd_mom_update``): SGD at a learning rate scaled, key by
+    key, by the norm of the weight over the norm of the gradient::
+
+        w_norm, g_norm = norm(weight), rescale_grad * norm(grad)
+        lr = lr * eta * w_norm / (g_norm + wd * w_norm + eps)   (lr alone where w_norm or g_norm
+                                                                 is 0, or str(key) ends in gamma,
+                                                                 beta or bias)
+        momentum_correction:  momentum = momentum * lr_at(t) / lr_at(t - 1)
+        then SGD's update at that lr and momentum
+
+    The norms are of the whole value and of the raw pushed gradient, read before the update
+    (:meth:`adapted_rate`, with :func:`tensorkv.kernels.l2_norm`: squares summed in float64,
+    where MXNet's CPU sums them in float32, which can differ in the norm's last bit), and the
+    rate is computed in float32 as MXNet's ``multi_lars`` does (float64 for float64 weights).
+    With ``multi_precision``, the norms are of the float16 weight, as in MXNet. With
+    ``lazy_update`` a row-sparse push updates its rows only, at the rate from the whole
+    weight's norm and its rows' norm, as MXNet's does.
+
+    ``momentum_correction`` scales the momentum by the change of the schedule between a key's
+    previous update and this one, ``lr_at(t) / lr_at(t - 1)`` at the key's own update count
+    ``t``, so each key's momentum is corrected once for each change, whichever keys a server
+    updates. MXNet keeps one last learning rate for the whole optimizer: only the first key
+    it updates after a change is corrected. For a single key the two agree, but for a rate
+    set by ``set_learning_rate``, which MXNet corrects for and this does not (the schedule
+    alone says how the rate changed). Flags travel as 1.0 / 0.0 in ``params``.
+
+    >>> lars = LARS(learning_rate=0.1, momentum=0.9, eta=0.01)
+    >>> lars.params['eta'], lars.params['lazy_update'], lars.params['momentum_correction']
+    (0.01, 1.0, 1.0)
+    >>> lars.adapted_rate(np, 'fc_weight', np.full(4, 3.0), np.full(4, 4.0), lr=0.1, wd=0.0)
+    0.00075
+    >>> lars.adapted_rate(np, 'fc_bias', np.full(4, 3.0), np.full(4, 4.0), lr=0.1, wd=0.0)
+    0.1
+    """
+
+    name = "lars"
+    elementwise = False
+
+    def __init__(self, learning_rate=None, momentum=0.0, lazy_update=True, eta=0.001, eps=0.0,
+                 momentum_correction=True, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
+                 multi_precision=False):
+        super().__init__(learning_rate, momentum, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.lazy_update = _flag("lazy_update", lazy_update)
+        self.eta = _number("eta", eta)
+        self.eps = _number("eps", eps, LARS_RANGES)
+        self.momentum_correction = _flag("momentum_correction", momentum_correction)
+
+    def adapted_rate(self, xp, key, weight, grad, lr, wd):
+        if str(key).endswith(("gamma", "beta", "bias")):
+            return lr
+        return self.scaled_rate(_compute_dtype(weight.dtype), lr, wd, l2_norm(xp, weight), l2_norm(xp, grad))
+
+    def scaled_rate(self, compute, lr, wd, w_norm, g_norm):
+        """``lr`` scaled by the norms ``w_norm`` (the weight's) and ``g_norm`` (the raw gradient's),
+        computed in the ``compute`` dtype in the order of MXNet's ``multi_lars``."""
+        number = compute.type
+        lr, wd, w_norm, g_norm = number(lr), number(wd), number(w_norm), number(g_norm)
+        if not (w_norm > 0 and g_norm > 0):
+            return float(lr)
+        return float(lr * number(self.eta) * w_norm
+                     / (g_norm * number(self.rescale_grad) + wd * w_norm + number(self.eps)))
+
+    def momentum_at(self, t):
+        """The momentum of a key's ``t``-th update (see ``momentum_correction`` above)."""
+        last = self.learning_rate_at(t - 1)
+        if not self.momentum_correction or t == 1 or last == 0:
+            return self.momentum
+        return self.momentum * (self.learning_rate_at(t) / last)
+
+    def step(self, t, lr, wd):
+        statements, scalars = super().step(t, lr, wd)
+        if "momentum" in scalars:
+            scalars["momentum"] = self.momentum_at(t)
+        return statements, scalars
+
+
 class DCASGD(Optimizer):
     """Delay-compensated asynchronous SGD (MXNet's ``DCASGD``): the gradient is corrected by
     how far the weight moved since the previous update, kept as a state::
@@ -927,7 +1015,7 @@ class DCASGD(Optimizer):
 
 
 OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, Adamax, Nadam, AdaGrad, AdaDelta, RMSProp, Signum, Ftrl, FTML,
-                                        LAMB, DCASGD)}
+                                        LAMB, LARS, DCASGD)}
 
 
 def create(name, lr_scheduler=None, lr_mult=None, wd_mult=None, **params):
@@ -1022,7 +1110,8 @@ class Updater:
             )
 
     def __call__(self, key, grad, weight):
-        self._step(key, weight, lambda xp, state, t, lr, wd: self.optimizer.update(xp, weight, grad, state, t, lr, wd))
+        self._step(key, weight, grad,
+                   lambda xp, state, t, lr, wd: self.optimizer.update(xp, weight, grad, state, t, lr, wd))
 
     def update_each(self, updates):
         """``self(key, grad, weight)`` for each (key, grad, weight) of ``updates``, in order, with
@@ -1053,8 +1142,9 @@ class Updater:
         for xp, t, lr, wd, members in groups.values():
             for chunk in _chunks(members):
                 if len(chunk) == 1:
-                    _, grad, weight, state, _ = chunk[0]
-                    self.optimizer.update(xp, weight, grad, state, t, lr, wd)
+                    key, grad, weight, state, _ = chunk[0]
+                    rate = self.optimizer.adapted_rate(xp, key, weight, grad, lr, wd)
+                    self.optimizer.update(xp, weight, grad, state, t, rate, wd)
                 else:
                     self._update_gathered(chunk, t, lr, wd)
                 for key, _, _, _, num_update in chunk:
@@ -1077,19 +1167,21 @@ class Updater:
     def update_rows(self, key, weight, shape, slice, ids, grad):
         """The lazy update (MXNet's ``lazy_update``): ``grad``, full-width rows of the distinct
         row ``ids`` of a value of ``shape``, updates only those rows of ``weight`` (the value,
-        or its elements ``slice``) and of its states. It counts as one update of the key."""
+        or its elements ``slice``) and of its states. It counts as one update of the key; the
+        optimizer's :meth:`Optimizer.adapted_rate` sees all of ``weight`` and the rows."""
         def update(xp, state, t, lr, wd):
             views = [Rows(array, shape, slice) for array in (weight, *state)]
             gathered = [view.gather(ids) for view in views]
             self.optimizer.update(xp, gathered[0], grad, gathered[1:], t, lr, wd)
             for view, array in zip(views, gathered):
                 view.scatter(ids, array)
-        self._step(key, weight, update)
+        self._step(key, weight, grad, update)
 
-    def _step(self, key, weight, update):
-        """``update(xp, state, t, lr, wd)`` for the next update of ``key``, then count it."""
+    def _step(self, key, weight, grad, update):
+        """``update(xp, state, t, lr, wd)`` for the next update of ``key`` by ``grad``, then count it."""
         xp, state, t, num_update = self._next(key, weight)
-        update(xp, state, t, self.optimizer.learning_rate_of(key, num_update), self.optimizer.wd_of(key))
+        lr, wd = self.optimizer.learning_rate_of(key, num_update), self.optimizer.wd_of(key)
+        update(xp, state, t, self.optimizer.adapted_rate(xp, key, weight, grad, lr, wd), wd)
         self._count(key, t, num_update)
 
     def _next(self, key, weight):
