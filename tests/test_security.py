@@ -288,10 +288,24 @@ def test_a_rotation_to_an_expired_certificate_keeps_the_previous_one(pki, tmp_pa
         for source, target in ((expired.cert, pki.cert), (expired.key, pki.key)):
             os.replace(source, target)
         assert Security(pki.ca_file).diagnose(cluster.addresses[0]) is None  # a new connection: the previous pair
+        assert Security(pki.ca_file).diagnose(cluster.addresses[0]) is None
+        # and a new data-channel connection gets the previous pair too (it loaded the files as they were)
+        data_port = _info(cluster.addresses[0], pki).data_port
+        context = ssl.create_default_context(cafile=pki.ca_file)
+        with socket.create_connection(("127.0.0.1", data_port), timeout=10) as sock, \
+                context.wrap_socket(sock, server_hostname="127.0.0.1") as tls:
+            served = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).not_valid_after_utc
+        assert served > _utc_now()  # not the expired one
         log = (tmp_path / "server0.log").read_text()
         assert f"--tls-cert {pki.cert} expired on" in log and "keeping the previous certificate" in log, log
+        assert log.count("keeping the previous certificate") == 1, log  # once, not per connection
         _, samples = scrape(port)
     assert samples[("tensorkv_tls_certificate_expiry_timestamp_seconds", (("certificate", "server"),))] > time.time()
+
+
+def _info(address, pki):
+    with Security(pki.ca_file).channel(address, ()) as channel:
+        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=10)
 
 
 def test_mutual_tls_refuses_a_client_without_or_with_a_foreign_certificate(pki, tmp_path):

@@ -12,20 +12,23 @@ method but the health service (probes need no token, and it says only SERVING or
 
 Certificate files are looked at again on each new connection, of the gRPC port and of the
 data channel: replacing them (cert and key together, e.g. by renaming new files over them)
-serves the new pair to new connections, while connections already open keep theirs.
+serves the new pair to new connections of both, while connections already open keep theirs.
+Files that cannot be taken (mid-rotation, or expired) are warned about once, and both keep
+serving the last pair that could.
 
 A certificate file is as good as the first of its certificates to expire (its notAfter) for
 --tls-cert (a chain stops working then), and as the last for --tls-client-ca (a bundle of CAs
 works while one of them does: a retired CA kept in it during a rotation is normal): one that
 has passed it is refused, at start (the server does not start) and at a rotation (the previous
-pair stays); one within EXPIRY_WARNING_DAYS of it is warned about. The metric tensorkv_tls_certificate_expiry_timestamp_seconds says when each
-file in use expires.
+pair stays); one within EXPIRY_WARNING_DAYS of it is warned about. The metric
+tensorkv_tls_certificate_expiry_timestamp_seconds says when each file in use expires.
 """
 import datetime
 import hmac
 import logging
 import os
 import ssl
+import threading
 import time
 from pathlib import Path
 
@@ -107,9 +110,14 @@ class ServerSecurity:
         if mode & 0o007:  # a group may be meant (Kubernetes' fsGroup)
             self.warnings.append(f"--token-file {token_file} can be read by every user of the host (mode {mode:o}): "
                                  "chmod o-rwx it")
-        self._config = self._stamp = None
+        # The last files that could be taken: their gRPC configuration, the data channel's
+        # context, and their stamp; whether gRPC has that configuration; the stamp of files refused.
+        self._config = self._context = self._stamp = self._refused = None
+        self._grpc_current = True
+        self._lock = threading.Lock()  # gRPC asks from its threads, the data channel from the event loop
         if self.tls:
-            (self._config, expiries), self._stamp = self._load(), self._file_stamp()
+            self._stamp = self._file_stamp()
+            (self._config, expiries), self._context = self._load(), self._data_channel_context_of_files()
             self.warnings += _adopt(expiries)
 
     @classmethod
@@ -155,11 +163,16 @@ class ServerSecurity:
 
     @property
     def data_channel_context(self):
-        """A function that makes the ssl.SSLContext of a new data-channel connection from the
-        files as they are now (so a rotation reaches the data channel too); None without TLS."""
+        """A function that gives the ssl.SSLContext of a new data-channel connection: of the
+        files as they are now, when they can be taken (so a rotation reaches the data channel
+        too), else of the last ones that could; None without TLS."""
         return self._data_channel_context if self.tls else None
 
     def _data_channel_context(self):
+        self._refresh()
+        return self._context
+
+    def _data_channel_context_of_files(self):
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(self._files[0], self._files[1])
         if self.mutual:
@@ -168,7 +181,11 @@ class ServerSecurity:
         return context
 
     def _file_stamp(self):
-        return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, self._files))
+        """What changes when one of the files does (the error, while one cannot be looked at)."""
+        try:
+            return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, self._files))
+        except OSError as error:
+            return f"{error.filename}: {error.strerror}"
 
     def _load(self):
         """(the gRPC certificate configuration of the files as they are now, {metric label:
@@ -183,19 +200,30 @@ class ServerSecurity:
 
     def _fetch_config(self):
         """gRPC asks on each new connection: a new configuration when the files changed, else None."""
-        try:
-            stamp = self._file_stamp()
-            if stamp == self._stamp:
+        self._refresh()
+        with self._lock:
+            if self._grpc_current:
                 return None
-            config, expiries = self._load()
-        except (OSError, ssl.SSLError, ValueError) as error:  # mid-rotation, or expired: keep the last good pair
-            log.warning("TLS files changed but cannot be loaded (%s): keeping the previous certificate", error)
-            return None
-        self._stamp = stamp
+            self._grpc_current = True
+            return self._config
+
+    def _refresh(self):
+        """Take the files again if they changed since they were last looked at, unless they
+        cannot be (mid-rotation, or expired: the last pair that could stays, with one warning)."""
+        with self._lock:
+            stamp = self._file_stamp()
+            if stamp in (self._stamp, self._refused):
+                return
+            try:
+                (config, expiries), context = self._load(), self._data_channel_context_of_files()
+            except (OSError, ssl.SSLError, ValueError) as error:
+                self._refused = stamp
+                log.warning("TLS files changed but cannot be loaded (%s): keeping the previous certificate", error)
+                return
+            self._config, self._context, self._stamp, self._grpc_current = config, context, stamp, False
         log.info("TLS certificate files changed: new connections get the new certificate")
         for warning in _adopt(expiries):
             log.warning("%s", warning)
-        return config
 
 
 def _expiry(flag, path, pem, first_or_last):

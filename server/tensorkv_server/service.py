@@ -348,12 +348,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 if outgoing is not None:
                     await self._send_after(channel, outgoing)
         finally:
-            if channel is not None:
-                if self.streams.ending:  # its calls on the channel end at their next boundary
+            try:
+                if channel is not None and self.streams.ending:  # its calls on the channel end at their next boundary
                     await channel.calls_ended()
-                channel.close()
-            regions.close()
-            self.streams.closed()
+            finally:  # also when gRPC's stop cancels that wait
+                if channel is not None:
+                    channel.close()
+                regions.close()
+                self.streams.closed()
 
     async def _requests(self, requests):
         """The requests of a stream, until the server stops (OpenStreams.next_call)."""

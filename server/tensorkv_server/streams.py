@@ -38,6 +38,7 @@ class OpenStreams:
         except asyncio.CancelledError:
             if task not in self._ended:  # gRPC's: the client went away
                 raise
+            task.uncancel()  # ours, turned into the stream's end: the task is not being cancelled
             raise _stopping() from None
         finally:
             self._idle.discard(task)
