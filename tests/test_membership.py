@@ -261,7 +261,9 @@ def test_a_job_named_by_its_workers_decides_who_joins_a_run(monkeypatch):
         assert members.run.number == 7 and members.run.job == "train-7"
         with pytest.raises(tensorkv.FailedPreconditionError,
                            match=r"this worker is of job 'other', but run 7 on this server \(ranks \[0\] registered\) "
-                                 r"is job 'train-7''s: a server serves one job at a time"):
+                                 r"belongs to job 'train-7': a server serves one job at a time; wait until that job "
+                                 r"ends \(`tensorkv workers` lists its ranks\), use other servers, or, if this worker "
+                                 r"is meant to be of job 'train-7', set TENSORKV_JOB \(or job=\) to it"):
             members.register(1, if_exists=membership.REPLACE, job="other")
         assert members.register(1, if_exists=membership.FAIL, job="train-7")[2] is False  # the job, not if_exists
         members = restored()

@@ -206,3 +206,13 @@ def test_a_worker_of_the_job_restarted_with_its_server_rejoins_the_restored_run(
         [out] = check_workers(cluster.run_workers("job_step", env={**env, "TENSORKV_JOB": job}))
     assert json.loads(out) == expected
 
+
+
+def test_a_worker_of_another_job_is_refused_naming_the_server_and_what_to_do(tmp_path):
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, job="a"):
+        with pytest.raises(tensorkv.FailedPreconditionError,
+                           match=rf"^server {cluster.addresses[0]} refused this worker: this worker is of job 'b', "
+                                 r"but run 1 on this server \(ranks \[0\] registered\) belongs to job 'a': a server "
+                                 r"serves one job at a time; wait until that job ends"):
+            tensorkv.create("dist_sync", servers=cluster.addresses, job="b")

@@ -257,7 +257,10 @@ class DistStore(KVStore):
             conn.offer(info, self.transport)
             server_ids.append(info.server_id)
         for conn, server_id in zip(self._conns, server_ids):
-            rank = self._rank = conn.register(rank, if_exists, server_id).rank
+            try:
+                rank = self._rank = conn.register(rank, if_exists, server_id).rank
+            except FailedPreconditionError as error:  # the server's words say why, not which server
+                raise FailedPreconditionError(f"server {conn.address} refused this worker: {error}") from None
         leased = [conn for conn in self._conns if conn.lease_ttl]
         if leased:
             self._heartbeat = Heartbeat(leased)

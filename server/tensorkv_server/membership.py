@@ -178,7 +178,9 @@ class Membership:
         if self.running and same_job is False:
             raise FailedPreconditionError(
                 f"this worker is of job {job!r}, but run {self.run.number} on this server (ranks {self.ranks} "
-                f"registered) is job {self.run.job!r}'s: a server serves one job at a time")
+                f"registered) belongs to job {self.run.job!r}: a server serves one job at a time; wait until that "
+                "job ends (`tensorkv workers` lists its ranks), use other servers, or, if this worker is meant to be "
+                f"of job {self.run.job!r}, set TENSORKV_JOB (or job=) to it")
         if same_job is None:
             # A new worker joins the restored run, within a lease of the restart, if it asks for
             # what the run did; one that asks for another (a job started again with 'resume' or
