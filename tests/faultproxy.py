@@ -3,9 +3,10 @@
 ``FaultProxy(target)`` listens on 127.0.0.1:``port`` and relays every connection to
 ``target`` ('host:port'), each direction in its own thread. On command it resets every open
 connection (:meth:`reset`: the client sees ECONNRESET; the server sees its peer go; a reset
-from either side is passed on to the other, as a router does) or
-swallows what the server sends (:meth:`hold_replies`), so that a call reaches the server but
-its answer never reaches the client, or stalls both directions for a while (:meth:`stall`). Every thread is a daemon and :meth:`close` ends them.
+from either side is passed on to the other, as a router does) or swallows what the server
+sends (:meth:`hold_replies`), so that a call reaches the server but its answer never reaches
+the client, or stalls both directions for a while (:meth:`stall`). Every thread is a daemon
+and :meth:`close` ends them.
 """
 import socket
 import struct

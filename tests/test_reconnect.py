@@ -297,12 +297,7 @@ def _sgd_pair(tmp_path):
     on request), SGD with learning rate 1 (each round adds -(sum of gradients)) and "w" = 0."""
     state = str(tmp_path / "state")
     with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--state-dir", state, "--snapshot-interval", "0")) \
-            as cluster, \
-            tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=0, timeout=TIMEOUT) as kv0, \
-            tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
-        kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
-        kv0.init("w", np.zeros(4, np.float32))
-        kv1.init("w", np.zeros(4, np.float32))
+            as cluster, _sgd_stores(cluster.addresses[0], cluster.addresses[0]) as (kv0, kv1):
         yield cluster, Server(cluster.addresses[0], Security(), 10.0), kv0, kv1
 
 
@@ -314,12 +309,20 @@ def _sgd_pair_through_proxy(tmp_path):
     server_args = ("--state-dir", state, "--snapshot-interval", "0", "--metrics-port", str(port))
     with Cluster(num_workers=2, tmp_path=tmp_path, server_args=server_args) as cluster, \
             FaultProxy(cluster.addresses[0]) as proxy, \
-            tensorkv.create("dist_sync", servers=proxy.address, rank=0, timeout=TIMEOUT) as kv0, \
-            tensorkv.create("dist_sync", servers=cluster.addresses[0], rank=1, timeout=TIMEOUT) as kv1:
+            _sgd_stores(proxy.address, cluster.addresses[0]) as (kv0, kv1):
+        yield cluster, Server(cluster.addresses[0], Security(), 10.0), proxy, kv0, kv1, port
+
+
+@contextlib.contextmanager
+def _sgd_stores(rank_0_address, rank_1_address):
+    """Rank 0's and rank 1's stores, reaching the server at those addresses: SGD with learning
+    rate 1 and "w" = 0."""
+    with tensorkv.create("dist_sync", servers=rank_0_address, rank=0, timeout=TIMEOUT) as kv0, \
+            tensorkv.create("dist_sync", servers=rank_1_address, rank=1, timeout=TIMEOUT) as kv1:
         kv0.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
         kv0.init("w", np.zeros(4, np.float32))
         kv1.init("w", np.zeros(4, np.float32))
-        yield cluster, Server(cluster.addresses[0], Security(), 10.0), proxy, kv0, kv1, port
+        yield kv0, kv1
 
 
 def test_a_round_in_the_snapshot_is_not_applied_again_when_the_workers_line_up(tmp_path):

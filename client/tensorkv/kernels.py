@@ -483,10 +483,12 @@ def l2_norm(xp, array):
     5.0
     """
     flat = array.reshape(-1)
+    if flat.dtype == np.float64:  # wide already: no copy
+        return math.sqrt(float(xp.dot(flat, flat)))
+    wide = xp.empty(min(flat.size, NORM_CHUNK), np.float64)  # one scratch for every chunk
     total = 0.0
     for start in range(0, flat.size, NORM_CHUNK):
-        part = flat[start:start + NORM_CHUNK]
-        wide = xp.empty(part.size, np.float64)
-        sum_into(wide, [part])
-        total = total + xp.dot(wide, wide)
+        part = wide[:min(NORM_CHUNK, flat.size - start)]
+        sum_into(part, [flat[start:start + NORM_CHUNK]])
+        total = total + xp.dot(part, part)
     return math.sqrt(float(total))

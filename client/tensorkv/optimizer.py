@@ -5,11 +5,12 @@ travel to a server and be rebuilt there with :func:`create`. Its update is one
 :class:`tensorkv.kernels.Kernel`: a single fused pass over weight, gradient and states on
 a GPU (CuPy), the same statements as NumPy ufuncs on the host, so an embedded store and a
 GPU server run the same formula (LAMB's is two, with the norms of the whole value between
-them: :meth:`LAMB.update`; LARS reads its norms before its kernel: :meth:`LARS.adapted_rate`). float16 and bfloat16 weights are updated in float32 and
-rounded back; optimizer states are float32 (float64 for float64 weights). With
-``multi_precision=True``, as MXNet's, a float16 or bfloat16 weight also keeps a float32
-master copy among its states: the update runs on it, and the weight is its rounding, so
-updates smaller than the weight's precision add up instead of being rounded away.
+them: :meth:`LAMB.update`; LARS reads its norms before its kernel: :meth:`LARS.adapted_rate`).
+float16 and bfloat16 weights are updated in float32 and rounded back; optimizer states are
+float32 (float64 for float64 weights). With ``multi_precision=True``, as MXNet's, a float16 or
+bfloat16 weight also keeps a float32 master copy among its states: the update runs on it, and
+the weight is its rounding, so updates smaller than the weight's precision add up instead of
+being rounded away.
 
 >>> import numpy as np
 >>> from tensorkv import optimizer

@@ -149,7 +149,8 @@ REGISTRY.register(_CountsCollector())
 
 CERTIFICATE_EXPIRY = Gauge(
     "tensorkv_tls_certificate_expiry_timestamp_seconds",
-    "When a TLS certificate file in use expires (the earliest notAfter of its certificates), in Unix seconds: "
+    "When a TLS certificate file in use expires (--tls-cert: the first notAfter of its chain; --tls-client-ca: "
+    "the last of its CAs), in Unix seconds: "
     "certificate=server for --tls-cert, client_ca for --tls-client-ca.", ["certificate"])
 
 

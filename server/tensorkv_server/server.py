@@ -101,8 +101,8 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
     fail with UNAVAILABLE, other calls get ``grace`` seconds to finish; the Session streams
     still open then end with UNAVAILABLE at their next call's boundary (streams.OpenStreams),
-    before gRPC stops. Requests are held to ``limits`` (a limits.Limits). ``security``: a ServerSecurity (default: plaintext, no
-    tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
+    before gRPC stops. Requests are held to ``limits`` (a limits.Limits). ``security``: a
+    ServerSecurity (default: plaintext, no tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
     interceptors, which run before the token check (so that refused calls are counted too).
     ``snapshots``: a snapshot.Snapshots, taken every ``snapshot_interval`` seconds (0: never)
     and once more after the calls in flight at stop have finished. ``advertised_data_port``: the
