@@ -11,8 +11,9 @@ the same pid namespace. It maps the file only when
 - it is a memfd of the kernel's shared memory (checked before the file is opened, so that
   no other kind of file is ever opened; on hugetlbfs, a hole punched in a mapped file may
   have no huge page to refill it, which is SIGBUS too) of the size registered;
-- it belongs to the user who owns the caller's connection (found in ``/proc/net/tcp``; root
-  may register any): the server, which may run as another user, never opens a file on
+- it belongs to the user who owns the caller's end of its connection (the one established
+  connection of ``/proc/net/tcp`` or ``tcp6`` with both of this connection's ends; root may
+  register any): the server, which may run as another user, never opens a file on
   behalf of a caller who could not open it itself (a file of another user's process whose
   first bytes are known, e.g. zero, would pass the token check below);
 - its first bytes are the random token that the client sent over its own stream: the caller
@@ -95,30 +96,85 @@ class _Attached:
             pass
 
 
+ESTABLISHED = "01"  # the state column of /proc/net/tcp for an established connection
+TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
 def peer_uid(peer):
-    """The user that owns the TCP socket of the gRPC peer ``peer`` ('ipv4:127.0.0.1:PORT',
-    'ipv6:[::1]:PORT') on this host's network namespace, from /proc/net/tcp and tcp6; None
-    when it is not found there (not TCP, or from another namespace or host)."""
+    """The user that owns the caller's end of the TCP connection of the gRPC peer ``peer``
+    ('ipv4:127.0.0.1:PORT', 'ipv6:[::1]:PORT') on this host's network namespace, from
+    /proc/net/tcp and tcp6; None when that connection is not found there exactly once (not
+    TCP, from another namespace or host). See :func:`connection_uid`."""
+    address = _peer_address(peer)
+    if address is None:
+        return None
+    rows = []
+    for table in TCP_TABLES:
+        try:
+            with open(table) as file:
+                rows += file.read().splitlines()[1:]
+        except OSError:
+            continue
+    return connection_uid(address, rows, _own_sockets())
+
+
+def connection_uid(peer, rows, own):
+    """The uid of the row of ``rows`` (lines of /proc/net/tcp or tcp6) that is the caller's
+    end of the connection from ``peer`` ((ip, port)) to one of ``own`` sockets (inode numbers
+    of this process's sockets); None unless exactly one row is.
+
+    Both ends are matched, and only established connections: first this process's end (local
+    address any, remote ``peer``), whose local address is the one the caller connected to; then
+    the caller's end, local ``peer`` and remote that address. A port alone is not enough: the
+    kernel lists a connection in TIME_WAIT, which anyone can leave on a port of their own and
+    then connect from that port again, with uid 0."""
+    parsed = [entry for entry in map(_row, rows) if entry is not None and entry[2] == ESTABLISHED]
+    ours = [local for local, remote, _, _, inode in parsed if remote == peer and inode in own]
+    if len(ours) != 1:
+        return None
+    theirs = [uid for local, remote, _, uid, _ in parsed if local == peer and remote == ours[0]]
+    return theirs[0] if len(theirs) == 1 else None
+
+
+def _peer_address(peer):
+    """(ip, port) of a gRPC peer string; None for another kind (unix:...) or a malformed one."""
     kind, _, address = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return None
     host, _, port = address.rpartition(":")
     try:
-        ip, port = _unmapped(ipaddress.ip_address(host.strip("[]"))), int(port)
+        return _unmapped(ipaddress.ip_address(host.strip("[]"))), int(port)
     except ValueError:
         return None
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+
+
+def _row(row):
+    """(local (ip, port), remote (ip, port), state, uid, inode) of a line of /proc/net/tcp or
+    tcp6 (sl, local_address, rem_address, st, tx:rx, tr:when, retrnsmt, uid, timeout, inode);
+    None for a line that is not one."""
+    fields = row.split()
+    try:
+        return _proc_address(fields[1]), _proc_address(fields[2]), fields[3], int(fields[7]), int(fields[9])
+    except (IndexError, ValueError):
+        return None
+
+
+def _proc_address(text):
+    ip, _, port = text.partition(":")
+    return _unmapped(_proc_ip(ip)), int(port, 16)
+
+
+def _own_sockets():
+    """The inode numbers of this process's sockets."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
         try:
-            with open(table) as file:
-                rows = file.read().splitlines()[1:]
-        except OSError:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
             continue
-        for row in rows:
-            fields = row.split()  # sl, local_address, rem_address, st, ..., uid (the 8th)
-            local_ip, _, local_port = fields[1].partition(":")
-            if int(local_port, 16) == port and _unmapped(_proc_ip(local_ip)) == ip:
-                return int(fields[7])
-    return None
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
 
 
 def _unmapped(ip):
@@ -148,7 +204,8 @@ def attach(pid, fd, size, token, caller_uid):
     refusal = FailedPreconditionError(f"cannot use {what}: the server takes only a sealed memfd of the caller's "
                                       "own user, on its host and in its pid namespace")
     if caller_uid is None:
-        log.info("shared memory: %s refused: the caller's connection is not found in /proc/net/tcp", what)
+        log.info("shared memory: %s refused: the caller's connection is not found, established, exactly once "
+                 "in /proc/net/tcp or tcp6", what)
         raise refusal
     try:
         # Found, not opened (O_PATH): nothing of the file runs before it is known to be a memfd

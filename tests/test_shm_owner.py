@@ -1,0 +1,210 @@
+"""Whose memory a shared-memory region may be: the owner of the caller's end of its very
+connection (shm.peer_uid), which a caller cannot borrow from another socket of the same port,
+with a crafted /proc/net/tcp table and with real processes of another user."""
+import contextlib
+import fcntl
+import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from tensorkv import shm
+from tensorkv_server import shm as server_shm
+
+from cluster import Cluster
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memory files (memfd_create)")
+
+SERVER, CALLER, ELSEWHERE = ("127.0.0.1", 50051), ("127.0.0.1", 40000), ("127.0.0.1", 40001)
+OURS, THEIRS = 1001, 2002  # socket inodes: the server's end, the caller's
+ESTABLISHED, TIME_WAIT = "01", "06"
+
+
+def _hex(address):
+    """``address`` (ip, port) in /proc/net/tcp's notation: 32-bit words in the host's byte order."""
+    ip, port = ipaddress.ip_address(address[0]), address[1]
+    raw = ip.packed
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return f"{raw.hex().upper()}:{port:04X}"
+
+
+def _line(local, remote, state, uid, inode=0):
+    """A line of /proc/net/tcp (tcp6 for IPv6 addresses) for one socket."""
+    return (f"   0: {_hex(local)} {_hex(remote)} {state} 00000000:00000000 00:00000000 00000000 {uid:5d}        0 "
+            f"{inode} 1 0000000000000000 20 4 30 10 -1")
+
+
+def _uid(peer, *lines):
+    return server_shm.connection_uid((ipaddress.ip_address(peer[0]), peer[1]), list(lines), {OURS})
+
+
+def test_the_owner_is_that_of_the_callers_end_of_this_very_connection():
+    ours, theirs = _line(SERVER, CALLER, ESTABLISHED, 0, OURS), _line(CALLER, SERVER, ESTABLISHED, 65534, THEIRS)
+    # The bypass (issue 31): a TIME_WAIT connection from the caller's port, which the kernel
+    # lists with uid 0, listed first; and a socket of root on that port to somewhere else
+    decoys = [_line(CALLER, ELSEWHERE, TIME_WAIT, 0), _line(CALLER, ("127.0.0.1", 40002), ESTABLISHED, 0, 3003)]
+    assert _uid(CALLER, *decoys, ours, theirs) == 65534
+    assert _uid(CALLER, ours, *decoys, theirs) == 65534
+    # only a TIME_WAIT row of the caller's end, or none: not found
+    assert _uid(CALLER, ours, _line(CALLER, SERVER, TIME_WAIT, 0)) is None
+    assert _uid(CALLER, ours, *decoys) is None
+    # the server's end must be a socket of this process, and established
+    assert _uid(CALLER, _line(SERVER, CALLER, ESTABLISHED, 0, 4004), theirs) is None
+    assert _uid(CALLER, _line(SERVER, CALLER, TIME_WAIT, 0, OURS), theirs) is None
+    # the caller's end must have the server's end as its remote: not the server's port elsewhere
+    assert _uid(CALLER, ours, _line(CALLER, ("127.0.0.2", SERVER[1]), ESTABLISHED, 65534, THEIRS)) is None
+    # more than one row for either end (no kernel lists that): refused rather than guessed
+    assert _uid(CALLER, ours, theirs, _line(CALLER, SERVER, ESTABLISHED, 0, 5005)) is None
+    assert _uid(CALLER, ours, _line(("127.0.0.2", SERVER[1]), CALLER, ESTABLISHED, 0, OURS), theirs) is None
+    # lines that are not sockets (a header, garbage) are skipped
+    assert _uid(CALLER, "  sl  local_address rem_address   st", "x y", ours, theirs) == 65534
+
+
+def test_ipv6_and_ipv4_mapped_ends():
+    # a dual-stack server ([::]) sees an IPv4 caller as ::ffff:127.0.0.1 in tcp6; the caller's
+    # end is in tcp
+    mapped = lambda address: (f"::ffff:{address[0]}", address[1])  # noqa: E731
+    assert _uid(CALLER, _line(mapped(SERVER), mapped(CALLER), ESTABLISHED, 0, OURS),
+                _line(CALLER, SERVER, ESTABLISHED, 1234, THEIRS)) == 1234
+    server6, caller6 = ("::1", 50051), ("::1", 40000)
+    assert _uid(caller6, _line(caller6, ("::1", 1), TIME_WAIT, 0), _line(server6, caller6, ESTABLISHED, 0, OURS),
+                _line(caller6, server6, ESTABLISHED, 1234, THEIRS)) == 1234
+    assert server_shm.peer_uid("unix:/tmp/socket") is None and server_shm.peer_uid("ipv4:nonsense") is None
+
+
+# Run as another user: leaves TIME_WAIT connections (uid 0 in /proc/net/tcp) on a port of its
+# own, connects from that port to the server at argv[3] (through a relay in this process, as
+# gRPC cannot choose its source port) and registers descriptor argv[2] of process argv[1], a
+# memfd of root that starts with zeros, with a token of zeros. It tries argv[4] ports, each
+# with argv[5] TIME_WAIT connections, and prints one line per try: the count of TIME_WAIT
+# rows seen on the port, the answer's code and its message.
+_BORROWED_PORT = """
+import socket, sys, threading, time
+import grpc
+from tensorkv.rpc import CHANNEL_OPTIONS, Session
+from tensorkv.v1 import kvstore_pb2
+
+pid, fd, address, tries, waits = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+server = address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1])
+
+
+def bound(port):
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+def time_waits(port):
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.read().splitlines()[1:]]
+    return sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "06" and row[7] == "0")
+
+
+def relay(source, sink):
+    try:
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    except OSError:
+        pass
+    for sock in (source, sink):
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+listeners = []
+for _ in range(waits):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listeners.append(listener)
+for _ in range(tries):
+    probe = bound(0)
+    port = probe.getsockname()[1]
+    probe.close()
+    for listener in listeners:  # this end closes first: it is the one left in TIME_WAIT
+        sock = bound(port)
+        sock.connect(listener.getsockname())
+        accepted, _ = listener.accept()
+        sock.close()
+        accepted.close()
+    deadline = time.monotonic() + 10
+    while time_waits(port) < waits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    back = bound(port)
+    back.connect(server)
+    front = socket.socket()
+    front.bind(("127.0.0.1", 0))
+    front.listen(1)
+
+    def serve():
+        accepted, _ = front.accept()
+        threading.Thread(target=relay, args=(accepted, back), daemon=True).start()
+        relay(back, accepted)
+
+    threading.Thread(target=serve, daemon=True).start()
+    here = "127.0.0.1:%d" % front.getsockname()[1]
+    channel = grpc.insecure_channel(here, options=CHANNEL_OPTIONS)
+    session = Session(channel, here, shm_allowed=True)
+
+    def build(call_id, timeout_ms, region, data_channel):
+        return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
+            region=kvstore_pb2.SharedMemoryRegion(pid=pid, fd=fd, size=4096, token=bytes(32))).SerializeToString(), ()
+
+    answer = kvstore_pb2.SessionResponse.FromString(session.call(build, 10.0)[1])
+    print(time_waits(port), answer.code, answer.message, flush=True)
+    session.close()
+    channel.close()
+    front.close()
+    if answer.code == 0:
+        break
+"""
+
+
+@contextlib.contextmanager
+def root_memfd():
+    """A descriptor of this process (root's) on a sealed memfd of 4096 bytes whose first bytes
+    are zeros, as a victim's memory that another user must not get the server to map."""
+    victim = os.memfd_create("not-a-tensorkv-region", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(victim, 4096)
+        os.pwrite(victim, b"a secret of root's", 64)
+        fcntl.fcntl(victim, fcntl.F_ADD_SEALS, shm.SEALS)
+        yield victim
+    finally:
+        os.close(victim)
+
+
+def as_nobody(code, *args, cwd):
+    """Run the Python ``code`` with ``args`` as uid and gid 65534; its CompletedProcess."""
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code,
+                           *map(str, args)], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run a caller as nobody")
+def test_a_time_wait_connection_on_the_callers_port_lends_it_no_uid(tmp_path):
+    """Issue 31: the server took the first /proc/net/tcp row of the caller's local port as its
+    connection, and the kernel lists TIME_WAIT connections with uid 0: a user who left some on
+    a port, then connected from it, was taken for root and registered a memfd of root that
+    starts with zeros (a victim's), whose bytes the server then read and wrote for it."""
+    tries, waits = 8, 16
+    with root_memfd() as victim, Cluster(tmp_path=tmp_path) as cluster:
+        done = as_nobody(_BORROWED_PORT, os.getpid(), victim, cluster.addresses[0], tries, waits, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        answers = [line.split(" ", 2) for line in done.stdout.splitlines()]
+        for seen, code, message in answers:
+            assert int(seen) == waits  # the TIME_WAIT rows of uid 0 were there, on the caller's port
+            assert int(code) == grpc.StatusCode.FAILED_PRECONDITION.value[0], message
+            assert message.startswith(f"cannot use descriptor {victim} of process {os.getpid()}: the server takes "
+                                      "only a sealed memfd of the caller's own user")
+        assert len(answers) == tries, done.stdout
+        log = (tmp_path / "server0.log").read_text()
+        assert log.count("it belongs to uid 0, the caller is uid 65534") == tries
+        assert os.pread(victim, 32, 0) == bytes(32)  # untouched: the server never mapped it
