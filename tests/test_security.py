@@ -424,6 +424,45 @@ def test_refusals_do_not_tell_whether_a_key_exists(token_server):
                 assert len(answers) == 1 and answers.pop()[0] == grpc.StatusCode.UNAUTHENTICATED
 
 
+def _values(answer):
+    """The float32 values of the one entry of a PullResponse."""
+    return np.frombuffer(answer.frame.entries[0].tensor.data, np.float32).tolist()
+
+
+def test_a_read_only_token_pulls_as_no_rank(tmp_path):
+    """Issue 31: a read-only caller that named rank 1 (and its incarnation, which Info shows) in a
+    Pull took rank 1's place in its rounds: it consumed rank 1's RoundAbortedError, and rank 1's
+    own next pull returned as if its push had been merged. A read-only token reads as no rank
+    (the stored values now, as ReadKey), whatever rank its Pull names."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n{READ_ONLY_TOKEN} ro\n")
+    reader = (("authorization", f"Bearer {READ_ONLY_TOKEN}"),)
+    with Cluster(num_workers=2, round_timeout=1.0, tmp_path=tmp_path, server_args=["--token-file", str(tokens)]) \
+            as cluster, grpc.insecure_channel(cluster.addresses[0]) as channel:
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        with tensorkv.create("dist_sync", servers=cluster.addresses, rank=0, token=TOKEN) as kv0, \
+                tensorkv.create("dist_sync", servers=cluster.addresses, rank=1, token=TOKEN) as kv1:
+            kv0.init("w", np.zeros(4, np.float32))
+            kv1.init("w", np.zeros(4, np.float32))
+            kv1.push("w", np.ones(4, np.float32))  # round 1: rank 0 never joins, it aborts after 1 s
+            wait_until(lambda: "round 1 aborted" in (tmp_path / "server0.log").read_text(), "round 1 aborted")
+            incarnation = {lease.rank: lease.incarnation
+                           for lease in stub.Info(kvstore_pb2.InfoRequest(), metadata=reader, timeout=5).workers}[1]
+            request = kvstore_pb2.PullRequest(rank=1, incarnation=incarnation, keys=[tensor_pb2.Key(str_key="w")])
+            [answer] = stub.Pull(request, metadata=reader, timeout=10)
+            assert _values(answer) == [0.0] * 4
+            with pytest.raises(tensorkv.RoundAbortedError, match="round 1 aborted after 1 s"):
+                kv1.pull("w")  # rank 1 still hears that its push was not merged
+            np.testing.assert_array_equal(kv0.pull("w"), np.zeros(4, np.float32))
+            # nor does it wait for rank 1's round: it reads the value as it is
+            kv1.push("w", np.full(4, 3, np.float32))
+            [answer] = stub.Pull(request, metadata=reader, timeout=10)
+            assert _values(answer) == [0.0] * 4
+            kv0.push("w", np.full(4, 2, np.float32))
+            np.testing.assert_array_equal(kv1.pull("w"), np.full(4, 5, np.float32))
+            np.testing.assert_array_equal(kv0.pull("w"), np.full(4, 5, np.float32))
+
+
 def test_a_store_with_a_token(token_server):
     with tensorkv.create("dist_sync", servers=token_server, token=TOKEN) as kv:
         kv.init(3, np.ones(4))

@@ -23,8 +23,10 @@ has passed it is refused, at start (the server does not start) and at a rotation
 pair stays); one within EXPIRY_WARNING_DAYS of it is warned about. The metric
 tensorkv_tls_certificate_expiry_timestamp_seconds says when each file in use expires.
 """
+import contextvars
 import datetime
 import hmac
+import inspect
 import logging
 import os
 import ssl
@@ -50,6 +52,9 @@ READ_ONLY_METHODS = frozenset([_SERVICE + name for name in ("Info", "Pull", "Get
 PUBLIC_PREFIX = "/grpc.health.v1.Health/"
 READ_ONLY_MARK = "ro"
 MIN_TOKEN_CHARS = 16
+# Whether the call being handled carries a read-only token (set by TokenInterceptor): such a
+# caller is no rank, whatever rank its request names (KVStoreService.Pull).
+READ_ONLY_CALL = contextvars.ContextVar("tensorkv_read_only_call", default=False)
 _REFUSALS_KEPT = 4096  # (host, reason) pairs RefusalLog remembers before it forgets quiet ones
 EXPIRY_WARNING_DAYS = 30
 
@@ -280,7 +285,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return self._refusal(handler, details.method, "a read-only token may not call it", PermissionDeniedError(
                 f"a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, not "
                 f"{details.method.rsplit('/', 1)[1]}"))
-        return handler
+        return _read_only(handler) if read_only else handler
 
     def _refusal(self, handler, method, why, error):
         """A handler of the same kind as ``handler`` that logs the refusal (RefusalLog) and
@@ -302,6 +307,23 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return found
 
 
+def _read_only(handler):
+    """``handler`` run with READ_ONLY_CALL set (in the call's own task, as gRPC runs each call)."""
+    kind = handler.request_streaming, handler.response_streaming
+    behavior = getattr(handler, _BEHAVIORS[kind])
+    if inspect.isasyncgenfunction(behavior):
+        async def marked(request, context):
+            READ_ONLY_CALL.set(True)
+            async for response in behavior(request, context):
+                yield response
+    else:
+        async def marked(request, context):
+            READ_ONLY_CALL.set(True)
+            return await behavior(request, context)
+    return _HANDLERS[kind](marked, request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
+
+
 def _presented(metadata):
     """The bearer token of a call's ``authorization`` metadata, as bytes (b"": none)."""
     value = next((v for k, v in metadata or () if k == "authorization"), "")
@@ -315,6 +337,10 @@ _HANDLERS = {
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
+
+
+_BEHAVIORS = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
+              (True, True): "stream_stream"}
 
 
 class RefusalLog:
