@@ -19,6 +19,7 @@ from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv_server.__main__ import parse_args
 
 from cluster import STOP_TIMEOUT, Cluster, DrivenWorker as Worker, free_port, stop, wait_until
+from faultproxy import FaultProxy
 from test_metrics import scrape
 
 def _info(cluster):
@@ -37,6 +38,34 @@ def _round(workers, number):
         worker.call(f"push {rank + 1}", "pushed")
     for worker in workers:
         assert worker.call("pull") == f"value {3 * number}"
+
+
+def _pause_and_replace(cluster, workers, paused):
+    """SIGSTOP ``paused``, rank 1's worker, until its lease expires, and start a replacement
+    (added to ``workers``): (the paused one's incarnation, the replacement, its incarnation)."""
+    old = _holders(cluster)[1]
+    os.kill(paused.process.pid, signal.SIGSTOP)
+    wait_until(lambda: 1 not in _holders(cluster), "rank 1 freed")
+    workers.append(Worker(cluster, 1))
+    return old, workers[-1], _holders(cluster)[1]
+
+
+def _push_on_waking(worker, then=lambda answer: None):
+    """Send 'push 100' to the paused ``worker`` and wake it: the FailedPreconditionError line
+    that its push, or its next pull, answers (a push sent without waiting for its answer
+    raises the refusal in the next call); ``then(the push's answer)`` runs in between."""
+    worker.send("push 100")
+    os.kill(worker.process.pid, signal.SIGCONT)
+    refusal = worker.expect()
+    then(refusal)
+    if refusal == "pushed":
+        refusal = worker.call("pull")
+    assert refusal.startswith("error FailedPreconditionError: "), refusal
+    return refusal
+
+
+def _assert(condition, message):
+    assert condition, message
 
 
 @pytest.fixture
@@ -92,18 +121,8 @@ def test_a_worker_paused_past_its_lease_is_refused_when_it_wakes(tmp_path, worke
         workers += [Worker(cluster, 0), Worker(cluster, 1)]
         survivor, zombie = workers
         _round(workers, 1)
-        old = _holders(cluster)[1]
-        os.kill(zombie.process.pid, signal.SIGSTOP)
-        wait_until(lambda: 1 not in _holders(cluster), "rank 1 freed")
-        workers.append(Worker(cluster, 1))
-        replacement = workers[-1]
-        new = _holders(cluster)[1]
-        zombie.send("push 100")
-        os.kill(zombie.process.pid, signal.SIGCONT)
-        refusal = zombie.expect()
-        if refusal == "pushed":  # sent without waiting for its answer: the next call raises the refusal
-            refusal = zombie.call("pull")
-        assert refusal.startswith("error FailedPreconditionError: "), refusal
+        old, replacement, new = _pause_and_replace(cluster, workers, zombie)
+        refusal = _push_on_waking(zombie)
         assert f"incarnation {old} expired" in refusal and f"held by incarnation {new}" in refusal, refusal
         assert "create the store again" in refusal, refusal
 
@@ -113,6 +132,40 @@ def test_a_worker_paused_past_its_lease_is_refused_when_it_wakes(tmp_path, worke
         assert _holders(cluster) == {0: _holders(cluster)[0], 1: new}
         _round([survivor, replacement], 3)
         assert survivor.close() == 0 and replacement.close() == 0
+
+
+def test_a_worker_that_slept_through_its_lease_and_its_replacements_stays_out(tmp_path, workers):
+    """Issue 31: rank 1's worker slept past its lease, a replacement took the rank, ran rounds and
+    was killed -9, its lease expired too; the sleeper woke on a broken connection, registered
+    again naming its incarnation (no longer the rank's last expired one) and got the rank
+    afresh: its push, computed on old weights, was merged. Every incarnation older than the
+    rank's last is refused."""
+    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=("--lease-timeout", "1")) as cluster, \
+            FaultProxy(cluster.addresses[0]) as proxy:
+        survivor = Worker(cluster, 0)
+        workers.append(survivor)
+        workers.append(Worker(cluster, 1, env={"TENSORKV_SERVERS": proxy.address}))
+        sleeper = workers[-1]
+        _round([survivor, sleeper], 1)
+        old, replacement, new = _pause_and_replace(cluster, workers, sleeper)
+        _round([survivor, replacement], 2)
+        _round([survivor, replacement], 3)
+        os.kill(replacement.process.pid, signal.SIGKILL)
+        replacement.process.wait(STOP_TIMEOUT)
+        wait_until(lambda: 1 not in _holders(cluster), "the replacement's rank 1 freed")
+        proxy.reset()  # the sleeper's stream is gone when it wakes: it connects and registers again
+        refusal = _push_on_waking(sleeper, lambda answer: _assert(
+            1 not in _holders(cluster), f"the sleeper registered rank 1 again ({answer})"))
+        assert f"rank 1: this call's incarnation {old} is over: incarnation {new} registered the rank after it " \
+               "and left" in refusal, refusal
+        assert "create the store again to register as a new worker" in refusal, refusal
+        assert sleeper.call("pull").startswith("error FailedPreconditionError: ")
+        assert 1 not in _holders(cluster)
+
+        workers.append(Worker(cluster, 1))  # a new worker takes rank 1: nothing of the sleeper's was merged
+        _round([survivor, workers[-1]], 4)
+        assert sleeper.close() == 0
+        assert survivor.close() == 0 and workers[-1].close() == 0
 
 
 def test_a_live_worker_keeps_its_rank_while_idle_and_while_it_waits(tmp_path, workers):

@@ -12,7 +12,9 @@ Every registration is a *lease* of ``lease_timeout`` seconds, renewed by the wor
 heartbeats (:meth:`Membership.renew`, the KeepAlive RPC). A lease that is not renewed in
 time expires on the event loop: the rank is freed as if its holder had given it back, and
 the expired incarnation is refused from then on, so a worker that was paused past its
-lease cannot merge anything when it wakes up.
+lease cannot merge anything when it wakes up. Incarnations grow with time, so every one older
+than the last that a rank was granted is refused too, and cannot register again in its own
+place: a worker that slept through its lease and its replacement's stays out.
 
 A worker whose connection broke registers again naming its *previous incarnation*: while
 the rank is still held by it, the new registration takes its place (a new incarnation; the
@@ -129,6 +131,7 @@ class Membership:
         self._next_incarnation = time.time_ns() // 1000
         self._leases = {}  # rank -> _Lease of its registration
         self._expired = {}  # rank -> the incarnation whose lease expired last
+        self._granted = {}  # rank -> the last incarnation it was granted (or restored from a snapshot)
         self._applied = {}  # rank -> _Applied sequence numbers of its registration (and those it took over)
         self._failures = {}  # rank -> {(kind, number): the error that call failed with}, the last FAILURES_KEPT
         self._restored = {}  # rank -> (incarnation, _Applied) saved in the snapshot this server restored
@@ -169,8 +172,8 @@ class Membership:
             if self.incarnations.get(rank) == previous:
                 self._request_ids[rank] = request_id
                 return rank, self._take_over(rank, previous), False
-            if self._expired.get(rank) == previous:
-                self.check(rank, previous)  # raises: that lease expired
+            if self._expired.get(rank) == previous or previous < self._granted.get(rank, previous):
+                self.check(rank, previous)  # raises: that lease expired, or a later one took the rank
         # A worker of the restored run, back: its if_exists was checked when it first registered.
         held = {previous, *earlier} if previous is not None else set()
         returning = self._restored_run is not None and self._restored.get(rank, (None,))[0] in held
@@ -299,6 +302,7 @@ class Membership:
             applied = _Applied()
             applied.through, applied.beyond = int(entry["through"]), {int(number) for number in entry["beyond"]}
             self._restored[int(entry["rank"])] = (int(entry["incarnation"]), applied)
+            self._granted[int(entry["rank"])] = int(entry["incarnation"])
 
     def failure(self, rank, call):
         """The error that ``rank``'s call ``call`` ((kind, number); number 0: not numbered)
@@ -333,6 +337,7 @@ class Membership:
         return [(rank, lease.incarnation, now - lease.renewed) for rank, lease in sorted(self._leases.items())]
 
     def _grant(self, rank, incarnation):
+        self._granted[rank] = incarnation
         loop = asyncio.get_running_loop()
         lease = self._leases[rank] = _Lease(incarnation, loop.time())
         self._look_at(rank, lease, lease.renewed + self.lease_timeout)
@@ -400,6 +405,12 @@ class Membership:
             raise FailedPreconditionError(
                 f"rank {rank}: the lease of this call's incarnation {incarnation} expired (no heartbeat for "
                 f"{self.lease_timeout:g} s, --lease-timeout) and the rank {now}: create the store again to register")
+        last = self._granted.get(rank, incarnation)
+        if current is None and incarnation < last:
+            raise FailedPreconditionError(
+                f"rank {rank}: this call's incarnation {incarnation} is over: incarnation {last} registered the rank "
+                f"after it and {self._ended(rank)}; a registration that is over cannot come back (what its worker "
+                "computed since is stale): create the store again to register as a new worker")
         if current is None:
             raise FailedPreconditionError(
                 f"rank {rank} is not registered on this server (it restarted, or the rank was given back): "
@@ -409,6 +420,13 @@ class Membership:
                 f"rank {rank} is held by incarnation {current}, not by this call's incarnation {incarnation}: "
                 "the rank was registered again since this caller registered (after it gave the rank back, "
                 "or after a server restart)")
+
+    def _ended(self, rank):
+        """How the last registration of ``rank``, which no one holds, ended (words)."""
+        if rank in self._left:
+            when, how = self._left[rank]
+            return f"left {asyncio.get_running_loop().time() - when:.1f} s ago ({how})"
+        return "has not come back since this server restarted"
 
     def _check_range(self, rank):
         if not 0 <= rank < self.num_workers:
