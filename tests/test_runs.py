@@ -13,6 +13,7 @@ from tensorkv.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from cluster import STOP_TIMEOUT, Cluster, check_workers, rank_1_after_a_round
+from test_ctl import ctl, ctl_json
 
 ROUNDS = 3
 BASE = np.array([1, -1, 2, 0.5])
@@ -144,6 +145,48 @@ def test_reset_is_refused_during_a_run_and_exact_after(tmp_path):
     np.testing.assert_array_equal(after, fresh)
 
 
+def _killed_with_its_server(cluster, env):
+    """A job's only worker (tests/workers/job_step.py, with ``env``) makes 'w' -1, the server
+    (with --state-dir) takes a snapshot, and both are killed with -9 (a node that reboots); the
+    server is started again, from the snapshot."""
+    worker = cluster.start_worker("job_step", "hold", env=env)
+    try:
+        assert json.loads(worker.stdout.readline()) == [-1.0] * 4
+        assert worker.stdout.readline() == "holding\n"
+        Server(cluster.addresses[0], Security(), 10.0).kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
+    finally:
+        worker.kill()  # by its pid
+        worker.wait(STOP_TIMEOUT)
+    cluster.restart()
+
+
+@pytest.mark.parametrize("forced_by", ["cli", "python"])
+def test_reset_is_refused_while_a_restored_run_can_come_back(tmp_path, forced_by):
+    """Issue 31: a server restored from a snapshot of a running job (no rank registered yet)
+    accepted a reset, which dropped the job's keys: its worker then rejoined the run and found
+    none. Refused, through the CLI and tensorkv.reset, unless forced."""
+    server_args = ("--state-dir", str(tmp_path / "state"), "--snapshot-interval", "0")
+    with Cluster(num_workers=1, tmp_path=tmp_path, server_args=server_args) as cluster:
+        _killed_with_its_server(cluster, {"TENSORKV_JOB": "train-7"})  # run 1 of job 'train-7' can come back
+        refusal = ("cannot reset: run 1 (job 'train-7') was going on in the snapshot this server restored, and its "
+                   "workers may still register again and go on with its keys, which a reset would drop: reset once "
+                   "that job is over, or force it (`tensorkv reset --force`, tensorkv.reset(force=True))")
+        with pytest.raises(tensorkv.FailedPreconditionError) as refused:
+            tensorkv.reset(cluster.addresses)
+        assert str(refused.value) == refusal
+        code, out, err = ctl("reset", servers=cluster.addresses)
+        assert code != 0 and err == f"tensorkv: server {cluster.addresses[0]}: {refusal}\n", (code, out, err)
+        [row] = ctl_json("get", "w", "--values", servers=cluster.addresses)
+        assert row["values"] == [-1.0] * 4  # the job's key is intact
+        if forced_by == "cli":
+            assert ctl_json("reset", "--force", servers=cluster.addresses) == [
+                {"server": cluster.addresses[0], "keys_dropped": 1}]
+        else:
+            assert tensorkv.reset(cluster.addresses, force=True) == 1
+        assert _info(cluster).num_keys == 0
+        assert tensorkv.reset(cluster.addresses) == 0  # the restored run is gone with its keys
+
+
 def test_workers_of_one_run_ask_for_the_same_if_exists(tmp_path, monkeypatch):
     with pytest.raises(tensorkv.InvalidArgumentError, match="unknown if_exists 'keep'; use one of "
                                                             "'fail', 'resume', 'replace'"):
@@ -194,15 +237,7 @@ def test_a_worker_of_the_job_restarted_with_its_server_rejoins_the_restored_run(
     server_args = ("--state-dir", str(tmp_path / "state"), "--snapshot-interval", "0")
     env = {"TENSORKV_IF_EXISTS": "replace", "TENSORKV_JOB": "train-7"}
     with Cluster(num_workers=1, tmp_path=tmp_path, server_args=server_args) as cluster:
-        first = cluster.start_worker("job_step", "hold", env=env)
-        try:
-            assert json.loads(first.stdout.readline()) == [-1.0] * 4
-            assert first.stdout.readline() == "holding\n"
-            Server(cluster.addresses[0], Security(), 10.0).kv.Snapshot(kvstore_pb2.SnapshotRequest(), timeout=10)
-        finally:
-            first.kill()  # by its pid
-            first.wait(STOP_TIMEOUT)
-        cluster.restart()
+        _killed_with_its_server(cluster, env)
         [out] = check_workers(cluster.run_workers("job_step", env={**env, "TENSORKV_JOB": job}))
     assert json.loads(out) == expected
 

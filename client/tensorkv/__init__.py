@@ -78,7 +78,9 @@ def reset(servers=None, **options):
     """Drop everything the servers hold (keys, optimizer, states), as if they had just
     started; the number of keys dropped. A server where a run is registered (some worker
     has not closed its store) refuses with FailedPreconditionError naming its ranks, and
-    the servers after it in ``servers`` (or ``TENSORKV_SERVERS``) are left as they are.
+    the servers after it in ``servers`` (or ``TENSORKV_SERVERS``) are left as they are. So
+    does a server that restored a snapshot taken while a run was going on, as long as that
+    run's workers can come back to it, unless ``force=True``.
     ``timeout=`` bounds each server's answer (seconds, default 10).
     """
     from .dist import reset as reset_servers

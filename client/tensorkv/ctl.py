@@ -36,7 +36,7 @@ examples:
   tensorkv status
   tensorkv --servers tkv-0:50051,tkv-1:50051 --tls-ca ca.pem -o json keys
   tensorkv get weight --stats
-  tensorkv reset                  (refused while a job's workers are registered)"""
+  tensorkv reset                  (refused while a job's workers are registered or can come back)"""
 # Info fields that `status` shows where this client's protos have them (leases, snapshots).
 STATUS_EXTRAS = ("lease_ttl_ms", "expired_leases", "server_id", "restored_from")
 _MODES = {kvstore_pb2.MODE_SYNC: "sync", kvstore_pb2.MODE_ASYNC: "async"}
@@ -108,7 +108,8 @@ def _parser():
     get.add_argument("--stats", action="store_true", help="min, max, mean and L2 norm of the value")
     get.add_argument("--values", action="store_true", help="the value itself")
     command("workers", workers, "the registered ranks of each server")
-    command("reset", reset, "drop every key, the optimizer and its states (no run may be registered)")
+    command("reset", reset, "drop every key, the optimizer and its states (no run may be registered)").add_argument(
+        "--force", action="store_true", help="even while the run of a snapshot the server restored can come back")
     snapshot = commands.add_parser("snapshot", help="snapshots of the servers' state")
     snapshot.add_subparsers(dest="action", required=True, metavar="ACTION").add_parser(
         "save", help="each server writes its state to its --state-dir", parents=[options]
@@ -230,7 +231,7 @@ def workers(args, servers):
 
 def reset(args, servers):
     def drop(server):
-        return server.kv.Reset(kvstore_pb2.ResetRequest(), timeout=server.timeout).num_keys
+        return server.kv.Reset(kvstore_pb2.ResetRequest(force=args.force), timeout=server.timeout).num_keys
 
     rows = [{"server": server.address, "keys_dropped": dropped}
             for server, dropped in _answers(args, servers, drop, "reset")]

@@ -81,13 +81,13 @@ def parse_servers(servers):
     return servers
 
 
-def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT):
+def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT, force=False):
     """Reset each server, one after the other: see :func:`tensorkv.reset`."""
     dropped = 0
     for address in parse_servers(servers):
         with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             try:
-                dropped += Stub(channel).Reset(kvstore_pb2.ResetRequest(), timeout=timeout).num_keys
+                dropped += Stub(channel).Reset(kvstore_pb2.ResetRequest(force=force), timeout=timeout).num_keys
             except grpc.RpcError as error:
                 raise error_from_rpc(error, address, "reset") from None
     return dropped

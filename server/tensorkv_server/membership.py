@@ -214,7 +214,7 @@ class Membership:
                 "heard from (--lease-timeout), and the rank is free then")
         if not going:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists, job)
-            self._end_restored_run()
+            self.end_restored_run()
             log.info("run %d starts (if_exists=%r%s)", self.run.number, if_exists, f", job {job!r}" if job else "",
                      extra={"event": "run_started"})
         elif not self.running:
@@ -237,9 +237,9 @@ class Membership:
             return None
         return job == self.run.job
 
-    def _end_restored_run(self):
-        """The restored run is over: none of its workers can come back to it, and the numbers
-        saved for them are no one's."""
+    def end_restored_run(self):
+        """The restored run is over (ended, or dropped by a forced reset): none of its workers
+        can come back to it, and the numbers saved for them are no one's."""
         self._restored_run = None
         self._restored.clear()
 
@@ -377,7 +377,7 @@ class Membership:
         self._failures.pop(rank, None)
         log.info("rank %d freed (%d of %d ranks registered)", rank, len(self.incarnations), self.num_workers)
         if not self.running:
-            self._end_restored_run()
+            self.end_restored_run()
             log.info("run %d ended: every rank left or lost its lease", self.run.number, extra={"event": "run_ended"})
         return not self.running
 

@@ -178,15 +178,24 @@ class Coordinator:
             for rounds in self._rounds.values():
                 rounds.aborted.clear()  # the errors of ranks that left
 
-    def reset(self):
+    def reset(self, force=False):
         """Drop every key, the optimizer and its states, the rounds and the key type, when
-        no run is registered; the number of keys dropped."""
+        no run is registered, and (unless ``force``) no run restored from a snapshot can come
+        back; the number of keys dropped."""
+        run = self.members.run
         if self.members.running:
             raise FailedPreconditionError(
-                f"cannot reset while run {self.members.run.number} is registered (ranks {self.members.ranks}): "
+                f"cannot reset while run {run.number} is registered (ranks {self.members.ranks}): "
                 "reset once every worker has closed its store")
+        if self.members.run_going_on and not force:
+            job = f" (job {run.job!r})" if run.job else ""
+            raise FailedPreconditionError(
+                f"cannot reset: run {run.number}{job} was going on in the snapshot this server restored, and its "
+                "workers may still register again and go on with its keys, which a reset would drop: reset once "
+                "that job is over, or force it (`tensorkv reset --force`, tensorkv.reset(force=True))")
         count = len(self.engine)
         self._drop_state()
+        self.members.end_restored_run()
         log.info("reset: %d keys, the optimizer and its states dropped", count)
         return count
 

@@ -551,7 +551,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return kvstore_pb2.SetLearningRateResponse()
 
     async def Reset(self, request, context):
-        return kvstore_pb2.ResetResponse(num_keys=self.coordinator.reset())
+        return kvstore_pb2.ResetResponse(num_keys=self.coordinator.reset(request.force))
 
     async def Snapshot(self, request, context):
         if self.snapshots is None:
