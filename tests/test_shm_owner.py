@@ -15,7 +15,7 @@ import pytest
 from tensorkv import shm
 from tensorkv_server import shm as server_shm
 
-from cluster import Cluster
+from cluster import Cluster, stop
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memory files (memfd_create)")
 
@@ -168,43 +168,60 @@ for _ in range(tries):
 """
 
 
+# Run as the victim: a sealed memfd of 4096 bytes whose first bytes are zeros; prints its pid
+# and descriptor, and holds it until its stdin closes.
+_VICTIM = """
+import fcntl, os, sys
+from tensorkv import shm
+fd = os.memfd_create("not-a-tensorkv-region", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 4096)
+os.pwrite(fd, b"a secret of the victim's", 64)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shm.SEALS)
+print(os.getpid(), fd, flush=True)
+sys.stdin.read()
+"""
+VICTIM_UID, CALLER_UID = 65533, 65534
+
+
+def _as_user(uid):
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c"]
+
+
 @contextlib.contextmanager
-def root_memfd():
-    """A descriptor of this process (root's) on a sealed memfd of 4096 bytes whose first bytes
-    are zeros, as a victim's memory that another user must not get the server to map."""
-    victim = os.memfd_create("not-a-tensorkv-region", os.MFD_ALLOW_SEALING)
+def victim_memfd(uid, cwd):
+    """(pid, descriptor) of a sealed memfd of the user ``uid`` (0: root, this process's own)
+    whose first bytes are zeros, held by a process of that user while in the block: memory
+    that another user must not get the server to map."""
+    command = [*_as_user(uid), _VICTIM] if uid else [sys.executable, "-c", _VICTIM]
+    victim = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd)
     try:
-        os.ftruncate(victim, 4096)
-        os.pwrite(victim, b"a secret of root's", 64)
-        fcntl.fcntl(victim, fcntl.F_ADD_SEALS, shm.SEALS)
-        yield victim
+        pid, fd = map(int, victim.stdout.readline().split())
+        yield pid, fd
     finally:
-        os.close(victim)
+        victim.stdin.close()
+        stop(victim)
 
 
-def as_nobody(code, *args, cwd):
-    """Run the Python ``code`` with ``args`` as uid and gid 65534; its CompletedProcess."""
-    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code,
-                           *map(str, args)], capture_output=True, text=True, timeout=120, cwd=cwd)
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run a caller as nobody")
-def test_a_time_wait_connection_on_the_callers_port_lends_it_no_uid(tmp_path):
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run callers as others")
+@pytest.mark.parametrize("victim_uid", [0, VICTIM_UID], ids=["root's", "another user's"])
+def test_a_time_wait_connection_on_the_callers_port_lends_it_no_uid(tmp_path, victim_uid):
     """Issue 31: the server took the first /proc/net/tcp row of the caller's local port as its
     connection, and the kernel lists TIME_WAIT connections with uid 0: a user who left some on
-    a port, then connected from it, was taken for root and registered a memfd of root that
-    starts with zeros (a victim's), whose bytes the server then read and wrote for it."""
+    a port, then connected from it, was taken for root and registered a memfd of another user
+    (or of root) that starts with zeros, whose bytes the server then read and wrote for it."""
     tries, waits = 8, 16
-    with root_memfd() as victim, Cluster(tmp_path=tmp_path) as cluster:
-        done = as_nobody(_BORROWED_PORT, os.getpid(), victim, cluster.addresses[0], tries, waits, cwd=tmp_path)
+    with victim_memfd(victim_uid, tmp_path) as (pid, fd), Cluster(tmp_path=tmp_path) as cluster:
+        done = subprocess.run([*_as_user(CALLER_UID), _BORROWED_PORT, str(pid), str(fd), cluster.addresses[0],
+                               str(tries), str(waits)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         answers = [line.split(" ", 2) for line in done.stdout.splitlines()]
         for seen, code, message in answers:
             assert int(seen) == waits  # the TIME_WAIT rows of uid 0 were there, on the caller's port
             assert int(code) == grpc.StatusCode.FAILED_PRECONDITION.value[0], message
-            assert message.startswith(f"cannot use descriptor {victim} of process {os.getpid()}: the server takes "
-                                      "only a sealed memfd of the caller's own user")
+            assert message.startswith(f"cannot use descriptor {fd} of process {pid}: the server takes only a "
+                                      "sealed memfd of the caller's own user")
         assert len(answers) == tries, done.stdout
         log = (tmp_path / "server0.log").read_text()
-        assert log.count("it belongs to uid 0, the caller is uid 65534") == tries
-        assert os.pread(victim, 32, 0) == bytes(32)  # untouched: the server never mapped it
+        assert log.count(f"it belongs to uid {victim_uid}, the caller is uid {CALLER_UID}") == tries
+        with open(f"/proc/{pid}/fd/{fd}", "rb") as victim:
+            assert victim.read(32) == bytes(32)  # untouched: the server never mapped it
