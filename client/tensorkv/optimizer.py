@@ -142,8 +142,9 @@ class Optimizer:
     clip_gradient : float or None, default None
         Clip the (rescaled) gradient into ``[-clip_gradient, clip_gradient]``.
     lr_scheduler : tensorkv.lr_scheduler.LRScheduler or None, default None
-        The learning rate of each update comes from it (``learning_rate`` replaces its
-        ``base_lr`` as in MXNet: see :mod:`tensorkv.lr_scheduler`). It is not in ``params``.
+        The learning rate of each update comes from it. ``learning_rate`` replaces its
+        ``base_lr``, as in MXNet: the optimizer sets ``lr_scheduler.base_lr`` to it (see
+        :mod:`tensorkv.lr_scheduler`). It is not in ``params``.
     multi_precision : bool, default False
         A float16 or bfloat16 weight keeps a float32 master copy, its first state: the
         update runs on the copy and the weight is its rounding (MXNet's, for float16). In
@@ -167,6 +168,8 @@ class Optimizer:
         if learning_rate is None:
             learning_rate = lr_scheduler.base_lr if lr_scheduler is not None else 0.01
         self.learning_rate = _number("learning_rate", learning_rate)
+        if lr_scheduler is not None:
+            lr_scheduler.base_lr = self.learning_rate  # MXNet's Optimizer.__init__ does the same
         self.wd = _number("wd", wd)
         self.rescale_grad = _number("rescale_grad", rescale_grad)
         self.clip_gradient = _bound("clip_gradient", clip_gradient)
@@ -1044,6 +1047,32 @@ def create(name, lr_scheduler=None, lr_mult=None, wd_mult=None, **params):
     return optimizer
 
 
+def check(optimizer, what):
+    """``optimizer`` when it is an :class:`Optimizer`; else InvalidArgumentError saying, for
+    ``what`` (the call), how to make one from a name, as MXNet's ``mx.optimizer.create``.
+
+    >>> check('sgd', 'set_optimizer')
+    Traceback (most recent call last):
+    ...
+    tensorkv.errors.InvalidArgumentError: set_optimizer takes an optimizer object, not the name 'sgd': pass tensorkv.optimizer.create('sgd', learning_rate=...) (as MXNet's mx.optimizer.create) or tensorkv.optimizer.SGD(...)
+    """
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    if isinstance(optimizer, str):
+        name, cls = _shown([optimizer]), OPTIMIZERS.get(optimizer.lower())
+        if cls is None:
+            raise InvalidArgumentError(
+                f"{what} takes an optimizer object, not a name, and {name!r} names no optimizer: pass "
+                f"tensorkv.optimizer.create(name, learning_rate=...) with a name of {', '.join(OPTIMIZERS)}")
+        raise InvalidArgumentError(
+            f"{what} takes an optimizer object, not the name {name!r}: pass tensorkv.optimizer.create({name!r}, "
+            f"learning_rate=...) (as MXNet's mx.optimizer.create) or tensorkv.optimizer.{cls.__name__}(...)")
+    kind = type(optimizer)
+    raise InvalidArgumentError(
+        f"{what} takes a tensorkv.optimizer.Optimizer, got {kind.__module__}.{kind.__qualname__}: make one with "
+        "tensorkv.optimizer.create(name, learning_rate=...) or a class such as tensorkv.optimizer.SGD(...)")
+
+
 def copy(optimizer):
     """A new optimizer equal to ``optimizer``."""
     return create(optimizer.name, lr_scheduler=optimizer.lr_scheduler, lr_mult=optimizer.lr_mult,
@@ -1096,9 +1125,7 @@ class Updater:
     """
 
     def __init__(self, optimizer):
-        if not isinstance(optimizer, Optimizer):
-            raise InvalidArgumentError(f"expected a tensorkv.optimizer.Optimizer, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
+        self.optimizer = check(optimizer, "an Updater")
         self._states = {}
         self._num_updates = {}
         self.num_update = 0
