@@ -36,6 +36,19 @@ def test_a_bad_variable_read_by_create_is_named_with_its_value(cluster, monkeypa
     assert words in str(caught.value)
 
 
+@pytest.mark.parametrize("options, words", [
+    ({"rank": "abc"}, "rank='abc' is not a whole number"),
+    ({"rank": -1}, "rank=-1 is below its least value, 0"),
+    ({"num_workers": 1.5}, "num_workers=1.5 is not a whole number"),
+    ({"bigarray_bound": 0}, "bigarray_bound=0 is below its least value, 1"),
+])
+def test_the_same_keyword_arguments_are_checked_alike(cluster, options, words):
+    """rank='abc' raised a bare ValueError too."""
+    with pytest.raises(tensorkv.InvalidArgumentError) as caught:
+        tensorkv.create("dist_sync", servers=cluster.addresses, **options)
+    assert words in str(caught.value)
+
+
 @pytest.mark.parametrize("value, sessions", [("false", True), ("0", True), ("", True), ("yes", False),
                                              ("1", False)])
 def test_no_session_reads_true_and_false_words(cluster, monkeypatch, value, sessions):

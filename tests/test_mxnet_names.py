@@ -18,7 +18,7 @@ def kv(request, tmp_path):
 
 
 @pytest.mark.parametrize("given, words", [
-    ("sgd", "set_optimizer takes an optimizer object, not the name 'sgd': pass "
+    ("sgd", "set_optimizer takes an Optimizer object, not the name 'sgd': pass "
             "tensorkv.optimizer.create('sgd', learning_rate=...) (as MXNet's mx.optimizer.create) or "
             "tensorkv.optimizer.SGD(...)"),
     ("Adam", "tensorkv.optimizer.create('Adam', learning_rate=...) (as MXNet's mx.optimizer.create) or "

@@ -138,7 +138,7 @@ def home(key, num_servers):
 
 def _env_int(name, value, low):
     """``value`` when given, else the whole number of the variable ``name`` (None when unset)."""
-    return int(value) if value is not None else env.integer(name, None, low)
+    return env.integer(name, None, low, given=value)
 
 
 def _grouped(pairs):

@@ -10,6 +10,8 @@ Traceback (most recent call last):
 tensorkv.errors.InvalidArgumentError: TENSORKV_EXAMPLE='abc' is not a whole number
 >>> del os.environ["TENSORKV_EXAMPLE"]
 """
+import math
+import numbers
 import os
 
 from .errors import InvalidArgumentError
@@ -18,18 +20,27 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-def integer(name, default, low=None):
-    """``name``'s whole number (surrounding spaces allowed), ``default`` when it is unset or
-    empty; InvalidArgumentError when it is not a whole number or is below ``low``."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidArgumentError(f"{name}={text!r} is not a whole number") from None
+def integer(name, default, low=None, given=None):
+    """``given`` when it is not None (the keyword argument the variable stands for: rank= for
+    TENSORKV_RANK), else ``name``'s whole number (surrounding spaces allowed), else ``default``;
+    InvalidArgumentError, naming the argument or the variable, when it is not a whole number
+    or is below ``low``."""
+    if given is not None:
+        source = name.removeprefix("TENSORKV_").lower()
+        if isinstance(given, bool) or not isinstance(given, numbers.Real) or not math.isfinite(given) \
+                or given != int(given):
+            raise InvalidArgumentError(f"{source}={given!r} is not a whole number")
+        value = int(given)
+    else:
+        source, text = name, os.environ.get(name, "").strip()
+        if not text:
+            return default
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidArgumentError(f"{name}={text!r} is not a whole number") from None
     if low is not None and value < low:
-        raise InvalidArgumentError(f"{name}={value} is below its least value, {low}")
+        raise InvalidArgumentError(f"{source}={value} is below its least value, {low}")
     return value
 
 

@@ -1094,7 +1094,7 @@ def check(optimizer, what):
     >>> check('sgd', 'set_optimizer')
     Traceback (most recent call last):
     ...
-    tensorkv.errors.InvalidArgumentError: set_optimizer takes an optimizer object, not the name 'sgd': pass tensorkv.optimizer.create('sgd', learning_rate=...) (as MXNet's mx.optimizer.create) or tensorkv.optimizer.SGD(...)
+    tensorkv.errors.InvalidArgumentError: set_optimizer takes an Optimizer object, not the name 'sgd': pass tensorkv.optimizer.create('sgd', learning_rate=...) (as MXNet's mx.optimizer.create) or tensorkv.optimizer.SGD(...)
     """
     if isinstance(optimizer, Optimizer):
         return optimizer
@@ -1102,10 +1102,10 @@ def check(optimizer, what):
         name, cls = _shown([optimizer]), OPTIMIZERS.get(optimizer.lower())
         if cls is None:
             raise InvalidArgumentError(
-                f"{what} takes an optimizer object, not a name, and {name!r} names no optimizer: pass "
+                f"{what} takes an Optimizer object, not a name, and {name!r} names no optimizer: pass "
                 f"tensorkv.optimizer.create(name, learning_rate=...) with a name of {', '.join(OPTIMIZERS)}")
         raise InvalidArgumentError(
-            f"{what} takes an optimizer object, not the name {name!r}: pass tensorkv.optimizer.create({name!r}, "
+            f"{what} takes an Optimizer object, not the name {name!r}: pass tensorkv.optimizer.create({name!r}, "
             f"learning_rate=...) (as MXNet's mx.optimizer.create) or tensorkv.optimizer.{cls.__name__}(...)")
     kind = type(optimizer)
     raise InvalidArgumentError(
