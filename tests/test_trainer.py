@@ -140,6 +140,9 @@ def test_update_here_is_refused_on_dist_async_as_in_gluon(tmp_path):
             tensorkv.create("dist_async", servers=cluster.addresses) as kv:
         with pytest.raises(tensorkv.InvalidArgumentError, match="set update_on_kvstore=True when training in async"):
             tensorkv.Trainer({"w": np.ones(2)}, "sgd", kvstore=kv, update_on_kvstore=False)
+        with pytest.raises(tensorkv.InvalidArgumentError, match="set update_on_kvstore=True when training in async"):
+            tensorkv.Trainer({"w": np.ones(2)}, kv, "sgd", update_on_kvstore=False)
+        kv.init("w", np.ones(2))  # the store given is left open
 
 
 @pytest.mark.parametrize("kind", ["local", "dist_sync"])

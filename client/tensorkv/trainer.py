@@ -196,18 +196,19 @@ class Trainer:
     def __init__(self, params, *args, **kwargs):
         arguments = _arguments(params, args, kwargs)
         optimizer = _optimizer(arguments["optimizer"], arguments["optimizer_params"])
-        update_on_kvstore = arguments["update_on_kvstore"] is not False
+        update_on_kvstore = arguments["update_on_kvstore"] is None or bool(arguments["update_on_kvstore"])
         self._params = _named(params)
+        if not update_on_kvstore and optimizer is None:
+            raise InvalidArgumentError("update_on_kvstore=False runs the optimizer here: give one")
         kv = arguments["kv"] if "kv" in arguments else _store(arguments["kvstore"])
         if not isinstance(kv, KVStore):
             raise InvalidArgumentError(f"kv must be a tensorkv KVStore, got {type(kv).__name__}")
-        if not update_on_kvstore:
-            if optimizer is None:
-                raise InvalidArgumentError("update_on_kvstore=False runs the optimizer here: give one")
-            if kv.type == "dist_async":
-                raise InvalidArgumentError(
-                    "update_on_kvstore=False sums gradients in rounds, which a 'dist_async' store has not: set "
-                    "update_on_kvstore=True when training in async mode, as gluon says")
+        if not update_on_kvstore and "async" in kv.type:
+            if "kvstore" in arguments and not isinstance(arguments["kvstore"], KVStore):  # made here from its name
+                kv.close()
+            raise InvalidArgumentError(
+                "update_on_kvstore=False sums gradients in rounds, which a 'dist_async' store has not: set "
+                "update_on_kvstore=True when training in async mode, as gluon says")
         self._kv = kv
         self._update_on_kvstore = update_on_kvstore
         self._initialized = False
