@@ -3,10 +3,10 @@ import doctest
 
 import pytest
 
-from tensorkv import compression, engine, kernels, local, lr_scheduler, optimizer, rowsparse, states_file, trainer
+from tensorkv import compression, engine, env, kernels, local, lr_scheduler, optimizer, rowsparse, states_file, trainer
 
 
-@pytest.mark.parametrize("module", [compression, engine, kernels, local, lr_scheduler, optimizer, rowsparse, states_file, trainer], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [compression, engine, env, kernels, local, lr_scheduler, optimizer, rowsparse, states_file, trainer], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

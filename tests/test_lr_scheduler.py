@@ -83,6 +83,28 @@ def test_optimizer_learning_rate_replaces_base_lr_as_in_mxnet():
     assert SGD(learning_rate=5.0, lr_scheduler=schedule("poly")).learning_rate_at(6) == schedule("poly")(6)
 
 
+@pytest.mark.parametrize("kind", ["local", "dist_sync"])
+def test_the_optimizer_sets_the_schedules_base_lr_as_mxnet_does(kind, tmp_path):
+    """MXNet's Optimizer.__init__ sets lr_scheduler.base_lr = learning_rate: the schedule then
+    gives the optimizer's rates when called, and messages show them (they showed the 0.01 it
+    was made with). Warmup still ends at, and Poly starts from, the base_lr given (MXNet's
+    warmup_final_lr and base_lr_orig), which params keep, so a server rebuilds the same."""
+    sched = lr_scheduler.FactorScheduler(step=2, factor=0.5)
+    sgd = SGD(learning_rate=0.4, lr_scheduler=sched)
+    assert sched.base_lr == 0.4 and [sched(n) for n in (1, 3, 5)] == [0.4, 0.2, 0.1]
+    assert sched.params["base_lr"] == 0.01 and "0.01" not in repr(sgd)
+    with one_worker_store(kind, tmp_path) as kv:
+        kv.set_optimizer(sgd)
+        with pytest.raises(tensorkv.FailedPreconditionError) as caught:
+            kv.set_learning_rate(1.0)
+    assert "base_lr=0.4" in str(caught.value) and "0.01" not in str(caught.value)
+    poly = schedule("poly")
+    SGD(learning_rate=5.0, lr_scheduler=poly)
+    assert (poly.base_lr, poly.warmup_final_lr, poly.base_lr_orig) == (5.0, 0.4, 0.4)
+    assert [poly(n) for n in range(ROUNDS)] == [poly_lr(n) for n in range(ROUNDS)]
+    assert "base_lr=5.0" in repr(poly) and "warmup_final_lr=0.4" in repr(poly)
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda: lr_scheduler.FactorScheduler(step=0), "step=0"),
     (lambda: lr_scheduler.FactorScheduler(step=2, factor=1.5), "factor=1.5"),

@@ -192,7 +192,7 @@ def test_workers_of_one_run_ask_for_the_same_if_exists(tmp_path, monkeypatch):
                                                             "'fail', 'resume', 'replace'"):
         tensorkv.create("dist_sync", servers="127.0.0.1:1", if_exists="keep")
     monkeypatch.setenv("TENSORKV_IF_EXISTS", "Replace")
-    with pytest.raises(tensorkv.InvalidArgumentError, match="unknown if_exists 'Replace'"):
+    with pytest.raises(tensorkv.InvalidArgumentError, match="unknown TENSORKV_IF_EXISTS 'Replace'"):
         tensorkv.create("dist_sync", servers="127.0.0.1:1")
     monkeypatch.setenv("TENSORKV_IF_EXISTS", "replace")
     with Cluster(num_workers=2, tmp_path=tmp_path) as cluster:

@@ -26,7 +26,8 @@ DIST_TYPES = ("dist_sync", "dist_async")
 # MXNet's other names of the same stores (MXNet scripts pass them): where MXNet places its
 # update or sum differs between them, the store does not.
 ALIASES = {"local_update_cpu": "local", "local_allreduce_cpu": "local", "local_allreduce_device": "device",
-           "dist_sync_device": "dist_sync", "dist_device_sync": "dist_sync"}
+           "dist_sync_device": "dist_sync", "dist_device_sync": "dist_sync",
+           "dist": "dist_sync"}  # MXNet's store is async only when its name has "_async"
 
 
 def create(name="local", **kwargs):
@@ -50,8 +51,9 @@ def create(name="local", **kwargs):
     snapshot, whatever its ``if_exists`` (with 'replace' it would otherwise start afresh).
 
     MXNet's other names of these (``'local_update_cpu'``, ``'local_allreduce_cpu'``,
-    ``'local_allreduce_device'``, ``'dist_sync_device'``, ``'dist_device_sync'``) make the
-    store they stand for (ALIASES); ``kv.type`` is the name given, as in MXNet.
+    ``'local_allreduce_device'``, ``'dist_sync_device'``, ``'dist_device_sync'``, and
+    ``'dist'``, which MXNet runs as ``'dist_sync'``) make the store they stand for (ALIASES);
+    ``kv.type`` is the name given, as in MXNet.
 
     >>> kv = tensorkv.create('local')
     >>> kv.type

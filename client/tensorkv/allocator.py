@@ -22,6 +22,8 @@ import os
 import platform
 import sys
 
+from . import env
+
 MMAP_THRESHOLD = 32 << 20
 REUSE_MIN_BYTES = MMAP_THRESHOLD  # Buffers keeps those of this size or more
 SERVER_TRIM_THRESHOLD = 1 << 30
@@ -38,7 +40,7 @@ def wanted():
     """Whether to tune: glibc's Linux, no GLIBC_TUNABLES of the user's, and not turned off."""
     if os.environ.get("GLIBC_TUNABLES") is not None:
         return False
-    if os.environ.get("TENSORKV_NO_MALLOC_TUNING", "") not in ("", "0"):
+    if env.flag("TENSORKV_NO_MALLOC_TUNING"):
         return False
     return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 

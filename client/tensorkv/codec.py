@@ -23,12 +23,12 @@ one) and lists those buffers, in entry order, in ``incoming`` for the caller to 
 the socket.
 """
 import math
-import os
 import struct
 
 import ml_dtypes
 import numpy as np
 
+from . import env
 from .backend import shape_dtype, to_host
 from .errors import (
     InvalidArgumentError, InvalidTensorError, KeyTypeError, ResourceExhaustedError, key_repr, no_memory,
@@ -56,7 +56,7 @@ _TO_WIRE = {dt: wire for wire, dt in _WIRE_DTYPES}
 SUPPORTED_DTYPES = tuple(dt for _, dt in _WIRE_DTYPES)
 MAX_RANK = 32
 # Payload bytes per stream message; chosen by measurement (see docs/transport.md).
-CHUNK_BYTES = int(os.environ.get("TENSORKV_CHUNK_BYTES", 1 << 20))
+CHUNK_BYTES = env.integer("TENSORKV_CHUNK_BYTES", 1 << 20, low=1)
 
 
 def wire_dtype(dtype, key=None):

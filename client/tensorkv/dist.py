@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, compression, states_file
+from . import allocator, compression, env, states_file
 from .backend import on_gpu, shape_dtype, to_host
 from .codec import Item
 from .engine import Engine, dtype_mismatch
@@ -136,11 +136,9 @@ def home(key, num_servers):
     return zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
 
 
-def _env_int(name, value):
-    if value is not None:
-        return int(value)
-    text = os.environ.get(name)
-    return int(text) if text else None
+def _env_int(name, value, low):
+    """``value`` when given, else the whole number of the variable ``name`` (None when unset)."""
+    return env.integer(name, None, low, given=value)
 
 
 def _grouped(pairs):
@@ -177,23 +175,18 @@ class DistStore(KVStore):
                  connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
                  if_exists=None, job=None, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         super().__init__(name)
-        transport = transport or os.environ.get("TENSORKV_TRANSPORT") or "auto"
-        if transport not in TRANSPORTS:
-            raise InvalidArgumentError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
-        if_exists = if_exists or os.environ.get("TENSORKV_IF_EXISTS") or "fail"
-        if if_exists not in IF_EXISTS:
-            raise InvalidArgumentError(
-                f"unknown if_exists {if_exists!r}; use one of {', '.join(map(repr, IF_EXISTS))}")
+        transport = env.choice("TENSORKV_TRANSPORT", transport, TRANSPORTS, "auto")
+        if_exists = env.choice("TENSORKV_IF_EXISTS", if_exists, tuple(IF_EXISTS), "fail")
         self.transport = transport
         addresses = parse_servers(servers)
         allocator.tune_this_process()
         self._timeout = timeout
-        self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound) or DEFAULT_BIGARRAY_BOUND
+        self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound, 1) or DEFAULT_BIGARRAY_BOUND
         self._security = Security.from_options(tls_ca, tls_cert, tls_key, token)
         # Small calls go over one long-lived Session stream per server (off with session=False
         # or TENSORKV_NO_SESSION=1).
         if session is None:
-            session = os.environ.get("TENSORKV_NO_SESSION", "") in ("", "0")
+            session = not env.flag("TENSORKV_NO_SESSION")
         job = job or os.environ.get("TENSORKV_JOB") or ""
         self._conns = [ServerConn(address, self._security, timeout, session, job) for address in addresses]
         self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
@@ -201,7 +194,7 @@ class DistStore(KVStore):
         self._lists = FusedLists()  # of the lists of keys pushed and pulled (tensorkv.fusion)
         self._heartbeat = None  # renews the registrations' leases
         try:
-            self._register(_env_int("TENSORKV_RANK", rank), _env_int("TENSORKV_NUM_WORKERS", num_workers),
+            self._register(_env_int("TENSORKV_RANK", rank, 0), _env_int("TENSORKV_NUM_WORKERS", num_workers, 1),
                            connect_timeout, IF_EXISTS[if_exists])
         except BaseException:
             self.close()

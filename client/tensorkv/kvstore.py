@@ -11,6 +11,7 @@ from .codec import Item, check_key
 from .errors import (
     DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, KeyExistsError, ShapeMismatchError, key_repr,
 )
+from .optimizer import check as check_optimizer
 from .rowsparse import RowSparse, check_row_ids
 from .words import plural
 
@@ -264,7 +265,7 @@ class KVStore:
         >>> kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
         """
         self._check_open()
-        self._set_optimizer(optimizer)
+        self._set_optimizer(check_optimizer(optimizer, "set_optimizer"))
 
     def set_learning_rate(self, lr):
         """Make ``lr`` the learning rate of the optimizer's updates from now on (on every

@@ -21,7 +21,7 @@ from .backend import host_copy, select, to_namespace
 from .engine import Engine
 from .errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError, key_repr
 from .kvstore import KVStore
-from .optimizer import Optimizer, Updater
+from .optimizer import Updater
 
 
 class LocalStore(KVStore):
@@ -80,10 +80,6 @@ class LocalStore(KVStore):
             self._engine.updater = updater
 
     def _set_optimizer(self, optimizer):
-        if not isinstance(optimizer, Optimizer):
-            raise InvalidArgumentError(
-                f"set_optimizer takes a tensorkv.optimizer.Optimizer, got {type(optimizer).__name__}"
-            )
         self._set_updater(Updater(optimizer))
 
     def _set_learning_rate(self, learning_rate):

@@ -18,9 +18,13 @@ returns ``warmup_begin_lr + (base_lr - warmup_begin_lr) * num_update / warmup_st
 - ``CosineScheduler``: ``final_lr + (base_lr - final_lr) * (1 + cos(pi * (num_update - warmup_steps) / (max_update - warmup_steps))) / 2``;
 
 Poly and Cosine keep their ``max_update`` value after ``max_update``. As in MXNet, an
-optimizer's ``learning_rate``, when given, replaces the schedule's ``base_lr`` for the
-decay of Factor and MultiFactor (warmup still ends at the schedule's own ``base_lr``, and
-Poly and Cosine start from it); without one the optimizer takes the schedule's ``base_lr``.
+optimizer's ``learning_rate``, when given, replaces the schedule's ``base_lr``: the optimizer
+sets ``sched.base_lr`` to it (MXNet's ``Optimizer.__init__``), and Factor and MultiFactor
+decay from it. Warmup still ends at the ``base_lr`` the schedule was made with, which it
+keeps as ``warmup_final_lr``, and Poly and Cosine start from that one too (MXNet's
+``base_lr_orig``); ``params`` gives it as ``base_lr``, the constructor's argument, so a
+schedule rebuilt from ``params`` under the same optimizer is the same. Without a
+``learning_rate`` the optimizer takes the schedule's ``base_lr``.
 
 >>> sched = FactorScheduler(step=2, factor=0.5, base_lr=1.0)
 >>> [sched(n) for n in range(1, 8)]
@@ -68,26 +72,33 @@ class LRScheduler:
 
     def __init__(self, base_lr=0.01, warmup_steps=0, warmup_begin_lr=0.0, warmup_mode="linear"):
         self.base_lr = _finite("base_lr", base_lr)
+        self.warmup_final_lr = self.base_lr  # base_lr as given; an optimizer may replace base_lr
         self.warmup_steps = _count("warmup_steps", warmup_steps, 0)
         self.warmup_begin_lr = _finite("warmup_begin_lr", warmup_begin_lr)
-        if self.warmup_begin_lr > self.base_lr:
+        if self.warmup_begin_lr > self.warmup_final_lr:
             raise InvalidArgumentError(
-                f"lr_scheduler warmup_begin_lr={self.warmup_begin_lr:g} is above base_lr={self.base_lr:g}")
+                f"lr_scheduler warmup_begin_lr={self.warmup_begin_lr:g} is above base_lr={self.warmup_final_lr:g}")
         if warmup_mode not in WARMUP_MODES:
             raise InvalidArgumentError(f"lr_scheduler warmup_mode={warmup_mode!r}: use one of {', '.join(WARMUP_MODES)}")
         self.warmup_mode = warmup_mode
 
     @property
     def params(self):
-        """Every constructor argument by name: numbers, MultiFactor's ``step`` list, ``warmup_mode``."""
+        """Every constructor argument by name, as given: numbers, MultiFactor's ``step`` list,
+        ``warmup_mode``; ``base_lr`` is the one the schedule was made with (``warmup_final_lr``)."""
         names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, "warmup_final_lr" if name == "base_lr" else name) for name in names}
 
     def __eq__(self, other):
         return isinstance(other, LRScheduler) and (self.name, self.params) == (other.name, other.params)
 
     def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
+        """The arguments, with ``base_lr`` as it is now; ``warmup_final_lr`` after them when an
+        optimizer replaced ``base_lr`` and the one given still counts (warmup, Poly, Cosine)."""
+        args = dict(self.params, base_lr=self.base_lr)
+        if self.base_lr != self.warmup_final_lr and (self.warmup_steps or isinstance(self, _ToMaxUpdate)):
+            args["warmup_final_lr"] = self.warmup_final_lr
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
 
     def __call__(self, num_update):
         """The learning rate of the update that makes ``num_update`` (see the module's docstring)."""
@@ -99,7 +110,7 @@ class LRScheduler:
         if num_update < self.warmup_steps:
             if self.warmup_mode == "constant":
                 return self.warmup_begin_lr
-            return self.warmup_begin_lr + (self.base_lr - self.warmup_begin_lr) * float(num_update) / float(
+            return self.warmup_begin_lr + (self.warmup_final_lr - self.warmup_begin_lr) * float(num_update) / float(
                 self.warmup_steps)
         return self._decayed(num_update, base_lr)
 
@@ -184,6 +195,11 @@ class _ToMaxUpdate(LRScheduler):
                 f"lr_scheduler max_update={self.max_update} must be above warmup_steps={self.warmup_steps}")
         self.final_lr = _finite("final_lr", final_lr)
 
+    @property
+    def base_lr_orig(self):
+        """The ``base_lr`` the decay starts from: the one given, whatever an optimizer set (MXNet's name)."""
+        return self.warmup_final_lr
+
     def _decayed(self, num_update, base_lr):
         return self._rate(min(num_update, self.max_update) - self.warmup_steps, self.max_update - self.warmup_steps)
 
@@ -204,7 +220,7 @@ class PolyScheduler(_ToMaxUpdate):
 
     def _rate(self, done, total):
         # MXNet's expression, operation for operation: the same floats.
-        return self.final_lr + (self.base_lr - self.final_lr) * pow(1 - float(done) / float(total), self.pwr)
+        return self.final_lr + (self.base_lr_orig - self.final_lr) * pow(1 - float(done) / float(total), self.pwr)
 
 
 class CosineScheduler(_ToMaxUpdate):
@@ -221,7 +237,7 @@ class CosineScheduler(_ToMaxUpdate):
         super().__init__(max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr, warmup_mode)
 
     def _rate(self, done, total):
-        return self.final_lr + (self.base_lr - self.final_lr) * (1 + math.cos(math.pi * done / total)) / 2
+        return self.final_lr + (self.base_lr_orig - self.final_lr) * (1 + math.cos(math.pi * done / total)) / 2
 
 
 SCHEDULERS = {cls.name: cls for cls in (FactorScheduler, MultiFactorScheduler, PolyScheduler, CosineScheduler)}

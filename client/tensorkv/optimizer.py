@@ -142,8 +142,9 @@ class Optimizer:
     clip_gradient : float or None, default None
         Clip the (rescaled) gradient into ``[-clip_gradient, clip_gradient]``.
     lr_scheduler : tensorkv.lr_scheduler.LRScheduler or None, default None
-        The learning rate of each update comes from it (``learning_rate`` replaces its
-        ``base_lr`` as in MXNet: see :mod:`tensorkv.lr_scheduler`). It is not in ``params``.
+        The learning rate of each update comes from it. ``learning_rate`` replaces its
+        ``base_lr``, as in MXNet: the optimizer sets ``lr_scheduler.base_lr`` to it (see
+        :mod:`tensorkv.lr_scheduler`). It is not in ``params``.
     multi_precision : bool, default False
         A float16 or bfloat16 weight keeps a float32 master copy, its first state: the
         update runs on the copy and the weight is its rounding (MXNet's, for float16). In
@@ -158,6 +159,9 @@ class Optimizer:
     # False: it updates the whole value with the dense gradient it stands for, as MXNet's
     # optimizers without a row-sparse update do.
     lazy_update = True
+    # Flags left out of ``params`` at these values, so that the wire and states files carry
+    # what they did before the flag existed.
+    _UNSENT = {"multi_precision": False}
 
     def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
                  multi_precision=False):
@@ -167,6 +171,8 @@ class Optimizer:
         if learning_rate is None:
             learning_rate = lr_scheduler.base_lr if lr_scheduler is not None else 0.01
         self.learning_rate = _number("learning_rate", learning_rate)
+        if lr_scheduler is not None:
+            lr_scheduler.base_lr = self.learning_rate  # MXNet's Optimizer.__init__ does the same
         self.wd = _number("wd", wd)
         self.rescale_grad = _number("rescale_grad", rescale_grad)
         self.clip_gradient = _bound("clip_gradient", clip_gradient)
@@ -174,6 +180,9 @@ class Optimizer:
         self.multi_precision = _flag("multi_precision", multi_precision)
         self.lr_mult = {}
         self.wd_mult = {}
+        # The largest number of updates of any key by an Updater of this object (MXNet's
+        # num_update): an embedded store's, or a Trainer's; a server updates with its own copy.
+        self.num_update = 0
 
     @classmethod
     def parameter_names(cls):
@@ -182,10 +191,11 @@ class Optimizer:
 
     @property
     def params(self):
-        """All hyper-parameters as ``{name: float}``; bounds left at None are omitted."""
+        """All hyper-parameters as ``{name: float}``; bounds left at None are omitted, and so are
+        ``multi_precision`` when False and SGD's and Adam's ``lazy_update`` when True."""
         values = {name: getattr(self, name) for name in self.parameter_names()}
         return {name: float(value) for name, value in values.items()
-                if value is not None and not (name == "multi_precision" and not value)}
+                if value is not None and not (name in self._UNSENT and value == self._UNSENT[name])}
 
     def __eq__(self, other):
         return isinstance(other, Optimizer) and \
@@ -368,18 +378,25 @@ class SGD(Optimizer):
         weight = weight + mom
 
     Without clipping, ``lr * g`` is ``(lr * rescale_grad) * grad``, as in MXNet's kernel.
+    ``lazy_update`` (MXNet's, default True): a row-sparse push updates its rows and their
+    momentum only; False: the whole value, as the dense gradient it stands for would (weight
+    decay and momentum reach every row).
 
     >>> sgd = SGD(learning_rate=0.1, momentum=0.9, wd=0.0, rescale_grad=1.0)
     >>> sgd.name, sgd.params['learning_rate']
     ('sgd', 0.1)
+    >>> SGD(lazy_update=False).params['lazy_update']
+    0.0
     """
 
     name = "sgd"
+    _UNSENT = dict(Optimizer._UNSENT, lazy_update=True)
 
-    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate=None, momentum=0.0, lazy_update=True, wd=0.0, rescale_grad=1.0,
+                 clip_gradient=None, lr_scheduler=None, multi_precision=False):
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.momentum = _number("momentum", momentum)
+        self.lazy_update = _flag("lazy_update", lazy_update)
 
     def state_names(self):
         return ("mom",) if self.momentum != 0 else ()
@@ -406,16 +423,20 @@ class Adam(Optimizer):
         lr_t = learning_rate * sqrt(1 - beta2**t) / (1 - beta1**t)
         weight = weight - lr_t * mean / (sqrt(var) + epsilon)
 
+    ``lazy_update`` as SGD's: False makes a row-sparse push update the whole value and its states.
+
     >>> Adam().params
     {'learning_rate': 0.001, 'beta1': 0.9, 'beta2': 0.999, 'epsilon': 1e-08, 'wd': 0.0, 'rescale_grad': 1.0}
     """
 
     name = "adam"
+    _UNSENT = dict(Optimizer._UNSENT, lazy_update=True)
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, lazy_update=True, wd=0.0,
                  rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
                  multi_precision=False):
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
+        self.lazy_update = _flag("lazy_update", lazy_update)
         self.beta1 = _number("beta1", beta1)
         self.beta2 = _number("beta2", beta2)
         self.epsilon = _number("epsilon", epsilon)
@@ -571,6 +592,11 @@ class NAG(SGD):
     """
 
     name = "nag"
+
+    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False):  # MXNet's NAG takes no lazy_update
+        super().__init__(learning_rate, momentum, wd=wd, rescale_grad=rescale_grad, clip_gradient=clip_gradient,
+                         lr_scheduler=lr_scheduler, multi_precision=multi_precision)
 
     def step(self, t, lr, wd):
         if self.momentum == 0:  # MXNet's sgd_update: not the kernel SGD's store runs
@@ -931,12 +957,13 @@ class LARS(SGD):
 
     name = "lars"
     elementwise = False
+    _UNSENT = Optimizer._UNSENT  # lazy_update always travels, as it did
 
     def __init__(self, learning_rate=None, momentum=0.0, lazy_update=True, eta=0.001, eps=0.0,
                  momentum_correction=True, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
                  multi_precision=False):
-        super().__init__(learning_rate, momentum, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
-        self.lazy_update = _flag("lazy_update", lazy_update)
+        super().__init__(learning_rate, momentum, lazy_update, wd, rescale_grad, clip_gradient, lr_scheduler,
+                         multi_precision)
         self.eta = _number("eta", eta)
         self.eps = _number("eps", eps, LARS_RANGES)
         self.momentum_correction = _flag("momentum_correction", momentum_correction)
@@ -1044,6 +1071,48 @@ def create(name, lr_scheduler=None, lr_mult=None, wd_mult=None, **params):
     return optimizer
 
 
+def get_updater(optimizer):
+    """An :class:`Updater` applying ``optimizer`` (MXNet's ``mx.optimizer.get_updater``):
+    ``updater(key, grad, weight)``, or lists of each, updates the weights in place and counts
+    the updates in ``optimizer.num_update``.
+
+    >>> sgd = SGD(learning_rate=0.5)
+    >>> updater = get_updater(sgd)
+    >>> w, b = np.ones(2, np.float32), np.ones(1, np.float32)
+    >>> updater(['w', 'b'], [np.ones(2, np.float32), np.ones(1, np.float32)], [w, b])
+    >>> updater('w', np.ones(2, np.float32), w)
+    >>> print(w, b, sgd.num_update)
+    [0. 0.] [0.5] 2
+    """
+    return Updater(optimizer)
+
+
+def check(optimizer, what):
+    """``optimizer`` when it is an :class:`Optimizer`; else InvalidArgumentError saying, for
+    ``what`` (the call), how to make one from a name, as MXNet's ``mx.optimizer.create``.
+
+    >>> check('sgd', 'set_optimizer')
+    Traceback (most recent call last):
+    ...
+    tensorkv.errors.InvalidArgumentError: set_optimizer takes an Optimizer object, not the name 'sgd': pass tensorkv.optimizer.create('sgd', learning_rate=...) (as MXNet's mx.optimizer.create) or tensorkv.optimizer.SGD(...)
+    """
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    if isinstance(optimizer, str):
+        name, cls = _shown([optimizer]), OPTIMIZERS.get(optimizer.lower())
+        if cls is None:
+            raise InvalidArgumentError(
+                f"{what} takes an Optimizer object, not a name, and {name!r} names no optimizer: pass "
+                f"tensorkv.optimizer.create(name, learning_rate=...) with a name of {', '.join(OPTIMIZERS)}")
+        raise InvalidArgumentError(
+            f"{what} takes an Optimizer object, not the name {name!r}: pass tensorkv.optimizer.create({name!r}, "
+            f"learning_rate=...) (as MXNet's mx.optimizer.create) or tensorkv.optimizer.{cls.__name__}(...)")
+    kind = type(optimizer)
+    raise InvalidArgumentError(
+        f"{what} takes a tensorkv.optimizer.Optimizer, got {kind.__module__}.{kind.__qualname__}: make one with "
+        "tensorkv.optimizer.create(name, learning_rate=...) or a class such as tensorkv.optimizer.SGD(...)")
+
+
 def copy(optimizer):
     """A new optimizer equal to ``optimizer``."""
     return create(optimizer.name, lr_scheduler=optimizer.lr_scheduler, lr_mult=optimizer.lr_mult,
@@ -1096,9 +1165,7 @@ class Updater:
     """
 
     def __init__(self, optimizer):
-        if not isinstance(optimizer, Optimizer):
-            raise InvalidArgumentError(f"expected a tensorkv.optimizer.Optimizer, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
+        self.optimizer = check(optimizer, "an Updater")
         self._states = {}
         self._num_updates = {}
         self.num_update = 0
@@ -1111,6 +1178,11 @@ class Updater:
             )
 
     def __call__(self, key, grad, weight):
+        """Update ``weight`` in place by ``grad``; or, as MXNet's, each of lists of keys,
+        gradients and weights (:meth:`update_each`)."""
+        if isinstance(key, (list, tuple)):
+            self.update_each(list(zip(key, grad, weight)))
+            return
         self._step(key, weight, grad,
                    lambda xp, state, t, lr, wd: self.optimizer.update(xp, weight, grad, state, t, lr, wd))
 
@@ -1196,7 +1268,7 @@ class Updater:
 
     def _count(self, key, t, num_update):
         self._num_updates[key] = t
-        self.num_update = num_update
+        self.num_update = self.optimizer.num_update = num_update
 
     def set_learning_rate(self, lr):
         """Make ``lr`` the learning rate of the updates to come; states and counts stay.
@@ -1207,6 +1279,7 @@ class Updater:
         """
         optimizer = copy(self.optimizer)
         optimizer.set_learning_rate(lr)
+        optimizer.num_update = self.num_update
         self.optimizer = optimizer
 
     def check_states(self, key, weight, arrays):
@@ -1237,4 +1310,4 @@ class Updater:
         the updater takes the arrays over and updates them in place."""
         self._states = {key: tuple(arrays) for key, (_, arrays) in states.items()}
         self._num_updates = {key: int(num_update) for key, (num_update, _) in states.items()}
-        self.num_update = max(self._num_updates.values(), default=0)
+        self.num_update = self.optimizer.num_update = max(self._num_updates.values(), default=0)

@@ -12,7 +12,6 @@ import collections
 import itertools
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -21,7 +20,7 @@ import grpc
 import numpy as np
 from google.protobuf import message
 
-from . import packed, rowsparse_wire, shm, states_wire
+from . import env, packed, rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
@@ -39,16 +38,16 @@ SESSION_MAX_BYTES = CHUNK_BYTES
 # Earlier incarnations a registration names (RegisterRequest.earlier_incarnations): as many as a server reads.
 MAX_EARLIER_INCARNATIONS = 16
 # With shared memory, values of at least this many bytes travel through the region.
-SHM_MIN_BYTES = int(os.environ.get("TENSORKV_SHM_MIN_BYTES", 16 << 10))
+SHM_MIN_BYTES = env.integer("TENSORKV_SHM_MIN_BYTES", 16 << 10, low=0)
 # With a data channel, values of at least this many bytes travel on it.
-DATACHAN_MIN_BYTES = int(os.environ.get("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10))
+DATACHAN_MIN_BYTES = env.integer("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10, low=0)
 # A push of at most this many bytes (per server) may be sent without waiting for its answer (its
 # request, which holds the values, is kept until the answer comes).
 DEFER_MAX_BYTES = 1 << 20
 # A push, pull or push-pull of at least this many values (per server), each whole, below
 # DATACHAN_MIN_BYTES and of one dtype, moves them packed in one buffer (tensorkv.packed) on a
 # session whose calls go on the data channel.
-PACK_MIN_VALUES = int(os.environ.get("TENSORKV_PACK_MIN_VALUES", 16))
+PACK_MIN_VALUES = env.integer("TENSORKV_PACK_MIN_VALUES", 16, low=0)
 # The layouts a worker keeps per server, by signature (each is registered again on a new stream);
 # the lists seen once this many are known travel as entries.
 MAX_KNOWN_LAYOUTS = 4 * packed.MAX_LAYOUTS

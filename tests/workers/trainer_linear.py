@@ -1,7 +1,8 @@
 """One worker of a dist_sync run training a linear model y = x @ weight.T + bias with
 tensorkv.Trainer (SGD with momentum on the servers, the learning rate lowered before step
-argv[4]). argv[1]: 'torch' (an nn.Linear, gradients from autograd) or 'numpy' (arrays,
-gradients written out); argv[2]: an .npz with this rank's data x<rank>, y<rank> and initial
+argv[4]). argv[1]: 'torch' (an nn.Linear, gradients from autograd), 'numpy' (arrays,
+gradients written out) or 'numpy-gluon' (the same, the Trainer made in gluon's order with
+update_on_kvstore=False: the servers sum, each worker runs SGD); argv[2]: an .npz with this rank's data x<rank>, y<rank> and initial
 values weight<rank>, bias<rank>; argv[3]: the number of steps. Prints the final
 {"weight": ..., "bias": ...}."""
 import json
@@ -18,7 +19,11 @@ framework, data_file, steps, lower_at = sys.argv[1], np.load(sys.argv[2]), int(s
 
 def numpy_training(kv, x, y, weight, bias):
     params = {"weight": weight.copy(), "bias": bias.copy()}
-    trainer = tensorkv.Trainer(params, kv, tensorkv.optimizer.SGD(learning_rate=LEARNING_RATE, momentum=MOMENTUM))
+    if framework == "numpy-gluon":
+        trainer = tensorkv.Trainer(params, "sgd", {"learning_rate": LEARNING_RATE, "momentum": MOMENTUM}, kv,
+                                   update_on_kvstore=False)
+    else:
+        trainer = tensorkv.Trainer(params, kv, tensorkv.optimizer.SGD(learning_rate=LEARNING_RATE, momentum=MOMENTUM))
     for step in range(1, steps + 1):
         error = x @ params["weight"][0] + params["bias"][0] - y  # of the loss 0.5 * mean(error ** 2)
         grads = {"weight": (error @ x / len(y))[None, :], "bias": np.array([error.mean()], np.float32)}

@@ -1,0 +1,69 @@
+"""The ``TENSORKV_*`` environment variables, each checked where it is read: a value that is
+not of its kind raises InvalidArgumentError naming the variable and the value (never a bare
+ValueError from ``int()``).
+
+>>> import os
+>>> os.environ["TENSORKV_EXAMPLE"] = "abc"
+>>> integer("TENSORKV_EXAMPLE", 0)
+Traceback (most recent call last):
+...
+tensorkv.errors.InvalidArgumentError: TENSORKV_EXAMPLE='abc' is not a whole number
+>>> del os.environ["TENSORKV_EXAMPLE"]
+"""
+import math
+import numbers
+import os
+
+from .errors import InvalidArgumentError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def integer(name, default, low=None, given=None):
+    """``given`` when it is not None (the keyword argument the variable stands for: rank= for
+    TENSORKV_RANK), else ``name``'s whole number (surrounding spaces allowed), else ``default``;
+    InvalidArgumentError, naming the argument or the variable, when it is not a whole number
+    or is below ``low``."""
+    if given is not None:
+        source = name.removeprefix("TENSORKV_").lower()
+        if isinstance(given, bool) or not isinstance(given, numbers.Real) or not math.isfinite(given) \
+                or given != int(given):
+            raise InvalidArgumentError(f"{source}={given!r} is not a whole number")
+        value = int(given)
+    else:
+        source, text = name, os.environ.get(name, "").strip()
+        if not text:
+            return default
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidArgumentError(f"{name}={text!r} is not a whole number") from None
+    if low is not None and value < low:
+        raise InvalidArgumentError(f"{source}={value} is below its least value, {low}")
+    return value
+
+
+def flag(name):
+    """Whether ``name`` is set to a true value: 1, true, yes or on (any case); unset, empty,
+    0, false, no and off are false; anything else raises InvalidArgumentError."""
+    text = os.environ.get(name, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise InvalidArgumentError(f"{name}={os.environ[name]!r} is neither true (1, true, yes, on) "
+                               "nor false (0, false, no, off, empty)")
+
+
+def choice(name, given, choices, default):
+    """``given`` when it is not None, else ``name``'s value, else ``default``; checked to be one
+    of ``choices`` (InvalidArgumentError naming the argument, or the variable it came from)."""
+    source, value = name.removeprefix("TENSORKV_").lower(), given
+    if value is None:
+        source, value = name, os.environ.get(name, "").strip() or None
+    if value is None:
+        return default
+    if value not in choices:
+        raise InvalidArgumentError(f"unknown {source} {value!r}; use one of {', '.join(map(repr, choices))}")
+    return value
