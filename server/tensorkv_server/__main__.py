@@ -7,9 +7,12 @@ import signal
 import sys
 
 # gRPC's C core writes its own lines to stderr (a client's failed TLS handshake at INFO): only its
-# errors, unless the user chose a verbosity; set before gRPC is imported (_serve silences it for JSON logs).
-_GRPC_VERBOSITY = os.environ.get("GRPC_VERBOSITY")
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# errors, and none with JSON logs, whose every line must parse, unless the user chose a
+# verbosity. gRPC reads it when it is imported, below: the arguments are not parsed yet.
+if "GRPC_VERBOSITY" not in os.environ:
+    _JSON = "--log-format=json" in sys.argv or ("--log-format", "json") in zip(sys.argv, sys.argv[1:])
+    os.environ["GRPC_VERBOSITY"] = "NONE" if _JSON else "ERROR"
+
 from tensorkv import __version__, allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
@@ -151,8 +154,6 @@ def _exit_line(args, message, status=1):
 
 def _serve(args, reexec):
     logs.configure(args.log_format, args.log_level)  # first: a refusal below is a log line (JSON too)
-    if _GRPC_VERBOSITY is None and args.log_format == "json":  # no gRPC line: every line must parse
-        os.environ["GRPC_VERBOSITY"] = "NONE"
     check_free(args.host, args.port, "--port")  # before the re-exec and the device: a port in use ends it at once
     if args.data_channel:
         check_free(args.host, args.data_port, "--data-port")
