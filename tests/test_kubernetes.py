@@ -107,6 +107,23 @@ def test_servers_and_workers_agree_on_the_counts(rendered):
     assert "tensorkv health" in wait["command"][-1]
 
 
+def test_scaling_the_servers_in_the_kustomization_reaches_every_place_that_names_them(tmp_path):
+    """Three servers where the kustomization says the count appears (replicas, and each
+    TENSORKV_SERVERS it sets): the workers' wait-for-servers init container still waited for
+    the two of workers.yaml."""
+    for name in ("server.yaml", "workers.yaml"):
+        shutil.copy(DEPLOY / name, tmp_path / name)
+    two, three = (",".join(f"tensorkv-{i}.tensorkv:50051" for i in range(count)) for count in (2, 3))
+    kustomization = (DEPLOY / "kustomization.yaml").read_text()
+    assert kustomization.count(two) >= 1
+    (tmp_path / "kustomization.yaml").write_text(kustomization.replace("  count: 2", "  count: 3").replace(two, three))
+    rendered = {doc["kind"]: doc for doc in render(tmp_path)}
+    pod = rendered["Job"]["spec"]["template"]["spec"]
+    assert rendered["StatefulSet"]["spec"]["replicas"] == 3
+    for container in (*pod["initContainers"], *pod["containers"]):
+        assert _env(container)["TENSORKV_SERVERS"]["value"] == three, container["name"]
+
+
 def test_probes_ask_healthz_and_the_last_snapshot_has_time(rendered):
     """A TCP probe passed while the server was frozen; /healthz (metrics.Liveness) does not.
     The default 30 s grace was most of what a snapshot at --max-memory takes to write."""

@@ -4,6 +4,7 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import socket
 import ssl
 import subprocess
@@ -511,8 +512,15 @@ def test_insecure_allows_a_non_loopback_address(tmp_path):
 @pytest.mark.parametrize("args, says", [
     (["--tls-cert", "{pki.cert}"], "--tls-cert and --tls-key go together"),
     (["--tls-client-ca", "{pki.ca_file}"], "--tls-client-ca needs --tls-cert"),
-    (["--tls-cert", "{pki.cert}", "--tls-key", "{pki.client_key}"], "cannot load --tls-cert with --tls-key: key_values_mismatch"),
-    (["--token-file", "{tmp_path}/missing"], "cannot read"),
+    (["--tls-cert", "{pki.cert}", "--tls-key", "{pki.client_key}"],
+     "--tls-key {pki.client_key} does not go with --tls-cert {pki.cert}: the key is not the certificate's"),
+    (["--tls-cert", "{pki.key}", "--tls-key", "{pki.cert}"],  # was "[ssl] pem lib (_ssl.c:3905)"
+     "--tls-cert {pki.key} holds a private key, not a PEM certificate (are --tls-cert and --tls-key swapped?)"),
+    (["--tls-cert", "{pki.cert}", "--tls-key", "{pki.key}", "--tls-client-ca", "{tmp_path}/missing-ca.pem"],
+     "--tls-client-ca {tmp_path}/missing-ca.pem: cannot read it: No such file or directory"),
+    (["--tls-cert", "{pki.cert}", "--tls-key", "{pki.key}", "--tls-client-ca", "{pki.key}"],
+     "--tls-client-ca {pki.key} holds a private key, not a PEM CA certificate"),
+    (["--token-file", "{tmp_path}/missing"], "--token-file {tmp_path}/missing: cannot read it: No such file"),
     (["--token-file", "{tmp_path}/short"], "line 2: a token needs at least 16"),
     (["--token-file", "{tmp_path}/marked"], "line 1: expected 'TOKEN' or 'TOKEN ro'"),
     (["--token-file", "{tmp_path}/accented"], "line 1: a token needs at least 16 printable ASCII characters"),
@@ -522,6 +530,7 @@ def test_bad_security_options_are_refused_in_one_line(args, says, pki, tmp_path)
     (tmp_path / "accented").write_text("tökentökentökentöken\n")
     (tmp_path / "marked").write_text(f"{TOKEN} rw\n")
     args = [arg.format(pki=pki, tmp_path=tmp_path) for arg in args]
+    says = says.format(pki=pki, tmp_path=tmp_path)
     result = subprocess.run(_server("--port", str(free_port()), *args), capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
 
@@ -628,3 +637,31 @@ def test_a_missing_tls_server_fails_at_once_and_a_started_one_serves(pki):
             assert kv.rank == 0
     finally:
         stop(process)
+
+
+GRPC_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\]", re.MULTILINE)  # gRPC's C core's own log lines
+
+
+def test_a_failed_handshake_shows_no_grpc_line_on_the_worker_or_the_server(pki, tmp_path):
+    """A worker that does not trust the server's certificate: its stderr had gRPC's own
+    "I1128 ... ssl_transport_security.cc:2563] Handshake failed ..." lines beside the error."""
+    other = Pki(tmp_path / "other")
+    script = ("import tensorkv\ntry:\n    tensorkv.create('dist_sync')\nexcept tensorkv.KVStoreError as error:\n"
+              "    print(type(error).__name__)\n")
+    env = {key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"}
+    with Cluster(tmp_path=tmp_path, server_args=pki.server_args(), security=Security(pki.ca_file)) as cluster:
+        worker = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                                env={**env, "TENSORKV_SERVERS": cluster.addresses[0], "TENSORKV_TLS_CA": other.ca_file})
+    assert worker.stdout == "UnauthenticatedError\n", worker.stdout + worker.stderr
+    assert not GRPC_LINE.search(worker.stderr), worker.stderr
+    log = (tmp_path / "server0.log").read_text()
+    assert not GRPC_LINE.search(log), log
+
+
+def test_a_missing_ca_file_is_named_with_its_setting(tmp_path):
+    """It said only 'cannot read the tls_ca file: No such file or directory'."""
+    missing = tmp_path / "ca.pem"
+    with pytest.raises(tensorkv.InvalidArgumentError) as refused:
+        tensorkv.create("dist_sync", servers="127.0.0.1:1", tls_ca=str(missing))
+    assert str(refused.value) == \
+        f"cannot read the tls_ca file {missing} (tls_ca= or TENSORKV_TLS_CA): No such file or directory"

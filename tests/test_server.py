@@ -242,7 +242,8 @@ def test_malformed_calls_of_other_kinds(raw_stub):
         (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=-1), timeout=5),
          "FAILED_PRECONDITION", "rank -1 is out of range"),
         (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=0), timeout=5),
-         "FAILED_PRECONDITION", "not by this call's incarnation 0"),
+         "FAILED_PRECONDITION", "this call carries no incarnation: every call of a registered worker must send "
+                                "the RegisterResponse.incarnation of its registration"),
     ]
     for call, code, words in cases:
         with pytest.raises(grpc.RpcError) as caught:

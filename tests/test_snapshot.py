@@ -247,9 +247,9 @@ def test_a_damaged_newest_snapshot_is_skipped_for_the_one_before(tmp_path, damag
 
 
 def test_snapshots_are_written_every_interval_and_the_two_newest_kept(tmp_path):
-    """Every interval; while nothing changes, each new one is a hard link to the file before
-    it: an idle server wrote its whole state every interval (an ops probe: 1.75 GiB a minute
-    between jobs)."""
+    """Every interval while the state changes; the two newest are kept. An idle server writes
+    nothing and logs nothing (it logged a snapshot line every interval, for ever), and keeps
+    its two snapshots of other states."""
     with _cluster(tmp_path, "--snapshot-interval", "0.2") as cluster:
         state = tmp_path / "state"
 
@@ -264,17 +264,24 @@ def test_snapshots_are_written_every_interval_and_the_two_newest_kept(tmp_path):
                 return files() and files()[-1] >= "snapshot-000000000003.tkv"
 
             wait_until(pushed_until_a_third, "a third periodic snapshot")
-            closed = files()[-1]
-        # A new snapshot is in place a moment before the oldest one is removed: wait for that.
-        wait_until(lambda: len(files()) <= 3, "the two newest snapshots, and one of another state")
-        # idle now: the next snapshots link to the one of the run's end (the store closed), and
-        # the newest snapshot of another state stays, should that one file be damaged
-        wait_until(lambda: len(files()) == 3 and files()[1] > closed and os.path.samefile(
-            state / files()[1], state / files()[2]), "two snapshots of an idle server, one file")
-        newest = files()
+        # idle now: once the snapshot of the run's end is written, the periodic ones find
+        # nothing changed (Info's time of the last snapshot moves, its file does not)
+        seen = []
+
+        def idle_for(checks):
+            info = _info(cluster)
+            if not seen or seen[-1][0] != info.last_snapshot:
+                seen[:] = [(info.last_snapshot, info.last_snapshot_unix_ms)]
+            elif seen[-1][1] != info.last_snapshot_unix_ms:
+                seen.append((info.last_snapshot, info.last_snapshot_unix_ms))
+            return len(seen) > checks
+
+        wait_until(lambda: idle_for(1), "a periodic snapshot that found nothing changed")
+        newest, written = files(), _log(cluster).count(" written: ")
+        assert len(newest) == 2 and newest[-1] == seen[-1][0]
         assert not os.path.samefile(state / newest[0], state / newest[1])
-        assert _info(cluster).last_snapshot == newest[2]
-        assert f"(nothing changed since {newest[1]}: a link to its file)" in _log(cluster)
+        wait_until(lambda: idle_for(4), "three more periodic snapshots of an idle server")
+        assert files() == newest and _log(cluster).count(" written: ") == written
 
 
 def test_without_a_state_dir_the_server_warns_and_refuses_snapshots(tmp_path):
@@ -319,10 +326,10 @@ def test_snapshots_take_turns_and_a_cancelled_one_finishes_its_file_first(tmp_pa
         events.append("copy")
         return capture(*args)
 
-    def held_write(name, header, arrays):
+    def held_write(*args):
         events.append("write starts")
         release.wait(STOP_TIMEOUT)
-        write(name, header, arrays)
+        write(*args)
         events.append("write ends")
 
     monkeypatch.setattr(snapshot, "capture", recorded_capture)
@@ -334,6 +341,7 @@ def test_snapshots_take_turns_and_a_cancelled_one_finishes_its_file_first(tmp_pa
             if "write starts" in events:
                 break
             await asyncio.sleep(0.01)
+        coordinator.engine.init([Item("b", np.ones(4, np.float32))])  # a change: the second one is written
         second = asyncio.create_task(snapshots.take())
         await asyncio.sleep(0.2)
         first.cancel()
@@ -345,7 +353,7 @@ def test_snapshots_take_turns_and_a_cancelled_one_finishes_its_file_first(tmp_pa
 
     name, num_keys, _ = asyncio.run(scenario())
     assert events == ["copy", "write starts", "write ends", "copy", "write starts", "write ends"]
-    assert (name, num_keys) == ("snapshot-000000000002.tkv", 1)
+    assert (name, num_keys) == ("snapshot-000000000002.tkv", 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lock", "snapshot-000000000001.tkv",
                                                           "snapshot-000000000002.tkv"]
 
@@ -409,3 +417,100 @@ def test_a_state_dir_is_one_servers_and_a_directory(tmp_path):
                                   f"{cluster.processes[0].pid} on {socket.gethostname()}) uses this state directory; "
                                   "give each server a --state-dir of its own")
     assert refusal(plain) == f"tensorkv-server: --state-dir {plain}: not a directory"
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A 20 MiB tmpfs mounted on tmp_path/volume (as root; skipped where mount is not permitted),
+    unmounted after the test."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(volume)], capture_output=True,
+                             text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {mounted.stderr.strip()}")
+    try:
+        yield volume
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], timeout=30, check=True)
+
+
+STATE_ELEMENTS = 2 << 20  # float32: an 8 MiB state
+
+
+def test_a_volume_with_room_for_two_copies_takes_every_snapshot_and_is_checked_at_start(tmp_path, small_volume):
+    """8 MiB of state on a 20 MiB volume: the older snapshot is removed before the next is
+    written, so every one is written (the third failed, and every one after, when both were
+    kept until the next was on disk). At start the server says when the volume cannot hold
+    two copies of its state, or of what --max-memory lets it hold."""
+    state, port = small_volume / "state", free_port()
+    args = ["--state-dir", str(state), "--snapshot-interval", "0", "--metrics-port", str(port)]
+    with Cluster(tmp_path=tmp_path, server_args=[*args, "--max-memory", str(9 << 20)]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init("w", np.zeros(STATE_ELEMENTS, np.float32))
+            for number in range(1, 6):
+                kv.push("w", np.full(STATE_ELEMENTS, number, np.float32))
+                kv.pull("w")
+                assert _snapshot(cluster).file_name == f"snapshot-{number:012d}.tkv"
+        _, samples = scrape(port)
+        assert 16 << 20 < samples[("tensorkv_snapshot_room_bytes", ())] <= 20 << 20
+        assert "has room for" not in _log(cluster)
+    assert sorted(path.name for path in state.iterdir()) == [
+        "lock", "snapshot-000000000005.tkv", "snapshot-000000000006.tkv"]  # the run's end, at stop
+    with Cluster(tmp_path=tmp_path, server_args=[*args, "--max-memory", str(16 << 20)]) as cluster:
+        assert _info(cluster).restored_from == "snapshot-000000000006.tkv"
+        assert f"--state-dir {state} has room for " in _log(cluster)
+        assert "less than two copies of what --max-memory 16 MiB lets this server hold: snapshots fail once the " \
+               "state passes " in _log(cluster)
+    (state / "snapshot-000000000005.tkv").unlink()
+    (small_volume / "other").write_bytes(bytes(6 << 20))  # something else takes room on the volume
+    with Cluster(tmp_path=tmp_path, server_args=[*args, "--max-memory", str(9 << 20)]) as cluster:
+        assert "less than two copies of the current state (8 MiB each): the next snapshot will fail; give it " \
+               "at least 16 MiB" in _log(cluster)
+
+
+def _damage_every_snapshot(state):
+    """Flip one byte in the middle of each snapshot file in ``state``; {name: damaged bytes}."""
+    damaged = {}
+    for path in state.glob("snapshot-*.tkv"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.unlink()  # another file than any hard link to it
+        path.write_bytes(bytes(data))
+        damaged[path.name] = bytes(data)
+    return damaged
+
+
+def test_a_state_dir_whose_snapshots_all_fail_to_load_stops_the_server_unless_told_to_start_empty(tmp_path):
+    """One flipped byte in each kept snapshot: the server started empty, and its rotation later
+    removed the damaged files. Now it refuses to start (exit status 2, like a refused option),
+    naming them; with --start-empty-if-damaged it starts empty and keeps them, set aside."""
+    state = tmp_path / "state"
+    with _cluster(tmp_path, "--snapshot-interval", "0") as cluster:
+        _run(cluster)
+        _snapshot(cluster)
+        _run(cluster, if_exists="resume")
+        _snapshot(cluster)
+    damaged = _damage_every_snapshot(state)
+    assert len(damaged) >= 2, damaged
+    command = [*cluster.commands[0]]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    last = refused.stderr.splitlines()[-1]
+    assert last.startswith(f"tensorkv-server: --state-dir {state}: no snapshot loads (")
+    for name in damaged:
+        assert f"{name}: checksum mismatch (truncated or corrupt)" in last
+    assert "--start-empty-if-damaged" in last
+    assert sorted(path.name for path in state.glob("snapshot-*")) == sorted(damaged)  # nothing changed
+
+    with _cluster(tmp_path, "--snapshot-interval", "0", "--start-empty-if-damaged") as cluster:
+        assert (_info(cluster).restored_from, _info(cluster).num_keys) == ("", 0)
+        for _ in range(3):
+            _run(cluster, if_exists="resume")
+            _snapshot(cluster)
+        assert "no snapshot loads in " in _log(cluster)
+    for name, data in damaged.items():
+        assert (state / (name + ".damaged")).read_bytes() == data
+    assert len(list(state.glob("snapshot-*.tkv"))) == 2

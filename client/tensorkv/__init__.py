@@ -8,7 +8,14 @@
 [[4. 4. 4.]
  [4. 4. 4.]]
 """
-from . import lr_scheduler, optimizer
+import os as _os
+
+# Not gRPC's own INFO lines (a failed TLS handshake: "I1128 ... ssl_transport_security.cc] Handshake
+# failed ...") on a worker's stderr beside the error that says it, unless the user chose a
+# verbosity: gRPC reads it when it is first imported, which the modules below do.
+_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from . import lr_scheduler, optimizer  # noqa: E402
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError,
     InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,

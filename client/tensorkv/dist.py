@@ -352,6 +352,12 @@ class DistStore(KVStore):
         _MERGE.check_keys([item.key for item in items])
         wait_only = self._rank != 0
         plan = self._plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
+        if wait_only:
+            # Values this worker splits go first to their keys' home servers, where a worker that
+            # does not split them (another TENSORKV_BIGARRAY_BOUND) stored them whole: a mismatch is
+            # told at once there, not after the other servers waited a round timeout for a slice.
+            homes = {home(item.key, len(self._conns)) for part in plan.values() for _, item in part if item.slice}
+            self._fanout(ServerConn.init, {index: (plan.pop(index), True) for index in homes & set(plan)})
         self._fanout(ServerConn.init, {index: (part, wait_only) for index, part in plan.items()})
         for item in items:
             self._meta[item.key] = shape_dtype(item.array)

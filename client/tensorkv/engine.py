@@ -31,6 +31,17 @@ def dtype_mismatch(key, verb, dtype, stored):
                               f"cast it with value.astype({module}.{stored}) (a torch tensor: value.to(torch.{stored}))")
 
 
+
+def layout_mismatch(key, verb, shape, slice, stored_slice):
+    """The message of a value of the stored shape that a worker splits over the servers otherwise
+    than the one that initialized it: a setting that differs between the workers."""
+    def held(where):
+        return "the whole value" if where is None else f"its elements [{where[0]}, {where[1]})"
+    return (f"key {key_repr(key)}: {verb} shape {shape} matches the stored shape, but this worker sends this server "
+            f"{held(slice)} and it holds {held(stored_slice)}: the workers split values over the servers differently; "
+            "give every worker the same TENSORKV_BIGARRAY_BOUND (bigarray_bound=; a value of more elements is split) "
+            "and the same list of servers")
+
 class Stored:
     """One key's value: ``array`` (namespace xp; a DeviceBFloat16 for bfloat16 on CuPy)
     holds the whole value of ``shape``, or only the elements ``slice`` = (begin, end) of it,
@@ -129,6 +140,8 @@ class Engine:
         full_shape = data_shape if shape is None else tuple(shape)
         if dtype != stored.array.dtype:
             raise dtype_mismatch(key, verb, dtype, stored.array.dtype)
+        if full_shape == stored.shape and slice != stored.slice:
+            raise ShapeMismatchError(layout_mismatch(key, verb, full_shape, slice, stored.slice))
         if full_shape != stored.shape or slice != stored.slice or data_shape != tuple(stored.array.shape):
             where = "" if slice == stored.slice else f" (slice {slice}, stored slice {stored.slice})"
             raise ShapeMismatchError(

@@ -50,7 +50,8 @@ def _read(path, what):
         with open(path, "rb") as file:
             return file.read()
     except OSError as error:
-        raise InvalidArgumentError(f"cannot read the {what} file: {error.strerror}") from None
+        raise InvalidArgumentError(f"cannot read the {what} file {path} ({what}= or TENSORKV_{what.upper()}): "
+                                   f"{error.strerror}") from None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,13 @@ import os
 import signal
 import sys
 
+# gRPC's C core writes its own lines to stderr (a client's failed TLS handshake at INFO): only its
+# errors, and none with JSON logs, whose every line must parse, unless the user chose a
+# verbosity. gRPC reads it when it is imported, below: the arguments are not parsed yet.
+if "GRPC_VERBOSITY" not in os.environ:
+    _JSON = "--log-format=json" in sys.argv or ("--log-format", "json") in zip(sys.argv, sys.argv[1:])
+    os.environ["GRPC_VERBOSITY"] = "NONE" if _JSON else "ERROR"
+
 from tensorkv import __version__, allocator
 from tensorkv.backend import select
 from tensorkv.engine import Engine
@@ -13,7 +20,7 @@ from tensorkv.engine import Engine
 from . import limits, logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator
 from .server import ListenError, SnapshotFailed, check_free, serve
-from .snapshot import Snapshots, StateDirInUse, WrongServer
+from .snapshot import NoSnapshotLoads, Snapshots, StateDirInUse, WrongServer
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
 # tensorkv_server logger hierarchy the other modules log in.
@@ -61,9 +68,13 @@ def parse_args(argv=None):
                         help="directory of snapshots of the server's state (values, rounds, optimizer and states, "
                              "run): the newest whole one is restored at start, and new ones are written there; "
                              "one server per directory (default: none, nothing survives a restart)")
+    parser.add_argument("--start-empty-if-damaged", action="store_true",
+                        help="when every snapshot in --state-dir fails to load, start empty, the state they held "
+                             "lost (they are kept, renamed NAME.damaged); this weakens durability: without it such a "
+                             "server does not start (exit status 2), naming the files (default: off)")
     parser.add_argument("--snapshot-interval", type=float, default=60.0, metavar="S",
-                        help="seconds between snapshots to --state-dir (one of an unchanged state is a hard "
-                             "link to the one before); 0: only on SIGTERM/SIGINT and on a Snapshot call "
+                        help="seconds between snapshots to --state-dir (a snapshot of an unchanged state is not "
+                             "written); 0: only on SIGTERM/SIGINT and on a Snapshot call "
                              "(default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
@@ -103,6 +114,10 @@ class StartFailed(Exception):
     """The server cannot start; the message says why, in one line."""
 
 
+class Refused(StartFailed):
+    """The server does not start for what it was given (exit status 2, as for a refused option)."""
+
+
 class StoppedBeforeServing(Exception):
     """SIGTERM or SIGINT came before the server served (while it starts, or restores a snapshot)."""
 
@@ -124,7 +139,7 @@ def main(argv=None):
     except StoppedBeforeServing as signum:
         _exit_line(args, f"stopped by {signum} before serving; nothing was changed", status=0)
     except (ListenError, SnapshotFailed, StartFailed) as error:  # one line, no traceback
-        _exit_line(args, str(error))
+        _exit_line(args, str(error), status=2 if isinstance(error, Refused) else 1)
 
 
 def _exit_line(args, message, status=1):
@@ -139,9 +154,6 @@ def _exit_line(args, message, status=1):
 
 def _serve(args, reexec):
     logs.configure(args.log_format, args.log_level)  # first: a refusal below is a log line (JSON too)
-    # gRPC's C core writes its own lines to stderr (a client's failed TLS handshake at INFO):
-    # none with JSON logs, whose every line must parse; only its errors otherwise.
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE" if args.log_format == "json" else "ERROR")
     check_free(args.host, args.port, "--port")  # before the re-exec and the device: a port in use ends it at once
     if args.data_channel:
         check_free(args.host, args.data_port, "--data-port")
@@ -168,10 +180,15 @@ def _serve(args, reexec):
         log.warning("no --state-dir: nothing survives a restart")
     else:
         try:
-            snapshots = Snapshots(coordinator, args.state_dir)
+            snapshots = Snapshots(coordinator, args.state_dir, args.start_empty_if_damaged)
             snapshots.load()
+        except NoSnapshotLoads as error:
+            raise Refused(f"--state-dir {args.state_dir}: {error}") from None
         except (OSError, WrongServer, StateDirInUse) as error:
             raise StartFailed(f"--state-dir {args.state_dir}: {error}") from None
+        crowded = snapshots.room_warning(max_memory)
+        if crowded:
+            log.warning("%s", crowded)
     try:
         interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []
     except OSError as error:

@@ -201,7 +201,8 @@ class Membership:
         if rank is None:
             free = [r for r in range(self.num_workers) if r not in self.incarnations]
             if not free:
-                raise FailedPreconditionError(f"every rank is taken: this server expects {self._workers()}")
+                raise FailedPreconditionError(f"every rank is taken: this server expects {self._workers()}; "
+                                              f"{self._held()}")
             if self._restored_run is not None:  # the ranks whose workers may still come back, last
                 free.sort(key=lambda r: r in self._restored)
             rank = free[0]
@@ -214,6 +215,7 @@ class Membership:
                 "heard from (--lease-timeout), and the rank is free then")
         if not going:
             self.run = Run(self.run.number + 1 if self.run else 1, if_exists, job)
+            self._left.clear()  # how workers of earlier runs left: none of this run's waits is theirs
             self.end_restored_run()
             log.info("run %d starts (if_exists=%r%s)", self.run.number, if_exists, f", job {job!r}" if job else "",
                      extra={"event": "run_started"})
@@ -393,8 +395,19 @@ class Membership:
                 when, how = self._left[rank]
                 words.append(f"rank {rank} left {now - when:.1f} s before ({how})")
             else:
-                words.append(f"rank {rank} has not registered")
+                words.append(f"rank {rank} has not registered in run {self.run.number}" if self.run else
+                             f"rank {rank} has not registered")
         return "".join(f"; {said}" for said in words)
+
+    def _held(self):
+        """Which ranks the leases hold and when each expires, for a worker refused a rank."""
+        now = asyncio.get_running_loop().time()
+        held = ", ".join(f"rank {rank} by incarnation {lease.incarnation} (last heard from {now - lease.renewed:.1f} s "
+                         f"ago: its lease expires in {max(0.0, lease.renewed + self.lease_timeout - now):.1f} s)"
+                         for rank, lease in sorted(self._leases.items()))
+        return (f"their leases hold them: {held}. A worker that ended without closing its store (an MXNet script "
+                f"does not) holds its rank until its lease expires, --lease-timeout {self.lease_timeout:g} s after "
+                "it was last heard from; a live worker's heartbeats keep it")
 
     def check(self, rank, incarnation):
         """FailedPreconditionError unless ``rank`` is registered with ``incarnation``."""
@@ -415,6 +428,10 @@ class Membership:
             raise FailedPreconditionError(
                 f"rank {rank} is not registered on this server (it restarted, or the rank was given back): "
                 "create the store again to register")
+        if incarnation != current and not incarnation:  # a client written from the protos before incarnations
+            raise FailedPreconditionError(
+                f"rank {rank}: this call carries no incarnation: every call of a registered worker must send the "
+                "RegisterResponse.incarnation of its registration")
         if incarnation != current:
             raise FailedPreconditionError(
                 f"rank {rank} is held by incarnation {current}, not by this call's incarnation {incarnation}: "

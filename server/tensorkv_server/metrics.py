@@ -134,8 +134,9 @@ class _CountsCollector:
         snapshots.add_metric(["written"], counts.snapshots_written)
         snapshots.add_metric(["failed"], counts.snapshots_failed)
         yield snapshots
-        yield GaugeMetricFamily("tensorkv_last_snapshot_timestamp_seconds", "When the last snapshot was written "
-                                "(Unix time; 0: none since the server started).", value=counts.last_snapshot_time)
+        yield GaugeMetricFamily("tensorkv_last_snapshot_timestamp_seconds", "When the state was last saved: a "
+                                "snapshot written, or one due that found nothing changed since the newest (Unix time; "
+                                "0: none since the server started).", value=counts.last_snapshot_time)
         errors = CounterMetricFamily(
             "tensorkv_session_errors", "Calls on Session streams (and on their data channels) answered with an "
             "error, by status code (grpc_code, as grpc_server_handled_total names it, where the errors of the other "
@@ -146,6 +147,12 @@ class _CountsCollector:
 
 
 REGISTRY.register(_CountsCollector())
+
+SNAPSHOT_ROOM = Gauge(
+    "tensorkv_snapshot_room_bytes",
+    "Bytes the --state-dir volume has for snapshots: its free space and the snapshot files the server replaces in "
+    "turn; two copies of the state (values and optimizer states) must fit, the newest snapshot being kept while the "
+    "next is written (0: no --state-dir; NaN: the directory cannot be read).")
 
 CERTIFICATE_EXPIRY = Gauge(
     "tensorkv_tls_certificate_expiry_timestamp_seconds",

@@ -36,6 +36,7 @@ from tensorkv import compression
 from tensorkv import optimizer as optimizers
 from tensorkv.backend import to_host
 from tensorkv.codec import Item
+from tensorkv.engine import layout_mismatch
 from tensorkv.rowsparse import check_row_ids
 from tensorkv.errors import (
     FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, ResourceExhaustedError,
@@ -133,6 +134,7 @@ class Coordinator:
         self._initialized_in = {}  # key -> the number of the run that initialized it
         self._initialized = {}  # key -> ranks that have called init on it
         self._init_waiters = {}  # key -> future done when rank 0 has stored it
+        self._split_apart = {}  # key -> the error of a worker that splits it otherwise (until the run ends)
         self._barrier = None
         self._barriers_done = 0
         self._closing = False
@@ -155,13 +157,13 @@ class Coordinator:
 
     def unregister(self, rank, incarnation):
         """Give ``rank`` back: see :meth:`_forget`."""
-        self._forget(rank, self.members.unregister(rank, incarnation))
+        self._forget(rank, self.members.unregister(rank, incarnation), "its worker closed its store")
 
     def _lease_expired(self, rank, ended):
         metrics.COUNTS.expired_leases += 1
-        self._forget(rank, ended)
+        self._forget(rank, ended, f"its lease expired: no heartbeat for {self.members.lease_timeout:g} s")
 
-    def _forget(self, rank, ended):
+    def _forget(self, rank, ended, how):
         """After ``rank`` was given back or lost its lease: its next holder may init its keys
         again (stored values are kept) and does not get the errors of rounds that were
         aborted before; it takes the rank's place in the current rounds (see the module's
@@ -177,6 +179,24 @@ class Coordinator:
                               RoundAbortedError)
             for rounds in self._rounds.values():
                 rounds.aborted.clear()  # the errors of ranks that left
+            self._split_apart.clear()
+        else:
+            self._say_who_waits_for(rank, how)
+
+    def _say_who_waits_for(self, rank, how):
+        """Log at once the rounds and the barrier that wait for ``rank``, which just left: they
+        abort after --round-timeout unless a worker takes the rank again (when they abort, their
+        errors say how it left: Membership.absent)."""
+        keys = [key for key, rounds in self._rounds.items()
+                if rounds.current.ranks and rank not in rounds.current.ranks]
+        barrier = self._barrier is not None and rank not in self._barrier.ranks
+        if not keys and not barrier:
+            return
+        waits = [f"the rounds of {plural(len(keys), 'key')} {keys_repr(keys)}" if keys else "",
+                 f"barrier {self._barrier.number}" if barrier else ""]
+        log.warning("rank %d left (%s) while %s waited for it: they abort %g s after they began (--round-timeout) "
+                    "unless a worker takes rank %d again and joins them", rank, how, " and ".join(filter(None, waits)),
+                    self.round_timeout, rank)
 
     def reset(self, force=False):
         """Drop every key, the optimizer and its states, the rounds and the key type, when
@@ -209,6 +229,7 @@ class Coordinator:
         self._updates.clear()
         self._initialized_in.clear()
         self._initialized.clear()
+        self._split_apart.clear()
         self._barriers_done = 0
 
     # ---- init -------------------------------------------------------------------------
@@ -242,7 +263,7 @@ class Coordinator:
             # earlier run left for this one to resume: kept.
             stored = [item for item in items if item.key in self.engine]
             for item in stored:
-                self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
+                self._check_initialized(item)
             new = [item for item in items if item.key not in self.engine]
             self.check_memory(new, self.optimizer)
             self.engine.init(new)
@@ -256,12 +277,34 @@ class Coordinator:
             await self._wait_for_keys(keys)
             self.members.check(rank, incarnation)
             for item in items:
-                self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
+                self._check_initialized(item)
             if self.members.applied(rank, sequence):
                 return
         self.members.record(rank, sequence)
         for key in keys:
             self._initialized.setdefault(key, set()).add(rank)
+
+    def _check_initialized(self, item):
+        """Check an init's ``item`` against the stored value. One split over the servers otherwise
+        (another TENSORKV_BIGARRAY_BOUND) makes the key fail for every worker until the run ends:
+        the round waiting for the worker told is aborted, and the others' next calls on it fail,
+        rather than wait for it a round timeout."""
+        stored = self.engine.get(item.key)
+        shape = tuple(item.array.shape if item.shape is None else item.shape)
+        if shape == stored.shape and item.slice != stored.slice:
+            error = ShapeMismatchError(layout_mismatch(item.key, "initialized", shape, item.slice, stored.slice))
+            self._split_apart[item.key] = error
+            rounds = self._rounds.get(item.key)
+            if rounds is not None and rounds.current.ranks:
+                self._abort_round(item.key, rounds.current, f"aborted: {error}", ShapeMismatchError)
+            raise error
+        self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
+
+    def _check_not_split_apart(self, keys):
+        for key in keys:
+            if key in self._split_apart:
+                raise ShapeMismatchError(f"{self._split_apart[key]} (told to a worker's init: every call on the "
+                                         "key fails until the run ends)")
 
     def _left_by_earlier_runs(self, keys):
         """The keys of ``keys`` that an earlier run initialized."""
@@ -320,6 +363,7 @@ class Coordinator:
             with self.engine.on_device():  # 2-bit codes become the values they stand for, on the engine's device
                 items = [compression.decompressed(item, self.engine.xp) for item in items]
         check_updater = getattr(self.engine.updater, "check", None)
+        self._check_not_split_apart(item.key for item in items)
         for item in items:
             stored = self.engine.check_value(item.key, item.array, item.shape, item.slice)
             if check_updater is not None:
@@ -370,6 +414,7 @@ class Coordinator:
         keys = self.engine.check_keys(keys)
         for key in keys:
             self.engine.get(key)
+        self._check_not_split_apart(keys)
         if self.mode == SYNC and await self._settled(rank, keys, call):
             self.members.check(rank, incarnation)
         metrics.COUNTS.pulls += len(keys)

@@ -127,12 +127,20 @@ class ServerSecurity:
 
     @classmethod
     def from_args(cls, args):
+        """ValueError with one line naming the flag, its file and what is wrong with it."""
+        files = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-client-ca": args.tls_client_ca,
+                 "--token-file": args.token_file}
         try:
+            _check_pem_files(files)
             return cls(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file, args.insecure)
         except ssl.SSLError as error:
-            raise ValueError(f"cannot load --tls-cert with --tls-key: {(error.reason or str(error)).lower()}") from None
+            why = (error.reason or str(error)).lower()
+            if "key_values_mismatch" in why or "mismatch" in why:
+                why = "the key is not the certificate's"
+            raise ValueError(f"--tls-key {args.tls_key} does not go with --tls-cert {args.tls_cert}: {why}") from None
         except OSError as error:
-            raise ValueError(f"cannot read {error.filename}: {error.strerror}") from None
+            flag = next((flag for flag, path in files.items() if path == error.filename), "a file")
+            raise ValueError(f"{flag} {error.filename}: cannot read it: {error.strerror}") from None
 
     def refusal(self, host):
         """Why not to listen on ``host`` (one line), or None."""
@@ -229,6 +237,28 @@ class ServerSecurity:
         log.info("TLS certificate files changed: new connections get the new certificate")
         for warning in _adopt(expiries):
             log.warning("%s", warning)
+
+
+# What each TLS file must hold: a PEM block that begins so (a key's is "-----BEGIN ... PRIVATE KEY-----").
+_PEM = {"--tls-cert": (b"-----BEGIN CERTIFICATE-----", "a PEM certificate"),
+        "--tls-key": (b"PRIVATE KEY-----", "a PEM private key"),
+        "--tls-client-ca": (b"-----BEGIN CERTIFICATE-----", "a PEM CA certificate")}
+
+
+def _check_pem_files(files):
+    """ValueError naming the flag and its file when a TLS file of ``files`` {flag: path or None}
+    does not hold what it should (a certificate and its key swapped, say); OSError (its filename
+    set) when one cannot be read."""
+    for flag, (marker, what) in _PEM.items():
+        if files[flag] is None:
+            continue
+        data = Path(files[flag]).read_bytes()
+        if marker not in data:
+            holds = "a private key" if b"PRIVATE KEY-----" in data else "a certificate" \
+                if b"-----BEGIN CERTIFICATE-----" in data else "no PEM block"
+            swapped = " (are --tls-cert and --tls-key swapped?)" if flag in ("--tls-cert", "--tls-key") and \
+                holds in ("a private key", "a certificate") else ""
+            raise ValueError(f"{flag} {files[flag]} holds {holds}, not {what}{swapped}")
 
 
 def _expiry(flag, path, pem, first_or_last):

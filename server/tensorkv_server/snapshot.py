@@ -8,13 +8,15 @@ open (they are lost, as a crash loses them). The arrays are copied on the loop, 
 buffers whose pages a thread has touched first (faulting in fresh pages costs this VM many
 times the copy, and would hold up every call); the file is written in a thread, in one
 pass from those buffers: ``NAME.part``, fsync, renamed over ``NAME``, fsync of the
-directory. The two newest snapshots are kept (and, when they are links to one file, the newest
-other one). A restore reads the file straight into the
-arrays the server keeps. The format is in docs/snapshot.md.
+directory. The two newest snapshots are kept, and the older of them is removed before the next
+is written: the volume needs room for two copies of the state, and the newest whole snapshot
+survives a write that fails. A snapshot of a state that did not change is not written. A
+restore reads the file straight into the arrays the server keeps; a file that does not load
+is set aside (renamed NAME.damaged), never removed, and when every snapshot fails to load the
+server does not start unless told to start empty. The format is in docs/snapshot.md.
 """
 import asyncio
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -32,7 +34,7 @@ from tensorkv import states_file
 from tensorkv.backend import BFLOAT16, to_host
 from tensorkv.codec import Item, check_key
 from tensorkv.errors import KVStoreError, ResourceExhaustedError
-from tensorkv.words import plural
+from tensorkv.words import plural, size
 
 from . import metrics
 from .membership import Run
@@ -45,10 +47,17 @@ VERSION = 1
 KEEP = 2
 CHUNK = 16 << 20  # bytes read at a time to hash a file that is not whole
 _NAME = re.compile(r"snapshot-(\d{12})\.tkv")
+_ASIDE = re.compile(r"snapshot-(\d{12})\.tkv\.damaged(-\d+)?")  # files that did not load, set aside
+DAMAGED = ".damaged"
 
 
 class BadSnapshot(Exception):
     """A snapshot file that cannot be loaded whole."""
+
+
+class NoSnapshotLoads(Exception):
+    """Every snapshot in the state directory failed to load (the message names them): the
+    server does not start, unless told to start empty."""
 
 
 class WrongServer(Exception):
@@ -343,11 +352,13 @@ LOCK_FILE = "lock"  # in the state directory: the pid of the server that holds i
 class Snapshots:
     """The snapshots of ``coordinator`` in ``directory``, which this process holds (a lock on
     its file LOCK_FILE, StateDirInUse when another process holds it): :meth:`take` writes one,
-    :meth:`load` restores the newest whole one."""
+    :meth:`load` restores the newest whole one. ``start_empty_if_damaged``: when every snapshot
+    fails to load, start empty (the files are set aside) rather than raise NoSnapshotLoads."""
 
-    def __init__(self, coordinator, directory):
+    def __init__(self, coordinator, directory, start_empty_if_damaged=False):
         self.coordinator = coordinator
         self.directory = directory
+        self.start_empty_if_damaged = start_empty_if_damaged
         self.restored_from = ""
         self.restored_round = 0  # the highest round of any key in it
         self.last_written = ""  # the file of the last snapshot written, and its time (Unix seconds)
@@ -358,11 +369,13 @@ class Snapshots:
             raise NotADirectoryError("not a directory")
         os.makedirs(directory, exist_ok=True)
         self._hold(directory)
-        self._sequence = max((number for number, _ in self._files()), default=0)
+        names = (_NAME.fullmatch(name) or _ASIDE.fullmatch(name) for name in os.listdir(directory))
+        self._sequence = max((int(match.group(1)) for match in names if match), default=0)
         self._lock = asyncio.Lock()
         self._written_stamp = None  # _stamp of the state the newest snapshot holds (written or restored)
         self._summary = None  # (keys, run number) of that snapshot
-        self._links = True  # whether the directory's file system makes hard links
+        self._kept = set()  # files that did not load and could not be set aside: never removed
+        metrics.SNAPSHOT_ROOM.set_function(self._room_or_nan)
 
     def _hold(self, directory):
         """Lock the directory for this process (for as long as it lives): two servers that
@@ -390,7 +403,12 @@ class Snapshots:
         return sorted(((int(match.group(1)), match.group(0)) for match in names if match), reverse=True)
 
     def load(self):
-        """Restore the newest snapshot that is whole, skipping the others with a warning."""
+        """Restore the newest snapshot that is whole, skipping the others with a warning and
+        setting aside those newer than it. NoSnapshotLoads when there are snapshots and none
+        loads, unless ``start_empty_if_damaged``. Unfinished files (``.part``, of a server
+        that stopped while it wrote one) are removed: they would take the room of a copy."""
+        self._remove_unfinished()
+        failed = []
         for _, name in self._files():
             path = os.path.join(self.directory, name)
             try:
@@ -400,8 +418,9 @@ class Snapshots:
             except WrongServer as error:
                 raise WrongServer(f"{name}: {error}") from None
             except (OSError, BadSnapshot) as error:
-                log.warning("snapshot %s skipped: %s", path, error, extra={"event": "snapshot_skipped"})
+                failed.append((name, getattr(error, "strerror", None) or str(error)))
                 continue
+            self._set_aside(failed)
             self.restored_from = name
             self.restored_round = max((entry["round"] - 1 for entry in header["keys"]), default=0)
             self._written_stamp, self._summary = _stamp(self.coordinator), _summary(header)
@@ -409,7 +428,81 @@ class Snapshots:
             log.info("restored %s, run %d, from %s", plural(len(header["keys"]), "key"), run.number if run else 0,
                      path, extra={"event": "snapshot_restored"})
             return
-        log.info("no snapshot to restore in %s: the server starts empty", self.directory)
+        if not failed:
+            log.info("no snapshot to restore in %s: the server starts empty", self.directory)
+            return
+        named = "; ".join(f"{name}: {why}" for name, why in failed)
+        if not self.start_empty_if_damaged:
+            raise NoSnapshotLoads(f"no snapshot loads ({named}); nothing was changed: move them out of the directory "
+                                  "to keep them, or pass --start-empty-if-damaged to start empty (they are kept, "
+                                  f"renamed NAME{DAMAGED})")
+        self._set_aside(failed)
+        log.warning("no snapshot loads in %s (%s): the server starts empty (--start-empty-if-damaged)",
+                    self.directory, named, extra={"event": "snapshot_skipped"})
+
+    def _remove_unfinished(self):
+        for name in os.listdir(self.directory):
+            if name.endswith(".part") and _NAME.fullmatch(name[:-len(".part")]):
+                try:
+                    os.remove(os.path.join(self.directory, name))
+                except OSError as error:
+                    log.warning("unfinished snapshot %s not removed: %s", name, error)
+                else:
+                    log.info("unfinished snapshot %s removed (its server stopped while it wrote it)", name)
+
+    def _set_aside(self, failed):
+        """Rename the snapshots ``failed`` ([(file name, why)]) that did not load to NAME.damaged
+        (-N when taken): kept for a look, never loaded, counted or removed."""
+        for name, why in failed:
+            path = os.path.join(self.directory, name)
+            aside, count = path + DAMAGED, 1
+            while os.path.lexists(aside):
+                count += 1
+                aside = f"{path}{DAMAGED}-{count}"
+            try:
+                os.rename(path, aside)
+            except OSError as error:
+                self._kept.add(name)
+                log.warning("snapshot %s skipped: %s; not set aside (%s), it is kept as it is", path, why,
+                            error.strerror, extra={"event": "snapshot_skipped"})
+            else:
+                log.warning("snapshot %s skipped: %s; set aside as %s", path, why, os.path.basename(aside),
+                            extra={"event": "snapshot_skipped"})
+
+    def room(self):
+        """Bytes the directory's volume has for snapshots: its free space and the snapshot
+        files that the server replaces in turn."""
+        status = os.statvfs(self.directory)
+        rotated = sum(os.stat(os.path.join(self.directory, name)).st_size for _, name in self._files()
+                      if name not in self._kept)
+        return status.f_bavail * status.f_frsize + rotated
+
+    def _room_or_nan(self):
+        try:
+            return self.room()
+        except OSError:  # the directory is gone, or is not one (the snapshots' failures say it)
+            return float("nan")
+
+    def room_warning(self, max_memory):
+        """A warning, or None: whether the volume holds two copies (the newest snapshot, kept
+        while the next is written) of the current state, and of as large a state as
+        ``max_memory`` (--max-memory) lets this server hold."""
+        try:
+            room = self.room()
+        except OSError as error:
+            return f"--state-dir {self.directory}: its free space is unknown ({error.strerror})"
+        newest = self.restored_from and os.path.join(self.directory, self.restored_from)
+        state = os.path.getsize(newest) if newest else 0
+        if 2 * state > room:
+            return (f"--state-dir {self.directory} has room for {size(room)} of snapshots, less than two copies of "
+                    f"the current state ({size(state)} each): the next snapshot will fail; give it at least "
+                    f"{size(2 * state)}")
+        if max_memory is not None and 2 * max_memory > room:
+            return (f"--state-dir {self.directory} has room for {size(room)} of snapshots, less than two copies of "
+                    f"what --max-memory {size(max_memory)} lets this server hold: snapshots fail once the state "
+                    f"passes {size(room // 2)}; give the volume {size(2 * max_memory)}, or pass a smaller "
+                    f"--max-memory")
+        return None
 
     async def take(self):
         """(file name, number of keys, run number) of a new snapshot of the current state.
@@ -417,60 +510,49 @@ class Snapshots:
         one asked for meanwhile (a Snapshot call, the last one at SIGTERM) waits, and one
         cancelled while its file is written keeps its turn until the file is done. A failure
         is logged and counted here, then raised. When nothing changed since the newest
-        snapshot (still in the directory, and none failed since), the new one is a hard link
-        to its file: no copy, no write (an idle server wrote its whole state every interval)."""
+        snapshot (still in the directory, and none failed since), nothing is written or
+        logged: that one's name is returned (an idle server wrote its whole state, then a
+        line, every interval)."""
         async with self._lock:
             stamp = _stamp(self.coordinator)
             newest = self.last_written or self.restored_from
-            unchanged = self._links and stamp == self._written_stamp and not self.last_error \
-                and os.path.isfile(os.path.join(self.directory, newest))
+            if stamp == self._written_stamp and not self.last_error \
+                    and os.path.isfile(os.path.join(self.directory, newest)):
+                self.last_written_time = time.time()  # the newest snapshot holds the state of now
+                metrics.COUNTS.last_snapshot_time = self.last_written_time
+                return newest, *self._summary
             name = None
             try:
                 self._sequence += 1
                 name = f"snapshot-{self._sequence:012d}.tkv"
-                linked = unchanged and await asyncio.to_thread(self._link, name, newest)
-                if linked:
-                    summary = self._summary
-                else:
-                    engine = self.coordinator.engine
-                    buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
-                    header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile: copied anew
-                    summary = _summary(header)
-                    write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays))
-                    try:
-                        await asyncio.shield(write)
-                    except asyncio.CancelledError:
-                        await asyncio.wait([write])
-                        if write.exception() is not None:
-                            self._failed(name, write.exception())
-                        raise
+                engine = self.coordinator.engine
+                buffers = await asyncio.to_thread(_buffers, {key: engine.get(key).array for key in engine.keys()})
+                header, arrays = capture(self.coordinator, buffers)  # keys added or changed meanwhile: copied anew
+                summary = _summary(header)
+                write = asyncio.ensure_future(asyncio.to_thread(self._write, name, header, arrays, newest))
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    await asyncio.wait([write])
+                    if write.exception() is not None:
+                        self._failed(name, write.exception())
+                    else:
+                        self._written(name, stamp, summary)
+                    raise
             except Exception as error:
                 self._failed(name, error)
                 raise
+            self._written(name, stamp, summary)
+        return name, *summary
+
+    def _written(self, name, stamp, summary):
         self.last_written, self.last_written_time, self.last_error = name, time.time(), ""
         # The stamp from before the copy: a change made during it is written next time.
         self._written_stamp, self._summary = stamp, summary
         metrics.COUNTS.snapshots_written += 1
         metrics.COUNTS.last_snapshot_time = self.last_written_time
-        log.info("snapshot %s written: %s, run %d%s", name, plural(summary[0], "key"), summary[1],
-                 f" (nothing changed since {newest}: a link to its file)" if linked else "",
+        log.info("snapshot %s written: %s, run %d", name, plural(summary[0], "key"), summary[1],
                  extra={"event": "snapshot_written"})
-        return name, *summary
-
-    def _link(self, name, source):
-        """Make ``name`` a hard link to the snapshot file ``source``; False where the file system
-        has no hard links (then every snapshot is written whole)."""
-        try:
-            os.link(os.path.join(self.directory, source), os.path.join(self.directory, name))
-        except OSError as error:
-            if error.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                raise
-            log.info("--state-dir %s has no hard links (%s): every snapshot is written whole", self.directory,
-                     error.strerror)
-            self._links = False
-            return False
-        self._settle(name)
-        return True
 
     def _failed(self, name, error):
         self.failures += 1
@@ -480,7 +562,10 @@ class Snapshots:
         log.error("snapshot %s failed: %s; the last one written is %s", name or "(not begun)", error,
                   self.last_written or "none since the server started", extra={"event": "snapshot_failed"})
 
-    def _write(self, name, header, arrays):
+    def _write(self, name, header, arrays, newest):
+        """Write snapshot ``name``, once the snapshots older than ``newest`` (the newest whole
+        one, kept) are removed: room for two copies is enough."""
+        self._remove_older(keep=newest)
         path = os.path.join(self.directory, name)
         try:
             with open(path + ".part", "wb") as file:
@@ -492,30 +577,17 @@ class Snapshots:
             with contextlib.suppress(OSError):
                 os.remove(path + ".part")
             raise
-        self._settle(name)
-
-    def _settle(self, name):
-        """The new snapshot ``name`` is in place: flush the directory, remove the oldest ones."""
         directory = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
-        try:  # the snapshot is written: what follows only frees room
-            for old in self._superseded():
-                os.remove(os.path.join(self.directory, old))
-        except OSError as error:
-            log.warning("snapshot %s written, but an older one was not removed: %s", name, error)
 
-    def _superseded(self):
-        """The snapshot files to remove: all but the KEEP newest and, when those are links to
-        one file (an idle server's), the newest older one that is another file, so that a
-        damaged file still leaves a snapshot to restore."""
-        files = [name for _, name in self._files()]
-        kept = {os.stat(os.path.join(self.directory, name)).st_ino for name in files[:KEEP]}
-        older = files[KEEP:]
-        if len(kept) == 1:
-            other = next((name for name in older if os.stat(os.path.join(self.directory, name)).st_ino not in kept),
-                         None)
-            older = [name for name in older if name != other]
-        return older
+    def _remove_older(self, keep):
+        """Remove the snapshot files other than ``keep`` and those that did not load."""
+        try:
+            for _, old in self._files():
+                if old != keep and old not in self._kept:
+                    os.remove(os.path.join(self.directory, old))
+        except OSError as error:
+            log.warning("an older snapshot was not removed: %s", error)
