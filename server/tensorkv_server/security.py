@@ -283,13 +283,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     def _refusal(self, handler, method, why, error):
-        """A handler of the same kind as ``handler`` that logs the refusal (RefusalLog) and
-        fails the call with ``error``."""
-        async def refuse(request, context):
+        """A handler that logs the refusal (RefusalLog) and fails the call with ``error``
+        without reading its request: one that streams its requests, which gRPC reads only
+        when asked (it reads a unary request whole before the handler runs: a caller without
+        a token would have the server take in gRPC's longest message per call)."""
+        async def refuse(requests, context):
             self._refusals.note(context.peer(), method.rsplit("/", 1)[1], why, error.code)
             await context.abort(grpc.StatusCode[error.code], str(error),
                                 trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
-        return _HANDLERS[handler.request_streaming, handler.response_streaming](refuse)
+        return _HANDLERS[True, handler.response_streaming](refuse)
 
     def _lookup(self, presented):
         """Whether the token ``presented`` (bytes) is read-only; None when it is not a known
