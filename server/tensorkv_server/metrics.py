@@ -218,9 +218,10 @@ class HttpPort:
     """The metrics port, whose connections cannot exhaust the server: one thread waits on all
     of them and reads each request's head as its bytes come; a request whose head is whole is
     answered by one of THREADS threads, then its connection is closed. At most CONNECTIONS are
-    open: a new one closes the oldest that has not sent a whole head (so a probe always gets
-    in), and one that has not within IDLE_TIMEOUT seconds is closed (a thread per connection,
-    kept for ever, let idle connections take every thread the process may have)."""
+    open, being answered or not: a new one closes the oldest that has not sent a whole head (so
+    a probe always gets in; none left to close, the new one is), and one that has not within
+    IDLE_TIMEOUT seconds is closed (a thread per connection, kept for ever, let idle
+    connections take every thread the process may have)."""
 
     CONNECTIONS = 128
     THREADS = 4
@@ -230,13 +231,17 @@ class HttpPort:
 
     def __init__(self, host, port):
         bare = host[1:-1] if host.startswith("[") else host
-        self._listener = socket.create_server((bare, port), family=socket.AF_INET6 if ":" in bare else socket.AF_INET)
+        ipv6 = ":" in bare  # then both families, as the gRPC port serves them
+        self._listener = socket.create_server((bare, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
+                                              dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._waiting = collections.OrderedDict()  # socket -> (its peer, when it came, the head so far)
         self._answering = ThreadPoolExecutor(self.THREADS, thread_name_prefix="metrics-http")
+        self._busy = 0  # connections handed to the threads and not yet closed
+        self._busy_lock = threading.Lock()
 
     def serve_forever(self):
         while True:
@@ -254,7 +259,10 @@ class HttpPort:
             log.warning("metrics port: accept failed: %s", error)
             time.sleep(0.1)
             return
-        if len(self._waiting) >= self.CONNECTIONS:
+        if len(self._waiting) + self._busy >= self.CONNECTIONS:
+            if not self._waiting:
+                conn.close()
+                return
             self._close(next(iter(self._waiting)))
         conn.setblocking(False)
         self._waiting[conn] = peer, time.monotonic(), b""
@@ -275,6 +283,8 @@ class HttpPort:
             self._selector.unregister(conn)
             del self._waiting[conn]
             conn.setblocking(True)
+            with self._busy_lock:
+                self._busy += 1
             self._answering.submit(self._answer, conn, peer, head)
         else:
             self._waiting[conn] = peer, came, head
@@ -286,6 +296,8 @@ class HttpPort:
             log.debug("metrics port: answering %s failed: %s", peer, error)
         finally:
             conn.close()
+            with self._busy_lock:
+                self._busy -= 1
 
     def _close_idle(self):
         stale = time.monotonic() - self.IDLE_TIMEOUT
