@@ -275,7 +275,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                 why = "this server requires a token"
             return self._refusal(handler, details.method, why, UnauthenticatedError(
                 f"{why}: give a token of the server's --token-file (Python: token= or TENSORKV_TOKEN; the CLI: "
-                "--token)"))
+                "--token-file)"))
         if read_only and details.method not in READ_ONLY_METHODS:
             return self._refusal(handler, details.method, "a read-only token may not call it", PermissionDeniedError(
                 f"a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, not "
