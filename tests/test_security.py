@@ -209,7 +209,7 @@ def test_a_token_gets_in_however_many_connections_wait_idle(tmp_path):
 
 
 def test_refused_data_connections_are_logged_once_per_interval(tmp_path):
-    """200 connections with unknown tokens: one log line (there was one per connection)."""
+    """200 connections with unknown tokens: one log line a minute (there was one per connection)."""
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
             port = kv._sessions[0].data_port
@@ -220,7 +220,7 @@ def test_refused_data_connections_are_logged_once_per_interval(tmp_path):
             kv.init("w", np.ones(1 << 20, np.float32))  # the channel still binds
             assert kv._sessions[0].data_channel is not None
         log = (tmp_path / "server0.log").read_text()
-    assert log.count("refused: unknown or used token") == 1, log
+    assert log.count("refused: unknown or used token") <= 2, log  # one a minute (REFUSAL_LOG_INTERVAL)
 
 
 def test_tls_refusals_fail_at_once_and_say_why(pki, tmp_path):
