@@ -208,13 +208,21 @@ def test_tls_and_tokens(tmp_path):
     with Cluster(tmp_path=tmp_path, server_args=[*pki.server_args(), "--token-file", str(tokens)],
                  security=Security(pki.ca_file)) as cluster:
         tls = ["--tls-ca", pki.ca_file]
-        assert ctl_json(*tls, "--token", READ_ONLY_TOKEN, "keys", servers=cluster.addresses) == []
+        read_only = tmp_path / "read-only-token"
+        read_only.write_text(f"{READ_ONLY_TOKEN}\n")
+        assert ctl_json(*tls, "--token-file", str(read_only), "keys", servers=cluster.addresses) == []
         assert ctl_json(*tls, "health", servers=cluster.addresses)[0]["status"] == "SERVING"  # needs no token
         code, _, err = ctl(*tls, "status", servers=cluster.addresses)
         assert code == 1 and "this server requires a token" in err
-        code, _, err = ctl(*tls, "--token", READ_ONLY_TOKEN, "reset", servers=cluster.addresses)
+        code, _, err = ctl(*tls, "--token-file", str(read_only), "reset", servers=cluster.addresses)
         assert code == 1 and "a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, " \
                              "not Reset" in err
+        # a token on the command line would be in the process list for every local user
+        code, _, err = ctl(*tls, "--token", TOKEN, "status", servers=cluster.addresses)
+        assert code == 2 and "--token would show the token to every user of this host (in the process list): put " \
+                             "it in a file only you can read and pass --token-file FILE, or set TENSORKV_TOKEN" in err
+        code, _, err = ctl(*tls, "--token-file", str(tmp_path / "absent"), "status", servers=cluster.addresses)
+        assert code == 2 and f"--token-file {tmp_path / 'absent'}: cannot read it" in err
         env = {**cluster.env, "TENSORKV_TLS_CA": pki.ca_file, "TENSORKV_TOKEN": TOKEN}
         assert ctl_json("reset", servers=cluster.addresses, env=env) == [
             {"server": cluster.addresses[0], "keys_dropped": 0}]

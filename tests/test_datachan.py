@@ -21,7 +21,7 @@ from tensorkv.codec import Item, encode_stream, following
 from tensorkv.errors import DeadlineExceededError, ServerUnavailableError
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
-from tensorkv_server.datachan import _io_error
+from tensorkv_server.datachan import TOKEN_BYTES, _io_error
 
 from cluster import WAIT, Cluster, rss, stop, wait_until
 
@@ -424,3 +424,70 @@ def test_a_call_announced_on_the_channel_holds_only_the_bytes_that_came(tmp_path
         finally:
             session.close()
     assert grown < 64 << 20, f"the server grew by {grown >> 20} MiB for a call of which 1 byte came"
+
+
+class _FakeDataPort:
+    """A data port that binds any token and answers each call framed on it with a frame header
+    announcing ``announce`` bytes and one byte, then nothing more (a broken or hostile server)."""
+
+    def __init__(self, announce):
+        self.announce = announce
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.calls = 0
+        self._held = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            self._held.append(conn)
+            try:
+                conn.settimeout(WAIT)
+                _recv_exactly(conn, TOKEN_BYTES)
+                conn.sendall(datachan.ACK)
+                size = int.from_bytes(_recv_exactly(conn, datachan.FRAME_HEADER), "little")
+                _recv_exactly(conn, size)  # the call (a small one: no bytes follow it)
+                self.calls += 1
+                conn.sendall(self.announce.to_bytes(datachan.FRAME_HEADER, "little") + b"\x08")
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        for conn in self._held:
+            conn.close()
+
+
+def _recv_exactly(sock, size):
+    data = b""
+    while len(data) < size:
+        piece = sock.recv(size - len(data))
+        if not piece:
+            raise ConnectionResetError("closed")
+        data += piece
+    return data
+
+
+@pytest.mark.parametrize("call, announce", [("init", 0xFFFFFFF0), ("init", 64 << 20), ("pull", 0xFFFFFFF0)])
+def test_an_answer_longer_than_the_call_can_carry_fails_at_once(tmp_path, call, announce):
+    """A data channel whose server announces an answer longer than the call can carry (an
+    init's answer carries no values; no answer is longer than a gRPC message) fails the call
+    at once, naming the server, and the worker takes nothing for it (it took the announced
+    length, zero-filled: 4 GiB, and waited for the bytes until the call timed out)."""
+    fake = _FakeDataPort(announce)
+    try:
+        with Cluster(tmp_path=tmp_path, server_args=["--advertise-data-port", fake.port]) as cluster:
+            [(code, out, err)] = cluster.run_workers("answer_length", call, 1024)
+            address = cluster.addresses[0]
+    finally:
+        fake.close()
+    assert code == 0, err
+    assert fake.calls >= 1, (out, err)
+    assert out.startswith(f"InternalError server {address} announced an answer of {announce} bytes on the data "
+                          "channel, more than the "), (out, err)
+    grew = int(out.split("grew ")[1])
+    assert grew < 256 << 20, f"the worker grew by {grew >> 20} MiB for an answer that never came"

@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
-from cluster import Cluster, check_workers, free_port, health, wait_until
+from cluster import WAIT, Cluster, check_workers, free_port, health, wait_until
 from tensorkv_server import metrics
+from tensorkv_server.metrics import HttpPort
 
 KVSTORE = "tensorkv.v1.KVStoreService"
 
@@ -190,10 +191,10 @@ def test_metrics_port_must_differ_from_the_servers_own_ports(ports, capsys):
     assert "--metrics-port must differ from --port and --data-port" in capsys.readouterr().err
 
 
-def _healthz(port):
-    """(HTTP status, body) of http://127.0.0.1:port/healthz."""
+def _healthz(port, host="127.0.0.1"):
+    """(HTTP status, body) of http://host:port/healthz."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as response:
+        with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=10) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
@@ -222,3 +223,40 @@ def test_liveness_sees_a_stuck_event_loop():
     assert liveness.check() == (200, "serving")
     now[0] += 2.5
     assert liveness.check() == (503, "the event loop has not run for 12 s")
+
+
+def _threads(pid):
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def test_idle_connections_to_the_metrics_port_take_no_threads(tmp_path):
+    """Idle connections to the metrics port hold no thread, and past HttpPort.CONNECTIONS the
+    oldest are closed: /healthz still answers (a thread per connection, for ever, once made
+    Snapshot fail and /healthz answer nothing under a pids limit)."""
+    port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port))) as cluster:
+        pid = cluster.processes[0].pid
+        assert _healthz(port) == (200, "serving\n")
+        before = _threads(pid)
+        idle = []
+        try:
+            for _ in range(HttpPort.CONNECTIONS + 172):
+                idle.append(socket.create_connection(("127.0.0.1", port), WAIT))
+            assert _healthz(port) == (200, "serving\n")
+            assert _threads(pid) <= before + HttpPort.THREADS + 8, (before, _threads(pid))  # 8: gRPC's own, if any
+            idle[0].settimeout(WAIT)
+            assert idle[0].recv(1) == b""  # closed to make room
+            scraped, _ = scrape(port)
+            assert "tensorkv_keys 0.0" in scraped
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_the_metrics_port_listens_on_metrics_host(tmp_path):
+    port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port), "--metrics-host", "127.0.0.2")):
+        assert _healthz(port, "127.0.0.2") == (200, "serving\n")
+        with pytest.raises(urllib.error.URLError):
+            _healthz(port)

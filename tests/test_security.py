@@ -1,5 +1,6 @@
 """TLS, mutual TLS and tokens on real server processes, with certificates made in the test
 (trustme): every refusal fails at once and says which credential is wrong."""
+import asyncio
 import contextlib
 import datetime
 import logging
@@ -9,6 +10,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -23,12 +25,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorkv
+from tensorkv import datachan
 from tensorkv.security import Security
-from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING
+from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING, TOKEN_BYTES
 from tensorkv_server.security import RefusalLog
+from tensorkv_server.server import MAX_CONCURRENT_STREAMS
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, tensor_pb2
 
 from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
+from test_datachan import _token
 from test_metrics import scrape
 
 SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
@@ -181,20 +186,42 @@ def test_the_tls_data_port_refuses_strangers(pki, tmp_path):
     assert log.count("data channel connection from") == 4 and "PEER_DID_NOT_RETURN_A_CERTIFICATE" in log, log
 
 
-def test_pending_data_connections_are_bounded(tmp_path):
+def test_a_token_gets_in_however_many_connections_wait_idle(tmp_path):
+    """At most MAX_PENDING connections wait for their token, and a new one closes the oldest: a
+    worker's connection gets in whatever idle ones hold the port (it was refused: 64 idle
+    connections renewed every 4 s kept workers off the data channel)."""
+    with Cluster(tmp_path=tmp_path) as cluster:
+        address = cluster.addresses[0]
+        with tensorkv.create("dist_sync", servers=address, transport="tcp") as kv:
+            port = kv._sessions[0].data_port
+        response, session = _token(address, port)
+        idle = []
+        try:
+            idle = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(MAX_PENDING + 8)]
+            with socket.create_connection(("127.0.0.1", port), 5) as worker:
+                worker.settimeout(WORKER_TIMEOUT)
+                worker.sendall(response.data_token)
+                assert worker.recv(1) == datachan.ACK
+        finally:
+            session.close()
+            for sock in idle:
+                sock.close()
+    assert f"closed: {MAX_PENDING} newer connections came before its token" in (tmp_path / "server0.log").read_text()
+
+
+def test_refused_data_connections_are_logged_once_per_interval(tmp_path):
+    """200 connections with unknown tokens: one log line a minute (there was one per connection)."""
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
             port = kv._sessions[0].data_port
-        idle = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(MAX_PENDING)]
-        try:
-            extra = socket.create_connection(("127.0.0.1", port), 5)
-            with extra:
-                assert _closed_by_server(extra, FAST)
-            assert not _closed_by_server(idle[0], 0.1)  # the waiting ones still have their time
-        finally:
-            for sock in idle:
-                sock.close()
-    assert "connections already wait for their token" in (tmp_path / "server0.log").read_text()
+            for _ in range(200):
+                with socket.create_connection(("127.0.0.1", port), 5) as junk:
+                    junk.sendall(bytes(TOKEN_BYTES))
+                    assert _closed_by_server(junk, WORKER_TIMEOUT)
+            kv.init("w", np.ones(1 << 20, np.float32))  # the channel still binds
+            assert kv._sessions[0].data_channel is not None
+        log = (tmp_path / "server0.log").read_text()
+    assert log.count("refused: unknown or used token") <= 2, log  # one a minute (REFUSAL_LOG_INTERVAL)
 
 
 def test_tls_refusals_fail_at_once_and_say_why(pki, tmp_path):
@@ -665,3 +692,73 @@ def test_a_missing_ca_file_is_named_with_its_setting(tmp_path):
         tensorkv.create("dist_sync", servers="127.0.0.1:1", tls_ca=str(missing))
     assert str(refused.value) == \
         f"cannot read the tls_ca file {missing} (tls_ca= or TENSORKV_TLS_CA): No such file or directory"
+
+
+def _peak(pid):
+    """The peak resident memory of process ``pid`` so far, in bytes (VmHWM)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+@pytest.mark.parametrize("metrics", [False, True], ids=["", "metrics"])
+def test_calls_without_a_token_are_refused_before_their_bytes_are_read(pki, tmp_path, metrics):
+    """Six concurrent token-less calls of 400 MB each: refused UNAUTHENTICATED, and the server
+    does not take their bytes in (it read each whole request before the token check: 4.5 GB),
+    with the metrics interceptor too (it sees the calls first)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n")
+    metrics = ["--metrics-port", str(free_port())] if metrics else []
+    big = b"\x7a" + _varint(400 << 20) + bytes(400 << 20)  # field 15, bytes: one the server does not know
+    with Cluster(tmp_path=tmp_path, server_args=[*pki.server_args(), "--token-file", str(tokens), *metrics],
+                 security=Security(pki.ca_file)) as cluster:
+        server = cluster.processes[0]
+        before = _peak(server.pid)
+        with Security(pki.ca_file).channel(cluster.addresses[0], [("grpc.max_send_message_length", -1)]) as channel:
+            info = channel.unary_unary(f"/{SERVICE.full_name}/Info")
+            results = []
+
+            def call():
+                try:
+                    info(big, timeout=WORKER_TIMEOUT)
+                    results.append(grpc.StatusCode.OK)
+                except grpc.RpcError as error:
+                    results.append(error.code())
+            threads = [threading.Thread(target=call) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(WORKER_TIMEOUT)
+            assert results == [grpc.StatusCode.UNAUTHENTICATED] * 6, results
+            grew = _peak(server.pid) - before
+            with tensorkv.create("dist_sync", servers=cluster.addresses[0], tls_ca=pki.ca_file, token=TOKEN) as kv:
+                kv.init("w", np.ones(3))  # still serving
+    assert grew < 1 << 30, f"the server grew by {grew >> 20} MiB for calls it refused"
+
+
+def _varint(value):
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def test_calls_open_on_one_connection_are_bounded(tmp_path):
+    """A connection holds at most MAX_CONCURRENT_STREAMS calls open: the next one waits until
+    one ends (gRPC set no bound: any number of calls, each with its buffers)."""
+    async def probe(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = channel.stream_stream(f"/{SERVICE.full_name}/Session")
+            info = channel.unary_unary(f"/{SERVICE.full_name}/Info")
+            calls = [session() for _ in range(MAX_CONCURRENT_STREAMS)]
+            await asyncio.wait_for(asyncio.gather(*(call.wait_for_connection() for call in calls)), WORKER_TIMEOUT)
+            with pytest.raises(grpc.aio.AioRpcError) as waited:
+                await info(b"", timeout=3)
+            calls.pop().cancel()
+            await info(b"", timeout=WORKER_TIMEOUT)
+            for call in calls:
+                call.cancel()
+            return waited.value.code()
+
+    with Cluster(tmp_path=tmp_path) as cluster:
+        assert asyncio.run(probe(cluster.addresses[0])) == grpc.StatusCode.DEADLINE_EXCEEDED

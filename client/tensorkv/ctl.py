@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tensorkv import codec
 from tensorkv.dist import parse_servers
-from tensorkv.errors import KVStoreError
+from tensorkv.errors import InvalidArgumentError, KVStoreError
 from tensorkv.rpc import error_from_rpc
 from tensorkv.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintenance_pb2_grpc
@@ -70,8 +70,11 @@ def main(argv=None):
         parser.error("no servers: pass --servers HOST:PORT,... or set TENSORKV_SERVERS")
     if not args.timeout > 0:
         parser.error(f"--timeout must be positive, not {args.timeout:g}")
+    if args.token is not None:
+        parser.error("--token would show the token to every user of this host (in the process list): put it in a "
+                     "file only you can read and pass --token-file FILE, or set TENSORKV_TOKEN")
     try:
-        security = Security.from_options(args.tls_ca, args.tls_cert, args.tls_key, args.token)
+        security = Security.from_options(args.tls_ca, args.tls_cert, args.tls_key, _read_token(args.token_file))
         servers = [Server(address, security, args.timeout) for address in parse_servers(args.servers)]
     except KVStoreError as error:
         parser.error(str(error))
@@ -85,6 +88,20 @@ def main(argv=None):
     finally:
         for server in servers:
             server.channel.close()
+
+
+def _read_token(path):
+    """The token in the file ``path`` (its first word), or None without one."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            words = file.read().split()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidArgumentError(f"--token-file {path}: cannot read it ({error})") from None
+    if not words:
+        raise InvalidArgumentError(f"--token-file {path} holds no token")
+    return words[0]
 
 
 def _parser():
@@ -131,8 +148,10 @@ def _options(parser, defaults):
     parser.add_argument("--tls-cert", default=default(None),
                         help="client certificate, for mutual TLS (default: TENSORKV_TLS_CERT)")
     parser.add_argument("--tls-key", default=default(None), help="its key (default: TENSORKV_TLS_KEY)")
-    parser.add_argument("--token", default=default(None), help="bearer token (default: TENSORKV_TOKEN, which other "
-                                                               "users cannot see in the process list)")
+    parser.add_argument("--token-file", default=default(None), metavar="FILE",
+                        help="file that holds the bearer token (default: TENSORKV_TOKEN); never the token itself "
+                             "on the command line, where every user of the host sees it in the process list")
+    parser.add_argument("--token", default=default(None), help=argparse.SUPPRESS)  # refused: see main
 
 
 # ---- the commands: each returns the exit status ----------------------------------------

@@ -15,7 +15,7 @@ import socket
 import ssl
 import time
 
-from .errors import DeadlineExceededError, KVStoreError, ServerUnavailableError
+from .errors import DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError
 
 ACK = b"\x01"
 FRAME_HEADER = 4  # bytes of the little-endian length before each call and answer framed on the channel
@@ -33,6 +33,14 @@ KEEPALIVE_IDLE = 30
 KEEPALIVE_INTERVAL = 10
 KEEPALIVE_PROBES = 3
 IOV_MAX = 1024  # buffers one recvmsg_into fills at most (Linux's UIO_MAXIOV, macOS's IOV_MAX)
+# The longest answer framed on the channel that a call takes unless it says less (Session.call's
+# answer_bytes): the longest gRPC message, what its answer could be on the stream. A longer
+# announcement is refused before anything is read.
+MAX_ANSWER_BYTES = (1 << 31) - 1
+ANSWER_ROOM = 1 << 20  # the longest answer that carries no values: its id, status and message
+# Bytes of an answer taken in at most at a time: the memory an answer holds grows with the
+# bytes that came, not with the length the server announced.
+ANSWER_PIECE = 1 << 20
 
 
 def lost(error):
@@ -92,7 +100,7 @@ class Channel:
             self._write(arrays)
         except OSError as error:
             try:
-                answer = self.read_answer() if arrays else None
+                answer = self.read_answer(ANSWER_ROOM) if arrays else None
             except KVStoreError:
                 answer = None
             if answer is None:
@@ -101,24 +109,32 @@ class Channel:
             return answer
         return None
 
-    def read_answer(self):
+    def read_answer(self, max_bytes=MAX_ANSWER_BYTES):
         """The serialized SessionResponse framed next on the channel (the bytes its entries
-        announce follow it: :meth:`receive`)."""
+        announce follow it: :meth:`receive`). InternalError, the channel closed, when the server
+        announces more than ``max_bytes`` (what the call's answer can carry)."""
         header = bytearray(FRAME_HEADER)
         self.receive([header])
         size = int.from_bytes(header, "little")
+        if size > max_bytes:
+            self.close()  # the bytes that follow are out of step
+            raise InternalError(f"server {self.address} announced an answer of {size} bytes on the data channel, "
+                                f"more than the {max_bytes} this call's answer can carry; the channel is closed")
         try:  # in one piece as a rule: bytes from the socket, not copied out of a buffer
             self._sock.settimeout(self._remaining())
-            answer = self._sock.recv(size)
+            answer = self._sock.recv(min(size, ANSWER_PIECE))
         except OSError as error:
             raise self._broken(error) from None
         if len(answer) == size:
             return answer
         if not answer:
             raise self._broken(ConnectionResetError("the server closed the data channel"))
-        rest = bytearray(size - len(answer))
-        self.receive([rest])
-        return answer + rest
+        pieces, left = [answer], size - len(answer)
+        while left:
+            pieces.append(bytearray(min(left, ANSWER_PIECE)))
+            self.receive(pieces[-1:])
+            left -= len(pieces[-1])
+        return b"".join(pieces)
 
     def peer_closed(self):
         """Whether the server closed the channel (it does after a call it could not read); the

@@ -302,7 +302,7 @@ class Session:
         self.refused_layouts = set()  # of this stream
 
     def call(self, build, timeout, decode=None, shm_bytes=0, data_channel=False, kind="call", defer=None,
-             read_only=False, layout=None):
+             read_only=False, layout=None, answer_bytes=datachan.MAX_ANSWER_BYTES):
         """``decode(id, serialized SessionResponse, region, channel)`` (default: (id, response))
         for the request that ``build(id, timeout_ms, region, channel)`` returns with the arrays
         whose bytes follow on the data channel, as (serialized SessionRequest, arrays); both
@@ -320,7 +320,11 @@ class Session:
 
         With a ``layout`` (a packed.Layout), None also when the call cannot move its values packed:
         its calls do not go on a channel, or the server refused the layout (or this stream holds
-        packed.MAX_LAYOUTS)."""
+        packed.MAX_LAYOUTS).
+
+        ``answer_bytes``: the longest answer the call can have (its serialized SessionResponse);
+        a server that announces a longer one on the data channel fails the call (InternalError)
+        before anything is allocated for it."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -338,7 +342,8 @@ class Session:
             if not read_only:
                 self._read_unread()
             bytes_channel = channel if data_channel and region is None else None
-            return self._channel_call(channel, build, timeout, decode, region, bytes_channel, kind, defer)
+            return self._channel_call(channel, build, timeout, decode, region, bytes_channel, kind, defer,
+                                      answer_bytes)
         finally:
             self._lock.release()
 
@@ -378,7 +383,7 @@ class Session:
             elif self.data_channel is not None and self.data_channel.closed:
                 self.data_channel = None
 
-    def _channel_call(self, channel, build, timeout, decode, region, bytes_channel, kind, defer):
+    def _channel_call(self, channel, build, timeout, decode, region, bytes_channel, kind, defer, answer_bytes):
         """The call framed on ``channel``; earlier deferred answers read after it is sent. The
         channel stays after an error the server answered (it read every byte the call
         announced); anything else resets the session."""
@@ -393,7 +398,7 @@ class Session:
                 raise datachan.lost(ServerUnavailableError(
                     f"server {self._address}: the data channel closed during the {kind}"))
             if defer is not None:
-                defer.answer = (call_id, decode, region, kind, timeout)
+                defer.answer = (call_id, decode, region, kind, timeout, answer_bytes)
                 defer.sent(request)
                 self._unread.append(defer)
                 return defer
@@ -407,7 +412,7 @@ class Session:
                     earlier = error
             channel.deadline = time.monotonic() + timeout + SESSION_GRACE
             try:
-                result = decode(call_id, channel.read_answer(), region, bytes_channel)
+                result = decode(call_id, channel.read_answer(answer_bytes), region, bytes_channel)
             except BaseException as error:
                 if earlier is None:
                     raise
@@ -436,10 +441,10 @@ class Session:
         try:
             while self._unread:
                 deferred = self._unread[0]
-                call_id, decode, region, kind, timeout = deferred.answer
+                call_id, decode, region, kind, timeout, answer_bytes = deferred.answer
                 channel.deadline = time.monotonic() + timeout + SESSION_GRACE  # the server bounds the call itself
                 try:
-                    decode(call_id, channel.read_answer(), region, None)
+                    decode(call_id, channel.read_answer(answer_bytes), region, None)
                 except KVStoreError as error:
                     if not _answered(error):
                         raise

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 from google.protobuf import message
 
-from . import env, packed, rowsparse_wire, shm, states_wire
+from . import datachan, env, packed, rowsparse_wire, shm, states_wire
 from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
 from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
@@ -712,7 +712,8 @@ class ServerConn:
             defer = Deferred(lambda request, sent=defer.sent: sent(items), defer.answered, defer.failed) \
                 if use_channel and all(item.owned for item in items) else None
         return session.call(build, timeout, decode_response, shm_bytes, use_channel and (in_bytes > 0 or use_output),
-                            kind, defer=defer, read_only=kind in READ_ONLY_CALLS)
+                            kind, defer=defer, read_only=kind in READ_ONLY_CALLS,
+                            answer_bytes=datachan.MAX_ANSWER_BYTES if pulls else datachan.ANSWER_ROOM)
 
 
     def _layout(self, part, keys, shapes):
@@ -775,7 +776,8 @@ class ServerConn:
 
         return session.call(build, timeout, decode_response, data_channel=True, kind=kind,
                             defer=defer if op == kvstore_pb2.SESSION_OP_PUSH else None,
-                            read_only=kind in READ_ONLY_CALLS, layout=layout) is not None
+                            read_only=kind in READ_ONLY_CALLS, layout=layout,
+                            answer_bytes=datachan.ANSWER_ROOM) is not None
 
     def _check_answer(self, response, call_id, kind):
         """Raise the error that the SessionResponse ``response`` of a ``kind`` call carries, or

@@ -78,6 +78,9 @@ def parse_args(argv=None):
                              "(default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
+    parser.add_argument("--metrics-host", metavar="HOST",
+                        help="address the metrics port listens on (default: --host's); it answers anyone who "
+                             "reaches it, without TLS or a token (counts only, no values)")
     security.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="least severe log messages written to stderr (default %(default)s)")
@@ -107,6 +110,7 @@ def parse_args(argv=None):
         parser.error("--snapshot-interval must be 0 (off) or positive")
     if not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be 0 (off) or a port number up to 65535")
+    args.metrics_host = args.metrics_host or args.host
     return args
 
 
@@ -158,7 +162,7 @@ def _serve(args, reexec):
     if args.data_channel:
         check_free(args.host, args.data_port, "--data-port")
     if args.metrics_port:
-        check_free(args.host, args.metrics_port, "--metrics-port")
+        check_free(args.metrics_host, args.metrics_port, "--metrics-port")
     if reexec:  # a process of its own, not a call from Python
         allocator.reexec_with_tunables()
     log.debug("GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES", "(unset)"))
@@ -190,7 +194,7 @@ def _serve(args, reexec):
         if crowded:
             log.warning("%s", crowded)
     try:
-        interceptors = metrics.start(args.metrics_port, args.host, coordinator.engine) if args.metrics_port else []
+        interceptors = metrics.start(args.metrics_port, args.metrics_host, coordinator.engine) if args.metrics_port else []
     except OSError as error:
         raise StartFailed(f"--metrics-port {args.metrics_port}: {error}") from None
     asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,

@@ -4,15 +4,19 @@ of large values for one Session stream (the client's half is ``tensorkv.datachan
 A stream asks for a channel and gets a one-time random token; a connection to the data
 port that sends that token first is bound to that stream, acknowledged with one byte, and
 the token is gone. A connection with an unknown (or already used) token, or none within
-HANDSHAKE_TIMEOUT, is closed, and at most MAX_PENDING connections wait to present one. A
+HANDSHAKE_TIMEOUT, is closed; at most MAX_PENDING connections wait to present one (a new one
+closes the oldest of them, so a worker gets in however many idle ones come). Refusals are
+logged at most once per REFUSAL_LOG_INTERVAL for each reason, with a count. A
 stream's channel is closed when the stream ends, however it ends, when a call that uses it
 fails, and when the server stops. With TLS on the gRPC port, the data port speaks TLS too
 (same certificate; mutual TLS when the gRPC port has it), before the token is read.
 """
 import asyncio
+import collections
 import logging
 import secrets
 import socket
+import time
 import traceback
 
 import numpy as np
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 TOKEN_BYTES = 32
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection gets for the TLS handshake and its token
 MAX_PENDING = 64  # connections that may wait for their handshake and token at once
+REFUSAL_LOG_INTERVAL = 60.0  # seconds between two log lines of refused connections for one reason
 
 
 def bare_host(host):
@@ -54,6 +59,8 @@ class DataPort:
         self._tls_context = tls_context
         self._pending = {}  # token -> (future of the bound link, the peer of the stream it binds to)
         self._tasks = set()
+        self._waiting = collections.OrderedDict()  # task -> its peer, of connections yet to present a token
+        self._refusals = RefusalLog()
         self._accepting = None
 
     def start(self):
@@ -68,18 +75,23 @@ class DataPort:
                 log.warning("data port: accept failed: %s", error)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._tasks) >= MAX_PENDING:
-                log.warning("data channel connection from %s refused: %d connections already wait for their "
-                            "token", peer, MAX_PENDING)
-                conn.close()
-                continue
+            if len(self._waiting) >= MAX_PENDING:
+                oldest, oldest_peer = self._waiting.popitem(last=False)
+                oldest.cancel()
+                self._refusals.note(oldest_peer, f"closed: {MAX_PENDING} newer connections came before its token")
             task = loop.create_task(self._bind(conn, peer))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._waiting[task] = peer
+            task.add_done_callback(self._done)
+
+    def _done(self, task):
+        self._tasks.discard(task)
+        self._waiting.pop(task, None)
 
     async def _bind(self, conn, peer):
         try:
             link, token = await asyncio.wait_for(self._handshake(conn), HANDSHAKE_TIMEOUT)
+            self._waiting.pop(asyncio.current_task(), None)  # no longer one to close for a newer one
             waiter, stream = self._pending.pop(token, (None, None))
             if waiter is None or waiter.done():
                 raise ConnectionRefusedError("unknown or used token")
@@ -88,9 +100,9 @@ class DataPort:
             log.info("data channel from %s:%d bound to the stream of %s", *peer[:2], stream)
         except (OSError, EOFError, asyncio.TimeoutError) as error:  # ssl.SSLError is an OSError
             reason = f"no token within {HANDSHAKE_TIMEOUT:g} s" if isinstance(error, asyncio.TimeoutError) else error
-            log.warning("data channel connection from %s refused: %s", peer, reason)
+            self._refusals.note(peer, str(reason))
             conn.close()
-        except asyncio.CancelledError:  # the server is stopping
+        except asyncio.CancelledError:  # the server is stopping, or a newer connection took its place
             conn.close()
             raise
 
@@ -118,6 +130,30 @@ class DataPort:
         for task in list(self._tasks):
             task.cancel()
         self._listener.close()
+
+
+class RefusalLog:
+    """Log lines for refused data-channel connections: the first of each reason at once, then
+    at most one per ``interval`` seconds for it, with the count of those in between, so that
+    junk connections cannot flood the log."""
+
+    KEPT = 1024  # reasons remembered at most (an error's text may vary)
+
+    def __init__(self, interval=REFUSAL_LOG_INTERVAL, clock=time.monotonic):
+        self._interval, self._clock = interval, clock
+        self._last = {}  # reason -> (when its last line was written, refusals since)
+
+    def note(self, peer, reason):
+        now = self._clock()
+        logged, since = self._last.get(reason, (None, 0))
+        if logged is not None and now - logged < self._interval:
+            self._last[reason] = logged, since + 1
+            return
+        if len(self._last) >= self.KEPT:  # forget those quiet for an interval
+            self._last = {kept: entry for kept, entry in self._last.items() if now - entry[0] < self._interval}
+        more = f" ({since} more since the last such line)" if since else ""
+        log.warning("data channel connection from %s refused: %s%s", peer, reason, more)
+        self._last[reason] = now, 0
 
 
 class StreamChannel:

@@ -13,6 +13,7 @@ import inspect
 import time
 
 import grpc
+from google.protobuf import descriptor_pool
 from prometheus_client.core import REGISTRY, CounterMetricFamily, HistogramMetricFamily
 
 # prometheus_client's (and go-grpc-prometheus's) default buckets, in seconds.
@@ -74,8 +75,7 @@ class _Method:
 
     def __init__(self, path, handler):
         service, name = path.lstrip("/").rsplit("/", 1)
-        kind, self._attribute, self._factory = _KINDS[handler.request_streaming, handler.response_streaming]
-        self.labels = [kind, service, name]
+        self.labels = [_KINDS[_streaming(service, name, handler)][0], service, name]
         self.started = 0
         self.handled = {}  # status code name -> calls
         self.buckets = [0] * (len(BUCKETS) + 1)  # calls by the first bucket bound they fit under
@@ -85,11 +85,12 @@ class _Method:
     def observed(self, handler):
         """``handler`` (this method's, or a refusal of this call) wrapped to record its call."""
         last, wrapped = self._last
-        if handler is not last:
-            behavior = getattr(handler, self._attribute)
+        if handler is not last:  # of its own kind: a refusal streams its requests (it reads none)
+            _, attribute, factory = _KINDS[handler.request_streaming, handler.response_streaming]
+            behavior = getattr(handler, attribute)
             wrap = self._generator if inspect.isasyncgenfunction(behavior) else self._coroutine
-            wrapped = self._factory(wrap(behavior), request_deserializer=handler.request_deserializer,
-                                    response_serializer=handler.response_serializer)
+            wrapped = factory(wrap(behavior), request_deserializer=handler.request_deserializer,
+                              response_serializer=handler.response_serializer)
             self._last = handler, wrapped
         return wrapped
 
@@ -110,6 +111,17 @@ class _Method:
         self.seconds += elapsed
         self.buckets[bisect.bisect_left(BUCKETS, elapsed)] += 1
         self.handled[code] = self.handled.get(code, 0) + 1
+
+
+def _streaming(service, name, handler):
+    """(request streaming, response streaming) of method ``name`` of ``service``, as its
+    descriptor says (the token check's refusal of a unary call streams its requests), else
+    as ``handler`` does."""
+    try:
+        method = descriptor_pool.Default().FindMethodByName(f"{service}.{name}")
+    except KeyError:
+        return handler.request_streaming, handler.response_streaming
+    return method.client_streaming, method.server_streaming
 
 
 class _Call:

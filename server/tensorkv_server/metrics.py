@@ -8,10 +8,15 @@ No label takes a key name, so the series stay few however many keys are stored. 
 metrics (``process_``, ``python_``) come with prometheus-client's default registry, the
 gRPC ones from :mod:`.grpc_metrics`.
 """
+import collections
+import io
+import logging
+import selectors
 import socket
+import socketserver
 import threading
 import time
-from http.server import ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import numpy as np
@@ -21,6 +26,8 @@ from prometheus_client.exposition import MetricsHandler
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
 from .grpc_metrics import MetricsInterceptor
+
+log = logging.getLogger(__name__)
 
 prometheus_client.disable_created_metrics()  # no _created series beside each counter
 
@@ -189,7 +196,17 @@ LIVENESS = Liveness()
 
 
 class _Handler(MetricsHandler):
-    """/healthz: LIVENESS; any other path: the metrics."""
+    """/healthz: LIVENESS; any other path: the metrics. One request per connection, whose head
+    (``request``: (the socket, the bytes of the head)) was read by :class:`HttpPort`."""
+
+    def setup(self):
+        self.connection, head = self.request
+        self.connection.settimeout(HttpPort.SEND_TIMEOUT)
+        self.rfile = io.BytesIO(head)
+        self.wfile = socketserver._SocketWriter(self.connection)
+
+    def handle(self):
+        self.handle_one_request()
 
     def do_GET(self):
         if urlparse(self.path).path != "/healthz":
@@ -204,19 +221,112 @@ class _Handler(MetricsHandler):
         self.wfile.write(body)
 
 
+class HttpPort:
+    """The metrics port, whose connections cannot exhaust the server: one thread waits on all
+    of them and reads each request's head as its bytes come; a request whose head is whole is
+    answered by one of THREADS threads, then its connection is closed. At most CONNECTIONS are
+    open, being answered or not: a new one closes the oldest that has not sent a whole head (so
+    a probe always gets in; none left to close, the new one is), and one that has not within
+    IDLE_TIMEOUT seconds is closed (a thread per connection, kept for ever, let idle
+    connections take every thread the process may have)."""
+
+    CONNECTIONS = 128
+    THREADS = 4
+    IDLE_TIMEOUT = 30.0
+    HEAD_BYTES = 16 << 10  # a longer request head is refused (closed)
+    SEND_TIMEOUT = 10.0  # seconds an answer may wait for the client to take it
+
+    def __init__(self, host, port):
+        bare = host[1:-1] if host.startswith("[") else host
+        ipv6 = ":" in bare  # then both families, as the gRPC port serves them
+        self._listener = socket.create_server((bare, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
+                                              dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._waiting = collections.OrderedDict()  # socket -> (its peer, when it came, the head so far)
+        self._answering = ThreadPoolExecutor(self.THREADS, thread_name_prefix="metrics-http")
+        self._busy = 0  # connections handed to the threads and not yet closed
+        self._busy_lock = threading.Lock()
+
+    def serve_forever(self):
+        while True:
+            for selected, _ in self._selector.select(self.IDLE_TIMEOUT / 4):
+                if selected.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._read(selected.fileobj)
+            self._close_idle()
+
+    def _accept(self):
+        try:
+            conn, peer = self._listener.accept()
+        except OSError as error:  # e.g. out of file descriptors
+            log.warning("metrics port: accept failed: %s", error)
+            time.sleep(0.1)
+            return
+        if len(self._waiting) + self._busy >= self.CONNECTIONS:
+            if not self._waiting:
+                conn.close()
+                return
+            self._close(next(iter(self._waiting)))
+        conn.setblocking(False)
+        self._waiting[conn] = peer, time.monotonic(), b""
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    def _read(self, conn):
+        peer, came, head = self._waiting[conn]
+        try:
+            data = conn.recv(self.HEAD_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        head += data
+        if not data or len(head) > self.HEAD_BYTES:
+            self._close(conn)
+        elif b"\r\n\r\n" in head or b"\n\n" in head:
+            self._selector.unregister(conn)
+            del self._waiting[conn]
+            conn.setblocking(True)
+            with self._busy_lock:
+                self._busy += 1
+            self._answering.submit(self._answer, conn, peer, head)
+        else:
+            self._waiting[conn] = peer, came, head
+
+    def _answer(self, conn, peer, head):
+        try:
+            _Handler((conn, head), peer, self)
+        except Exception as error:  # e.g. a client gone mid-answer: the others are served still
+            log.debug("metrics port: answering %s failed: %s", peer, error)
+        finally:
+            conn.close()
+            with self._busy_lock:
+                self._busy -= 1
+
+    def _close_idle(self):
+        stale = time.monotonic() - self.IDLE_TIMEOUT
+        while self._waiting:
+            conn, (_, came, _) = next(iter(self._waiting.items()))
+            if came > stale:
+                break
+            self._close(conn)
+
+    def _close(self, conn):
+        self._selector.unregister(conn)
+        del self._waiting[conn]
+        conn.close()
+
+
 def start(port, host, engine):
     """Serve the metrics as Prometheus text on http://host:port/metrics, and the server's
-    liveness on /healthz (Liveness), in a thread; the server interceptors that record the
-    gRPC metrics. An ``engine`` on CuPy adds the memory of its device."""
+    liveness on /healthz (Liveness), in a thread (HttpPort); the server interceptors that
+    record the gRPC metrics. An ``engine`` on CuPy adds the memory of its device."""
     if engine.xp is not np:
         _watch_device_memory(engine)
-    bare = host[1:-1] if host.startswith("[") else host
-
-    class HttpServer(ThreadingHTTPServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in bare else socket.AF_INET
-
-    http = HttpServer((bare, port), _Handler)
+    http = HttpPort(host, port)
     threading.Thread(target=http.serve_forever, name="metrics-http", daemon=True).start()
     return [MetricsInterceptor()]
 

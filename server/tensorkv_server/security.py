@@ -310,7 +310,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                 why = "this server requires a token"
             return self._refusal(handler, details.method, why, UnauthenticatedError(
                 f"{why}: give a token of the server's --token-file (Python: token= or TENSORKV_TOKEN; the CLI: "
-                "--token)"))
+                "--token-file)"))
         if read_only and details.method not in READ_ONLY_METHODS:
             return self._refusal(handler, details.method, "a read-only token may not call it", PermissionDeniedError(
                 f"a read-only token may call only Info, Pull, GetOptimizerStates, ListKeys and ReadKey, not "
@@ -318,13 +318,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _read_only(handler) if read_only else handler
 
     def _refusal(self, handler, method, why, error):
-        """A handler of the same kind as ``handler`` that logs the refusal (RefusalLog) and
-        fails the call with ``error``."""
-        async def refuse(request, context):
+        """A handler that logs the refusal (RefusalLog) and fails the call with ``error``
+        without reading its request: one that streams its requests, which gRPC reads only
+        when asked (it reads a unary request whole before the handler runs: a caller without
+        a token would have the server take in gRPC's longest message per call)."""
+        async def refuse(requests, context):
             self._refusals.note(context.peer(), method.rsplit("/", 1)[1], why, error.code)
             await context.abort(grpc.StatusCode[error.code], str(error),
                                 trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
-        return _HANDLERS[handler.request_streaming, handler.response_streaming](refuse)
+        return _HANDLERS[True, handler.response_streaming](refuse)
 
     def _lookup(self, presented):
         """Whether the token ``presented`` (bytes) is read-only; None when it is not a known

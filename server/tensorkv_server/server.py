@@ -62,15 +62,21 @@ def check_free(host, port, flag):
 
 
 _GRPC_MAX = (1 << 31) - 1  # the longest message gRPC takes
+# Calls open at once on one connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS; gRPC's own
+# default sets no bound): a client's further calls wait until one ends. A worker holds its
+# Session stream and a call or two per thread that uses the store.
+MAX_CONCURRENT_STREAMS = 100
 
 
 def _options(limits):
     """The gRPC server's options: a message longer than a call may be is refused unread
-    (RESOURCE_EXHAUSTED), before the token check, which runs once gRPC has read a unary
-    call's request (gRPC takes at most 2 GiB - 1)."""
+    (RESOURCE_EXHAUSTED; gRPC takes at most 2 GiB - 1), and MAX_CONCURRENT_STREAMS calls per
+    connection. A call without a valid token is refused before its request is read
+    (security.TokenInterceptor)."""
     longest = min(max_call_bytes(limits) or _GRPC_MAX, _GRPC_MAX)
     return [option for option in SERVER_OPTIONS if option[0] != "grpc.max_receive_message_length"] + \
-        [("grpc.max_receive_message_length", longest)] + EXCLUSIVE_PORT
+        [("grpc.max_receive_message_length", longest), ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)] + \
+        EXCLUSIVE_PORT
 
 
 class SnapshotFailed(Exception):
