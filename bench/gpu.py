@@ -443,7 +443,8 @@ def markdown(result, command):
     lines = [
         f"`{command}` on {result['date']}, commit {result['commit']}",
         "",
-        f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs, Python "
+        f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs "
+        f"({result['machine']['cpu'] or '?'}), Python "
         f"{result['machine']['python']}, NumPy {result['machine']['numpy']}, grpcio {result['machine']['grpcio']}; "
         + (f"GPU {facts['gpu']}, CuPy {facts['cupy']}, CUDA runtime {facts['cuda_runtime']}, driver "
            f"{facts['driver'] or '?'} (CUDA {facts['cuda_driver']}); torch {result.get('torch') or '—'}"
@@ -480,6 +481,16 @@ def markdown(result, command):
     return "\n".join(lines) + "\n"
 
 
+def cpu_model():
+    """The processor's model name (/proc/cpuinfo), else platform.processor()."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
 def commit():
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True,
@@ -513,7 +524,8 @@ def main(argv=None):
     finally:
         signal.alarm(0)
     torch, _ = torch_cuda_or_why() if "gpu" in result else (None, None)
-    result.update(command=command, commit=commit(), machine=machine(), torch=torch and torch.__version__,
+    result.update(command=command, commit=commit(), machine={**machine(), "cpu": cpu_model()},
+                  torch=torch and torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   seconds=time.monotonic() - started, quick=args.quick)
     annotate(result)
