@@ -59,6 +59,18 @@ GPU_PYTHON ?= python3
 test-gpu:
 	PYTHONPATH=$(CURDIR)/client:$(CURDIR)/server$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q -rs -m gpu tests/test_gpu.py
 
+# `make bench-gpu`: the GPU baseline (bench/gpu.py) run by GPU_PYTHON on the tree as it is, as
+# test-gpu: the machine's limits (device copy, pinned and pageable H2D/D2H, host memcpy) and
+# push+pull from CuPy, NumPy and torch values to GPU and CPU servers on this host, Adam on each;
+# -> bench-results/gpu.{json,md}. Without a CUDA device it measures the CPU rows alone and says
+# so. GPU_PYTHON needs, besides CuPy (and torch for the torch row), what pyproject.toml pins:
+# grpcio 1.85.1, grpcio-health-checking 1.85.1, grpcio-reflection 1.85.1, protobuf 7.36.2 and
+# cryptography, whose wheels are carried to a GPU machine whose image lacks them (numpy, numba,
+# ml_dtypes, prometheus-client too where missing). `make bench-gpu BENCH_ARGS=--quick`: a smoke run.
+.PHONY: bench-gpu
+bench-gpu:
+	PYTHONPATH=$(CURDIR)/client:$(CURDIR)/server$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu.py $(BENCH_ARGS)
+
 proto: $(STAMP)
 	$(PY) -c 'import setup; setup.generate_protos()'
 
