@@ -105,6 +105,20 @@ def test_get_updater_updates_as_the_store_does_and_counts_in_num_update():
     assert stored.num_update == 2
 
 
+def test_an_updater_given_lists_of_other_lengths_updates_nothing():
+    """updater(keys, grads, weights) with fewer gradients than keys updated the first keys and
+    skipped the rest without a word (zip); MXNet's raises. Refused, nothing updated."""
+    sgd = optimizer.SGD(learning_rate=0.5)
+    updater = optimizer.get_updater(sgd)
+    w, b = np.ones(3, np.float32), np.ones(2, np.float32)
+    with pytest.raises(tensorkv.InvalidArgumentError, match="a list of 2 keys takes a list of as many gradients and "
+                                                            "one of as many weights, got a list of 1 and a list of 2"):
+        updater(["w", "b"], [np.ones(3, np.float32)], [w, b])
+    with pytest.raises(tensorkv.InvalidArgumentError, match="got a list of 2 and a ndarray"):
+        updater(["w", "b"], [np.ones(3, np.float32), np.ones(2, np.float32)], w)
+    assert w.tolist() == [1, 1, 1] and b.tolist() == [1, 1] and sgd.num_update == 0
+
+
 def test_num_update_of_an_optimizer_sent_to_a_server_stays_as_in_mxnet(tmp_path):
     """A dist store's server updates with its own copy (MXNet pickles it): the worker's object
     keeps num_update 0, and set_learning_rate keeps a local store's count."""

@@ -1114,6 +1114,11 @@ def check(optimizer, what):
         "tensorkv.optimizer.create(name, learning_rate=...) or a class such as tensorkv.optimizer.SGD(...)")
 
 
+def _counted(given):
+    """'a list of N' or 'a TYPE' (for an error message)."""
+    return f"a {type(given).__name__} of {len(given)}" if isinstance(given, (list, tuple)) else f"a {type(given).__name__}"
+
+
 def copy(optimizer):
     """A new optimizer equal to ``optimizer``."""
     return create(optimizer.name, lr_scheduler=optimizer.lr_scheduler, lr_mult=optimizer.lr_mult,
@@ -1182,6 +1187,10 @@ class Updater:
         """Update ``weight`` in place by ``grad``; or, as MXNet's, each of lists of keys,
         gradients and weights (:meth:`update_each`)."""
         if isinstance(key, (list, tuple)):
+            if not all(isinstance(given, (list, tuple)) and len(given) == len(key) for given in (grad, weight)):
+                raise InvalidArgumentError(
+                    f"an updater given a list of {len(key)} keys takes a list of as many gradients and one of as many "
+                    f"weights, got {_counted(grad)} and {_counted(weight)}")
             self.update_each(list(zip(key, grad, weight)))
             return
         self._step(key, weight, grad,
