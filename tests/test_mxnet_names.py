@@ -68,6 +68,18 @@ def test_lazy_update_false_updates_every_row_on_a_row_sparse_push(kv, make):
     assert make(False).params["lazy_update"] == 0.0 and "lazy_update" not in make(True).params
 
 
+def test_lazy_update_leaves_the_other_arguments_where_they_were():
+    """lazy_update came after SGD's and Adam's other arguments: SGD(0.1, 0.9, 1e-4) has wd
+    1e-4 as before (it took 1e-4 for lazy_update, a true value, and dropped the weight decay)."""
+    sgd = optimizer.SGD(0.1, 0.9, 1e-4, 0.5)
+    assert (sgd.learning_rate, sgd.momentum, sgd.wd, sgd.rescale_grad, sgd.lazy_update) == (0.1, 0.9, 1e-4, 0.5, True)
+    adam = optimizer.Adam(0.01, 0.8, 0.99, 1e-6, 1e-4)
+    assert (adam.epsilon, adam.wd, adam.lazy_update) == (1e-6, 1e-4, True)
+    lars = optimizer.LARS(0.1, 0.9, False, 0.002)  # LARS has taken lazy_update third all along
+    assert (lars.momentum, lars.lazy_update, lars.eta, lars.wd) == (0.9, False, 0.002, 0.0)
+    assert optimizer.SGD(lazy_update=False).lazy_update is False
+
+
 def test_nag_takes_no_lazy_update_as_in_mxnet():
     with pytest.raises(TypeError):
         optimizer.NAG(lazy_update=False)
@@ -91,6 +103,20 @@ def test_get_updater_updates_as_the_store_does_and_counts_in_num_update():
         np.testing.assert_array_equal(kv.pull("w"), w)
         np.testing.assert_array_equal(kv.pull("b"), b)
     assert stored.num_update == 2
+
+
+def test_an_updater_given_lists_of_other_lengths_updates_nothing():
+    """updater(keys, grads, weights) with fewer gradients than keys updated the first keys and
+    skipped the rest without a word (zip); MXNet's raises. Refused, nothing updated."""
+    sgd = optimizer.SGD(learning_rate=0.5)
+    updater = optimizer.get_updater(sgd)
+    w, b = np.ones(3, np.float32), np.ones(2, np.float32)
+    with pytest.raises(tensorkv.InvalidArgumentError, match="a list of 2 keys takes a list of as many gradients and "
+                                                            "one of as many weights, got a list of 1 and a list of 2"):
+        updater(["w", "b"], [np.ones(3, np.float32)], [w, b])
+    with pytest.raises(tensorkv.InvalidArgumentError, match="got a list of 2 and a ndarray"):
+        updater(["w", "b"], [np.ones(3, np.float32), np.ones(2, np.float32)], w)
+    assert w.tolist() == [1, 1, 1] and b.tolist() == [1, 1] and sgd.num_update == 0
 
 
 def test_num_update_of_an_optimizer_sent_to_a_server_stays_as_in_mxnet(tmp_path):

@@ -5,7 +5,6 @@ import contextlib
 import fcntl
 import ipaddress
 import os
-import shutil
 import subprocess
 import sys
 
@@ -77,19 +76,35 @@ def test_ipv6_and_ipv4_mapped_ends():
     assert server_shm.peer_uid("unix:/tmp/socket") is None and server_shm.peer_uid("ipv4:nonsense") is None
 
 
-# Run as another user: leaves TIME_WAIT connections (uid 0 in /proc/net/tcp) on a port of its
-# own, connects from that port to the server at argv[3] (through a relay in this process, as
-# gRPC cannot choose its source port) and registers descriptor argv[2] of process argv[1], a
-# memfd of root that starts with zeros, with a token of zeros. It tries argv[4] ports, each
-# with argv[5] TIME_WAIT connections, and prints one line per try: the count of TIME_WAIT
-# rows seen on the port, the answer's code and its message.
-_BORROWED_PORT = """
-import socket, sys, threading, time
+# Started as root, a script becomes user argv[1] (every uid and gid, no groups) once it has
+# imported what it needs: it runs where only root can read the checkout and its .venv (a clone
+# under a 0700 directory, where the venv's Python run as another user finds no grpc), and
+# what it makes after that is that user's.
+_BECOME = """
+import os, sys
+def become(uid):
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    assert os.getresuid() == os.getresgid() == (uid,) * 3 and not os.getgroups()
+"""
+
+# Run as another user (argv[1]): leaves TIME_WAIT connections (uid 0 in /proc/net/tcp) on a
+# port of its own, connects from that port to the server at argv[4] (through a relay in this
+# process, as gRPC cannot choose its source port) and registers descriptor argv[3] of process
+# argv[2], a memfd of root that starts with zeros, with a token of zeros. It tries argv[5]
+# ports, each with argv[6] TIME_WAIT connections, and prints one line per try: the count of
+# TIME_WAIT rows seen on the port, the answer's code and its message. The relays' listening
+# sockets and the channels to them are made before it becomes that user (gRPC imports modules
+# as it goes); every socket whose owner the server looks at after.
+_BORROWED_PORT = _BECOME + """
+import socket, threading, time
 import grpc
 from tensorkv.rpc import CHANNEL_OPTIONS, Session
 from tensorkv.v1 import kvstore_pb2
 
-pid, fd, address, tries, waits = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+uid, pid, fd, address = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+tries, waits = int(sys.argv[5]), int(sys.argv[6])
 server = address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1])
 
 
@@ -100,10 +115,14 @@ def bound(port):
     return sock
 
 
+# How many of the connections from port to the listeners are in TIME_WAIT as root's: distinct
+# ones (a read of /proc/net/tcp while other sockets come and go may list a row twice), and only
+# those to the listeners (other connections of the host may have used the port before).
 def time_waits(port):
     with open("/proc/net/tcp") as table:
         rows = [line.split() for line in table.read().splitlines()[1:]]
-    return sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "06" and row[7] == "0")
+    return len({int(row[2].split(":")[1], 16) for row in rows
+                if int(row[1].split(":")[1], 16) == port and row[3] == "06" and row[7] == "0"} & targets)
 
 
 def relay(source, sink):
@@ -119,13 +138,24 @@ def relay(source, sink):
             pass
 
 
+relays = []
+for _ in range(tries):
+    front = socket.socket()
+    front.bind(("127.0.0.1", 0))
+    front.listen(1)
+    here = "127.0.0.1:%d" % front.getsockname()[1]
+    channel = grpc.insecure_channel(here, options=CHANNEL_OPTIONS)
+    relays.append((front, channel, Session(channel, here, shm_allowed=True)))  # not connected yet
+become(uid)
+
 listeners = []
 for _ in range(waits):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)
     listeners.append(listener)
-for _ in range(tries):
+targets = {listener.getsockname()[1] for listener in listeners}
+for front, channel, session in relays:
     probe = bound(0)
     port = probe.getsockname()[1]
     probe.close()
@@ -135,14 +165,11 @@ for _ in range(tries):
         accepted, _ = listener.accept()
         sock.close()
         accepted.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time_waits(port) < waits and time.monotonic() < deadline:
         time.sleep(0.01)
     back = bound(port)
     back.connect(server)
-    front = socket.socket()
-    front.bind(("127.0.0.1", 0))
-    front.listen(1)
 
     def serve():
         accepted, _ = front.accept()
@@ -150,15 +177,12 @@ for _ in range(tries):
         relay(back, accepted)
 
     threading.Thread(target=serve, daemon=True).start()
-    here = "127.0.0.1:%d" % front.getsockname()[1]
-    channel = grpc.insecure_channel(here, options=CHANNEL_OPTIONS)
-    session = Session(channel, here, shm_allowed=True)
 
     def build(call_id, timeout_ms, region, data_channel):
         return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
             region=kvstore_pb2.SharedMemoryRegion(pid=pid, fd=fd, size=4096, token=bytes(32))).SerializeToString(), ()
 
-    answer = kvstore_pb2.SessionResponse.FromString(session.call(build, 10.0)[1])
+    answer = kvstore_pb2.SessionResponse.FromString(session.call(build, 30.0)[1])
     print(time_waits(port), answer.code, answer.message, flush=True)
     session.close()
     channel.close()
@@ -168,11 +192,13 @@ for _ in range(tries):
 """
 
 
-# Run as the victim: a sealed memfd of 4096 bytes whose first bytes are zeros; prints its pid
-# and descriptor, and holds it until its stdin closes.
-_VICTIM = """
-import fcntl, os, sys
+# Run as the victim, user argv[1] (0: root, as started): a sealed memfd of 4096 bytes whose
+# first bytes are zeros; prints its pid and descriptor, and holds it until its stdin closes.
+_VICTIM = _BECOME + """
+import fcntl
 from tensorkv import shm
+if int(sys.argv[1]):
+    become(int(sys.argv[1]))
 fd = os.memfd_create("not-a-tensorkv-region", os.MFD_ALLOW_SEALING)
 os.ftruncate(fd, 4096)
 os.pwrite(fd, b"a secret of the victim's", 64)
@@ -183,17 +209,13 @@ sys.stdin.read()
 VICTIM_UID, CALLER_UID = 65533, 65534
 
 
-def _as_user(uid):
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c"]
-
-
 @contextlib.contextmanager
 def victim_memfd(uid, cwd):
     """(pid, descriptor) of a sealed memfd of the user ``uid`` (0: root, this process's own)
     whose first bytes are zeros, held by a process of that user while in the block: memory
     that another user must not get the server to map."""
-    command = [*_as_user(uid), _VICTIM] if uid else [sys.executable, "-c", _VICTIM]
-    victim = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd)
+    victim = subprocess.Popen([sys.executable, "-c", _VICTIM, str(uid)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=cwd)
     try:
         pid, fd = map(int, victim.stdout.readline().split())
         yield pid, fd
@@ -202,7 +224,7 @@ def victim_memfd(uid, cwd):
         stop(victim)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run callers as others")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run callers as others")
 @pytest.mark.parametrize("victim_uid", [0, VICTIM_UID], ids=["root's", "another user's"])
 def test_a_time_wait_connection_on_the_callers_port_lends_it_no_uid(tmp_path, victim_uid):
     """Issue 31: the server took the first /proc/net/tcp row of the caller's local port as its
@@ -211,8 +233,9 @@ def test_a_time_wait_connection_on_the_callers_port_lends_it_no_uid(tmp_path, vi
     (or of root) that starts with zeros, whose bytes the server then read and wrote for it."""
     tries, waits = 8, 16
     with victim_memfd(victim_uid, tmp_path) as (pid, fd), Cluster(tmp_path=tmp_path) as cluster:
-        done = subprocess.run([*_as_user(CALLER_UID), _BORROWED_PORT, str(pid), str(fd), cluster.addresses[0],
-                               str(tries), str(waits)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        done = subprocess.run([sys.executable, "-c", _BORROWED_PORT, str(CALLER_UID), str(pid), str(fd),
+                               cluster.addresses[0], str(tries), str(waits)], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         answers = [line.split(" ", 2) for line in done.stdout.splitlines()]
         for seen, code, message in answers:

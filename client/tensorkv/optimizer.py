@@ -392,8 +392,9 @@ class SGD(Optimizer):
     name = "sgd"
     _UNSENT = dict(Optimizer._UNSENT, lazy_update=True)
 
-    def __init__(self, learning_rate=None, momentum=0.0, lazy_update=True, wd=0.0, rescale_grad=1.0,
-                 clip_gradient=None, lr_scheduler=None, multi_precision=False):
+    # lazy_update is keyword-only: added after wd and the rest, it leaves their positions as they were.
+    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, multi_precision=False, *, lazy_update=True):
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.momentum = _number("momentum", momentum)
         self.lazy_update = _flag("lazy_update", lazy_update)
@@ -432,9 +433,9 @@ class Adam(Optimizer):
     name = "adam"
     _UNSENT = dict(Optimizer._UNSENT, lazy_update=True)
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, lazy_update=True, wd=0.0,
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
                  rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
-                 multi_precision=False):
+                 multi_precision=False, *, lazy_update=True):  # keyword-only, as SGD's
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.lazy_update = _flag("lazy_update", lazy_update)
         self.beta1 = _number("beta1", beta1)
@@ -962,8 +963,8 @@ class LARS(SGD):
     def __init__(self, learning_rate=None, momentum=0.0, lazy_update=True, eta=0.001, eps=0.0,
                  momentum_correction=True, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
                  multi_precision=False):
-        super().__init__(learning_rate, momentum, lazy_update, wd, rescale_grad, clip_gradient, lr_scheduler,
-                         multi_precision)
+        super().__init__(learning_rate, momentum, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision,
+                         lazy_update=lazy_update)
         self.eta = _number("eta", eta)
         self.eps = _number("eps", eps, LARS_RANGES)
         self.momentum_correction = _flag("momentum_correction", momentum_correction)
@@ -1113,6 +1114,11 @@ def check(optimizer, what):
         "tensorkv.optimizer.create(name, learning_rate=...) or a class such as tensorkv.optimizer.SGD(...)")
 
 
+def _counted(given):
+    """'a list of N' or 'a TYPE' (for an error message)."""
+    return f"a {type(given).__name__} of {len(given)}" if isinstance(given, (list, tuple)) else f"a {type(given).__name__}"
+
+
 def copy(optimizer):
     """A new optimizer equal to ``optimizer``."""
     return create(optimizer.name, lr_scheduler=optimizer.lr_scheduler, lr_mult=optimizer.lr_mult,
@@ -1181,6 +1187,10 @@ class Updater:
         """Update ``weight`` in place by ``grad``; or, as MXNet's, each of lists of keys,
         gradients and weights (:meth:`update_each`)."""
         if isinstance(key, (list, tuple)):
+            if not all(isinstance(given, (list, tuple)) and len(given) == len(key) for given in (grad, weight)):
+                raise InvalidArgumentError(
+                    f"an updater given a list of {len(key)} keys takes a list of as many gradients and one of as many "
+                    f"weights, got {_counted(grad)} and {_counted(weight)}")
             self.update_each(list(zip(key, grad, weight)))
             return
         self._step(key, weight, grad,
