@@ -185,7 +185,11 @@ class Trainer:
         True (None: the default): the optimizer is installed on the store now and runs there (on
         the servers of a dist store). False, as gluon's: the store only sums the gradients
         (:meth:`allreduce_grads`) and the optimizer runs here on every worker
-        (:meth:`update`); refused for 'dist_async', as in gluon.
+        (:meth:`update`); refused for 'dist_async', as in gluon. In that mode the servers hold
+        each parameter's last gradient sum under its key, never its weights (as MXNet's do): a
+        worker that joins a run going on (a replacement rank, ``if_exists='resume'``, a job's
+        worker after its server restarted from a snapshot) would take gradient sums for
+        weights, so train such jobs with the default.
 
     The first :meth:`step` (or :meth:`allreduce_grads`, :meth:`update`, :meth:`save_states`,
     :meth:`load_states`) initializes every parameter's key with ``kv.init`` and pulls it back,
