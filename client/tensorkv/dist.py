@@ -188,7 +188,7 @@ class DistStore(KVStore):
         if session is None:
             session = not env.flag("TENSORKV_NO_SESSION")
         job = job or os.environ.get("TENSORKV_JOB") or ""
-        self._conns = [ServerConn(address, self._security, timeout, session, job) for address in addresses]
+        self._conns = [ServerConn(address, self._security, timeout, session, job, self._bound) for address in addresses]
         self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         self._lists = FusedLists()  # of the lists of keys pushed and pulled (tensorkv.fusion)

@@ -93,10 +93,11 @@ class ServerConn:
     does not hold the round before it (KNOWN GAP: what closes it is the round of each push on
     the wire, so that the server can place every push sent again)."""
 
-    def __init__(self, address, security, timeout, session=True, job=""):
+    def __init__(self, address, security, timeout, session=True, job="", bigarray_bound=0):
         self.address = address
         self.timeout = timeout
         self.job = job  # RegisterRequest.job of every registration
+        self.bigarray_bound = bigarray_bound  # RegisterRequest.bigarray_bound of every registration
         self._security = security
         self._uses_session = session
         self._connect()
@@ -162,6 +163,7 @@ class ServerConn:
         the registration is answered, so that the server makes it once."""
         request = kvstore_pb2.RegisterRequest(rank=rank, if_exists=if_exists, previous_incarnation=previous,
                                               request_id=self._request_id, job=self.job,
+                                              bigarray_bound=self.bigarray_bound,
                                               earlier_incarnations=self._earlier if previous is not None else ())
         response = self._through_resets("register", self.stub.Register, request,
                                         self.timeout if timeout is None else timeout)

@@ -67,14 +67,16 @@ FAILURES_KEPT = 16
 
 class Run:
     """One run: its number (1, 2, ... since the server started), its ``if_exists`` and the
-    ``job`` of the registration that started it ("": none named)."""
+    ``job`` of the registration that started it ("": none named), and the bigarray bound its
+    workers slice values by (RegisterRequest.bigarray_bound; 0: none said yet)."""
 
-    __slots__ = ("number", "if_exists", "job")
+    __slots__ = ("number", "if_exists", "job", "bigarray_bound")
 
     def __init__(self, number, if_exists, job=""):
         self.number = number
         self.if_exists = if_exists
         self.job = job
+        self.bigarray_bound = 0
 
 
 class _Lease:
@@ -232,6 +234,17 @@ class Membership:
                  rank, incarnation, len(self.incarnations), self.num_workers,
                  extra={"event": "worker_registered", "rank": rank})
         return rank, incarnation, not going
+
+    def check_bound(self, bound):
+        """FailedPreconditionError when ``bound`` (a worker's RegisterRequest.bigarray_bound)
+        is not the bound of the run whose workers are registered: their slices of a value
+        would not meet, and rounds of the key would wait for pushes that never come."""
+        run_bound = self.run.bigarray_bound if self.running else 0
+        if bound and run_bound and bound != run_bound:
+            raise FailedPreconditionError(
+                f"this worker slices values of more than {bound} elements over the servers, but the workers of "
+                f"run {self.run.number} (ranks {self.ranks} registered) slice those of more than {run_bound}: give "
+                "every worker of a job the same TENSORKV_BIGARRAY_BOUND (bigarray_bound=)")
 
     def _same_job(self, job):
         """Whether ``job`` is the current run's job; None where either names none."""

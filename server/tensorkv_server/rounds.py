@@ -141,13 +141,16 @@ class Coordinator:
 
     # ---- membership -------------------------------------------------------------------
 
-    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job="", earlier=()):
-        """(rank, incarnation) of a new registration: see :meth:`Membership.register`. The
-        first registration of a run with if_exists 'replace' drops what earlier runs left.
-        Refused once the server is shutting down: its open streams are still served then, but
-        a new worker would only be in its last snapshot."""
+    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job="", earlier=(), bound=0):
+        """(rank, incarnation) of a new registration: see :meth:`Membership.register`; ``bound``
+        is the worker's bigarray bound (:meth:`Membership.check_bound`). The first registration
+        of a run with if_exists 'replace' drops what earlier runs left. Refused once the server
+        is shutting down: its open streams are still served then, but a new worker would only
+        be in its last snapshot."""
         self._check_open()
+        self.members.check_bound(bound)
         rank, incarnation, started = self.members.register(rank, if_exists, previous, request_id, job, earlier)
+        self.members.run.bigarray_bound = self.members.run.bigarray_bound or bound
         if started and if_exists == REPLACE:
             log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
                      len(self.engine))

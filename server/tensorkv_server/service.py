@@ -234,7 +234,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         rank, incarnation = self.coordinator.register(
             request.rank if request.HasField("rank") else None, if_exists,
             request.previous_incarnation if request.HasField("previous_incarnation") else None, request.request_id,
-            request.job, request.earlier_incarnations[-MAX_EARLIER_INCARNATIONS:])
+            request.job, request.earlier_incarnations[-MAX_EARLIER_INCARNATIONS:], request.bigarray_bound)
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation,
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
