@@ -30,6 +30,7 @@ PROBE_TIMEOUT = 5.0  # seconds a health probe of a starting server gets (a refus
 STOP_TIMEOUT = 15.0  # seconds a process gets to exit after SIGTERM
 WORKER_TIMEOUT = 90.0  # seconds a worker gets to finish
 WAIT = 20.0  # seconds a wait_until condition gets to hold
+CALL = 30.0  # seconds a call that is to be answered gets (with a value or a refusal)
 PORT_TRIES = 3  # servers started on a port taken since free_port() picked it
 
 

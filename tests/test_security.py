@@ -579,8 +579,8 @@ def test_a_missing_tls_server_fails_at_once_and_a_started_one_serves(pki):
     port = free_port()
     start = time.monotonic()
     with pytest.raises(tensorkv.ServerUnavailableError, match="connection was refused"):
-        tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file, connect_timeout=10)
-    assert time.monotonic() - start < 2
+        tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file, connect_timeout=120)
+    assert time.monotonic() - start < 60  # at once, not after connect_timeout (a loaded machine is slow)
     process = subprocess.Popen(_server("--port", str(port), *pki.server_args()),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -19,7 +19,7 @@ from tensorkv import shm
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
-from cluster import WAIT, WORKERS, Cluster, stop, wait_until
+from cluster import CALL, WAIT, WORKERS, Cluster, stop, wait_until
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memory files (memfd_create)")
 
@@ -267,7 +267,7 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
                 assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and not answer.region_id
                 assert "the token does not match" in answer.message
             # with a region of its own, references outside it are refused
-            incarnation = Stub(channel).Register(kvstore_pb2.RegisterRequest(rank=1), timeout=5).incarnation
+            incarnation = Stub(channel).Register(kvstore_pb2.RegisterRequest(rank=1), timeout=CALL).incarnation
             own = _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL, rank=1, incarnation=incarnation,
                        keys=[tensor_pb2.Key(str_key="w")])
             mine = session.region
@@ -284,7 +284,7 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
             request = kvstore_pb2.PushRequest(rank=1)
             request.frame.entries.append(_entry("w", n, (mine.id, 0, n * 8)))
             with pytest.raises(grpc.RpcError) as caught:
-                stub.Push(iter([request]), timeout=5)
+                stub.Push(iter([request]), timeout=CALL)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "only valid on the Session stream" in caught.value.details()
             # nothing changed: a's value is intact and no round started
