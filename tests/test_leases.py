@@ -18,12 +18,12 @@ import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv_server.__main__ import parse_args
 
-from cluster import STOP_TIMEOUT, WAIT, Cluster, DrivenWorker as Worker, free_port, stop, wait_until
+from cluster import CALL, STOP_TIMEOUT, WAIT, Cluster, DrivenWorker as Worker, free_port, stop, wait_until
 from test_metrics import scrape
 
 def _info(cluster):
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
-        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
 
 
 def _holders(cluster):
