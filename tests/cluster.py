@@ -18,14 +18,19 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import tensorkv
+from tensorkv.launch import ended
 from tensorkv.security import Security
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
-START_TIMEOUT = 30.0  # seconds a server gets to start serving
+# Seconds a server gets to start serving: generous, as a loaded machine needs (it imports
+# NumPy and gRPC twice: tensorkv.allocator re-execs it), and bounded.
+START_TIMEOUT = 120.0
+PROBE_TIMEOUT = 5.0  # seconds a health probe of a starting server gets (a refused one fails at once)
 STOP_TIMEOUT = 15.0  # seconds a process gets to exit after SIGTERM
 WORKER_TIMEOUT = 90.0  # seconds a worker gets to finish
 WAIT = 20.0  # seconds a wait_until condition gets to hold
+CALL = 30.0  # seconds a call that is to be answered gets (with a value or a refusal)
 PORT_TRIES = 3  # servers started on a port taken since free_port() picked it
 
 
@@ -38,15 +43,31 @@ def wait_until(condition, what, timeout=WAIT):
         time.sleep(0.05)
 
 
+def _ended_alone(returncode):
+    """How a process that no test stopped ended, in words (tensorkv.launch.ended)."""
+    if returncode == -signal.SIGKILL:
+        return "was killed by SIGKILL (not by this test: by another process, or the kernel's OOM killer)"
+    return ended(returncode)
+
+
+def _state(pid):
+    """The state of process ``pid`` as /proc says it (R running, S sleeping, T stopped, ...)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError as error:
+        return f"unknown ({error.strerror})"
+
+
 def _tail(log, lines=20):
-    """The last ``lines`` lines of the open log file ``log``, as a message suffix ('' if none)."""
+    """The last ``lines`` lines of the open log file ``log``, as a message suffix (saying so if none)."""
     if log is None:
-        return ""
+        return "; its log is not kept"
     log.flush()
     # pread: the file's offset is the server's too (its stdout), which may still be writing
     written = os.pread(log.fileno(), os.fstat(log.fileno()).st_size, 0).decode(errors="replace")
     text = "".join(written.splitlines(keepends=True)[-lines:])
-    return f"; its log ends:\n{text}" if text else ""
+    return f"; its log ends:\n{text}" if text else "; its log is empty"
 
 
 _given = set()
@@ -151,17 +172,25 @@ class Cluster:
 
     @staticmethod
     def _wait_serving(address, process, security=Security(), log=None):
-        deadline = time.monotonic() + START_TIMEOUT
+        """Wait until the server ``process`` at ``address`` serves, START_TIMEOUT s at most: one
+        that exits meanwhile, or is still not serving then (it is stopped first), fails with
+        how it ended and the end of its ``log``."""
+        started = time.monotonic()
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"server {address} exited with {process.returncode}{_tail(log)}")
+                raise RuntimeError(f"server {address} {_ended_alone(process.returncode)} while starting, "
+                                   f"{time.monotonic() - started:.1f} s after it was started{_tail(log)}")
             try:
-                if health(address, timeout=1.0, security=security) == "SERVING":
+                if health(address, timeout=PROBE_TIMEOUT, security=security) == "SERVING":
                     return
             except grpc.RpcError:
                 pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT} s{_tail(log)}")
+            if time.monotonic() > started + START_TIMEOUT:
+                state = _state(process.pid)
+                stop(process)
+                raise TimeoutError(f"server {address} did not start serving within {START_TIMEOUT:g} s (its state "
+                                   f"then: {state}); stopped (SIGTERM, SIGKILL {STOP_TIMEOUT:g} s later), it "
+                                   f"{ended(process.returncode)}{_tail(log)}")
             time.sleep(0.05)
 
     def kill(self, index=0):

@@ -17,7 +17,7 @@ import tensorkv
 from tensorkv import backend
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import Cluster, check_workers
+from cluster import CALL, Cluster, check_workers
 
 cupy = backend.cupy_or_none()
 BF16 = backend.BFLOAT16
@@ -56,7 +56,7 @@ def _torch_cuda():
 
 def _server_device(address):
     with grpc.insecure_channel(address) as channel:
-        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5).device
+        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL).device
 
 
 def _server_exit(device):

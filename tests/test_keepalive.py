@@ -14,7 +14,7 @@ import pytest
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub, status_code
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
-from cluster import WORKERS, Cluster, check_workers, free_port, stop
+from cluster import CALL, WORKERS, Cluster, check_workers, free_port, stop
 from workers.fast_pings_server import faster
 
 # Seconds the sped-up test waits: longer than the misnamed policy, sped up as much, took to
@@ -48,7 +48,7 @@ def test_pings_through_a_long_wait_and_an_idle_stream_are_accepted(tmp_path):
             Cluster._wait_serving(address, server)
             with grpc.insecure_channel(address, options=faster(CHANNEL_OPTIONS)) as channel:
                 stub = Stub(channel)
-                incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=5).incarnation
+                incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=CALL).incarnation
                 session = Session(channel, address)
                 try:
                     assert _pull_unknown_key(session, incarnation) == grpc.StatusCode.NOT_FOUND

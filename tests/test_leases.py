@@ -18,13 +18,13 @@ import tensorkv
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv_server.__main__ import parse_args
 
-from cluster import STOP_TIMEOUT, Cluster, DrivenWorker as Worker, free_port, stop, wait_until
+from cluster import CALL, STOP_TIMEOUT, WAIT, Cluster, DrivenWorker as Worker, free_port, stop, wait_until
 from faultproxy import FaultProxy
 from test_metrics import scrape
 
 def _info(cluster):
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
-        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
 
 
 def _holders(cluster):
@@ -92,7 +92,7 @@ def test_a_killed_workers_rank_is_freed_and_its_replacement_completes_the_round(
         old = _holders(cluster)[1]
         os.kill(lost.process.pid, signal.SIGKILL)
         lost.process.wait(STOP_TIMEOUT)
-        wait_until(lambda: 1 not in _holders(cluster), "rank 1 freed", timeout=lease + 1.0)
+        wait_until(lambda: 1 not in _holders(cluster), "rank 1 freed", timeout=lease + WAIT)
         info = _info(cluster)
         assert list(info.registered_ranks) == [0] and info.expired_leases == 1 and info.lease_ttl_ms == 2000
         with open(tmp_path / "server0.log") as log:

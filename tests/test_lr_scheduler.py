@@ -15,7 +15,7 @@ from tensorkv import lr_scheduler, states_file, states_wire
 from tensorkv.optimizer import SGD, Adam, Updater
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import WORKER_TIMEOUT, WORKERS, Cluster, check_workers, one_worker_store
+from cluster import CALL, WORKER_TIMEOUT, WORKERS, Cluster, check_workers, one_worker_store
 
 ROUNDS = 14
 
@@ -278,12 +278,12 @@ def test_set_learning_rate_rpc_without_optimizer_is_failed_precondition(tmp_path
         with grpc.insecure_channel(cluster.addresses[0]) as channel:
             stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
             with pytest.raises(grpc.RpcError) as error:
-                stub.SetLearningRate(kvstore_pb2.SetLearningRateRequest(learning_rate=0.1), timeout=5)
+                stub.SetLearningRate(kvstore_pb2.SetLearningRateRequest(learning_rate=0.1), timeout=CALL)
             assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             bad = kvstore_pb2.SetUpdaterRequest()
             states_wire.set_optimizer(bad.optimizer, SGD(lr_scheduler=schedule("poly")))
             bad.optimizer.lr_scheduler.params["max_update"] = 1.5
             with pytest.raises(grpc.RpcError) as error:
-                stub.SetUpdater(iter([bad]), timeout=5)
+                stub.SetUpdater(iter([bad]), timeout=CALL)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "max_update=1.5" in error.value.details()

@@ -11,7 +11,7 @@ import tensorkv
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, status_code
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
-from cluster import Cluster, wait_until
+from cluster import CALL, Cluster, wait_until
 
 REFUSED = 100.0  # what every refused push carries: a round that merged one would show it
 
@@ -25,7 +25,7 @@ def _session_call(session, **fields):
     """The SessionResponse to one SessionRequest with ``fields`` on a raw Session stream."""
     def build(call_id, timeout_ms, region, channel):
         return kvstore_pb2.SessionRequest(id=call_id, timeout_ms=timeout_ms, **fields).SerializeToString(), ()
-    _, data = session.call(build, 5.0)
+    _, data = session.call(build, CALL)
     return kvstore_pb2.SessionResponse.FromString(data)
 
 
@@ -38,12 +38,12 @@ def _calls(address, rank, incarnation):
     frame = tensor_pb2.TensorFrame(entries=[_entry("w", np.full(4, REFUSED, np.float32))])
     keys = [tensor_pb2.Key(str_key="w")]
     calls = {
-        "Init": lambda: stub.Init(iter([kvstore_pb2.InitRequest(frame=frame, **who)]), timeout=5),
-        "Push": lambda: stub.Push(iter([kvstore_pb2.PushRequest(frame=frame, **who)]), timeout=5),
-        "Pull": lambda: list(stub.Pull(kvstore_pb2.PullRequest(keys=keys, **who), timeout=5)),
-        "PushPull": lambda: list(stub.PushPull(iter([kvstore_pb2.PushPullRequest(frame=frame, **who)]), timeout=5)),
-        "Barrier": lambda: stub.Barrier(kvstore_pb2.BarrierRequest(**who), timeout=5),
-        "Unregister": lambda: stub.Unregister(kvstore_pb2.UnregisterRequest(**who), timeout=5),
+        "Init": lambda: stub.Init(iter([kvstore_pb2.InitRequest(frame=frame, **who)]), timeout=CALL),
+        "Push": lambda: stub.Push(iter([kvstore_pb2.PushRequest(frame=frame, **who)]), timeout=CALL),
+        "Pull": lambda: list(stub.Pull(kvstore_pb2.PullRequest(keys=keys, **who), timeout=CALL)),
+        "PushPull": lambda: list(stub.PushPull(iter([kvstore_pb2.PushPullRequest(frame=frame, **who)]), timeout=CALL)),
+        "Barrier": lambda: stub.Barrier(kvstore_pb2.BarrierRequest(**who), timeout=CALL),
+        "Unregister": lambda: stub.Unregister(kvstore_pb2.UnregisterRequest(**who), timeout=CALL),
     }
     for op in ("PUSH", "PULL", "PUSH_PULL", "INIT"):
         calls[f"Session {op}"] = lambda op=op: _session_call(
@@ -76,7 +76,7 @@ def _assert_all_refused(address, rank, incarnation, words):
 
 def _info(address):
     with grpc.insecure_channel(address) as channel:
-        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
 
 
 def _round(stores, key="w"):
@@ -107,8 +107,8 @@ def test_a_stale_incarnation_is_refused_and_cannot_give_the_rank_back(tmp_path):
         address = cluster.addresses[0]
         with grpc.insecure_channel(address) as channel:
             stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
-            old = stub.Register(kvstore_pb2.RegisterRequest(rank=1), timeout=5).incarnation
-            stub.Unregister(kvstore_pb2.UnregisterRequest(rank=1, incarnation=old), timeout=5)
+            old = stub.Register(kvstore_pb2.RegisterRequest(rank=1), timeout=CALL).incarnation
+            stub.Unregister(kvstore_pb2.UnregisterRequest(rank=1, incarnation=old), timeout=CALL)
         with tensorkv.create("dist_sync", servers=address, rank=0) as kv0, \
                 tensorkv.create("dist_sync", servers=address, rank=1) as kv1:
             current = kv1._registered[0]
@@ -168,7 +168,7 @@ def test_a_register_sent_again_with_its_request_id_gets_the_same_registration(tm
         stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
 
         def register(**fields):
-            return stub.Register(kvstore_pb2.RegisterRequest(**fields), timeout=5)
+            return stub.Register(kvstore_pb2.RegisterRequest(**fields), timeout=CALL)
         first = register(rank=1, request_id=7)
         again = register(rank=1, request_id=7)
         assert (again.rank, again.incarnation) == (first.rank, first.incarnation)

@@ -539,3 +539,23 @@ def test_a_sliced_row_sparse_key_lines_up_after_a_restart_whatever_rows_each_wor
         # row 4: step 10 lost, step 100 (the round both saw complete) summed again from their copies
         np.testing.assert_array_equal(rows0, [[-3333] * 2, [-3303] * 2])
         np.testing.assert_array_equal(rows1, [[-3333] * 2])
+
+
+def test_each_new_channel_a_store_or_a_reconnect_makes_connects_on_its_own(tmp_path):
+    """gRPC shares one connection, with its failures and their backoff, among the channels of
+    a process to one address with the same options, unless told not to: a reconnect's new
+    channel, or a new store's, then failed at once with another channel's last failed attempt
+    ("cannot connect ...: the connection was refused", or "reset") for up to the backoff (2 s),
+    however long the server had been up again (issue 32: under load a restart outlasts that
+    backoff, and a store made just after it was refused). Each channel connects on its own:
+    a second store through the proxy is a second connection there."""
+    with Cluster(num_workers=2, tmp_path=tmp_path) as cluster, FaultProxy(cluster.addresses[0]) as proxy:
+        with tensorkv.create("dist_sync", servers=proxy.address, rank=0, timeout=TIMEOUT) as kv0:
+            kv0.init("w", np.zeros(4, np.int32))
+            before = proxy.connections
+            with tensorkv.create("dist_sync", servers=proxy.address, rank=1, timeout=TIMEOUT) as kv1:
+                assert proxy.connections > before  # kv1 connected on its own
+                kv1.init("w", np.zeros(4, np.int32))
+                rounds = [_in_thread(lambda kv=kv: _pushpull(kv, 1)) for kv in (kv0, kv1)]
+                for result in rounds:
+                    np.testing.assert_array_equal(result(), [2] * 4)

@@ -12,7 +12,7 @@ from tensorkv.ctl import Server
 from tensorkv.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import STOP_TIMEOUT, Cluster, check_workers, rank_1_after_a_round
+from cluster import CALL, STOP_TIMEOUT, Cluster, check_workers, rank_1_after_a_round
 from test_ctl import ctl, ctl_json
 
 ROUNDS = 3
@@ -47,7 +47,7 @@ def _weights(results):
 
 def _info(cluster):
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
-        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
 
 
 def _stored(cluster, keys):

@@ -32,7 +32,7 @@ from tensorkv_server.security import RefusalLog
 from tensorkv_server.server import MAX_CONCURRENT_STREAMS
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, tensor_pb2
 
-from cluster import ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
+from cluster import CALL, ROOT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, stop, wait_until
 from test_datachan import _token
 from test_metrics import scrape
 
@@ -376,7 +376,7 @@ def _raw_call(channel, method, metadata, request=b""):
     call = kind[method.client_streaming, method.server_streaming](path)
     request = iter([request]) if method.client_streaming else request
     try:
-        result = call(request, timeout=5, metadata=metadata)
+        result = call(request, timeout=CALL, metadata=metadata)
         if method.server_streaming:
             list(result)
     except grpc.RpcError as error:
@@ -414,11 +414,11 @@ def test_every_method_needs_a_token_and_read_only_tokens_only_read(token_server)
         for details in refused:
             assert TOKEN not in details and READ_ONLY_TOKEN not in details and "/" not in details  # nor a path
         # health answers without a token; reflection, which lists the service, does not
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=CALL)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.RpcError) as error:
             list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=CALL))
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -647,7 +647,7 @@ def test_huge_optimizer_names_and_maps_are_refused_in_a_short_message(optimizer,
                 iter([kvstore_pb2.SetUpdaterRequest(optimizer=optimizer)]), timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert says in caught.value.details() and len(caught.value.details()) < 300, caught.value.details()[:300]
-        info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+        info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
         assert info.optimizer == ""  # nothing installed
 
 
@@ -656,8 +656,8 @@ def test_a_missing_tls_server_fails_at_once_and_a_started_one_serves(pki):
     port = free_port()
     start = time.monotonic()
     with pytest.raises(tensorkv.ServerUnavailableError, match="connection was refused"):
-        tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file, connect_timeout=10)
-    assert time.monotonic() - start < 2
+        tensorkv.create("dist_sync", servers=f"127.0.0.1:{port}", tls_ca=pki.ca_file, connect_timeout=120)
+    assert time.monotonic() - start < 60  # at once, not after connect_timeout (a loaded machine is slow)
     process = subprocess.Popen(_server("--port", str(port), *pki.server_args()),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -21,7 +21,8 @@ from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
 from cluster import (
-    ROOT, STOP_TIMEOUT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, rank_1_after_a_round, stop, wait_until,
+    CALL, ROOT, STOP_TIMEOUT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, rank_1_after_a_round, stop,
+    wait_until,
 )
 from tensorkv.allocator import SERVER_TUNABLES
 from tensorkv_server.rounds import Coordinator
@@ -61,7 +62,7 @@ def test_optimizer_one_step_per_round_on_sliced_keys(tmp_path):
             np.testing.assert_allclose(json.loads(out), expected, rtol=1e-5)
         for address in cluster.addresses:
             with grpc.insecure_channel(address) as channel:
-                info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+                info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
                 assert info.optimizer == "sgd" and info.num_keys == 1
     optimizer, states = states_file.load(path)
     assert optimizer == tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, rescale_grad=0.5)
@@ -83,7 +84,7 @@ def test_two_servers_many_keys_and_a_sliced_array(tmp_path):
         for address in cluster.addresses:
             with grpc.insecure_channel(address) as channel:
                 counts.append(kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(
-                    kvstore_pb2.InfoRequest(), timeout=5).num_keys)
+                    kvstore_pb2.InfoRequest(), timeout=CALL).num_keys)
     # The 200 small keys are spread over both servers; the big one is on each (a slice).
     assert sum(counts) == 202 and min(counts) > 1
 
@@ -95,7 +96,7 @@ def test_a_worker_that_never_pushes_aborts_the_round(tmp_path):
         outs = check_workers(results)
         assert health(cluster.addresses[0]) == "SERVING"
         with grpc.insecure_channel(cluster.addresses[0]) as channel:
-            info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+            info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
             assert info.num_keys == 1 and list(info.registered_ranks) == [0, 1]
     rank0 = next(out for out in outs if out.endswith("ok 0\n"))
     assert "aborted: key 'x': round 1 aborted after 2 s; missing ranks [1]" in rank0
@@ -156,11 +157,11 @@ def test_health_and_reflection(tmp_path):
         with grpc.insecure_channel(address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             request = reflection_pb2.ServerReflectionRequest(list_services="")
-            reply = next(stub.ServerReflectionInfo(iter([request]), timeout=5))
+            reply = next(stub.ServerReflectionInfo(iter([request]), timeout=CALL))
             names = [service.name for service in reply.list_services_response.service]
             assert SERVICE in names and "grpc.health.v1.Health" in names
             request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE)
-            reply = next(stub.ServerReflectionInfo(iter([request]), timeout=5))
+            reply = next(stub.ServerReflectionInfo(iter([request]), timeout=CALL))
             assert reply.file_descriptor_response.file_descriptor_proto
 
 
@@ -168,7 +169,8 @@ def test_health_and_reflection(tmp_path):
 
 def _push(stub, entries, rank=0):
     frame = tensor_pb2.TensorFrame(entries=entries)
-    return stub.Push(iter([kvstore_pb2.PushRequest(rank=rank, incarnation=stub.incarnation, frame=frame)]), timeout=5)
+    return stub.Push(iter([kvstore_pb2.PushRequest(rank=rank, incarnation=stub.incarnation, frame=frame)]),
+                     timeout=CALL)
 
 
 def _entry(key, data, dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,)):
@@ -182,7 +184,7 @@ def _entry(key, data, dtype=tensor_pb2.DTYPE_FLOAT32, shape=(2,)):
 
 def _pull(stub, key):
     request = kvstore_pb2.PullRequest(rank=0, incarnation=stub.incarnation, keys=[tensor_pb2.Key(int_key=key)])
-    frames = [reply.frame for reply in stub.Pull(request, timeout=5)]
+    frames = [reply.frame for reply in stub.Pull(request, timeout=CALL)]
     return np.frombuffer(b"".join(f.entries[0].tensor.data for f in frames[:1]), np.float32)
 
 
@@ -190,11 +192,11 @@ def _pull(stub, key):
 def raw_stub(tmp_path):
     with Cluster(tmp_path=tmp_path) as cluster, grpc.insecure_channel(cluster.addresses[0]) as channel:
         stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
-        stub.incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=5).incarnation
+        stub.incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=0), timeout=CALL).incarnation
         frame = tensor_pb2.TensorFrame(entries=[_entry(1, np.ones(2, np.float32).tobytes())])
-        stub.Init(iter([kvstore_pb2.InitRequest(rank=0, incarnation=stub.incarnation, frame=frame)]), timeout=5)
+        stub.Init(iter([kvstore_pb2.InitRequest(rank=0, incarnation=stub.incarnation, frame=frame)]), timeout=CALL)
         yield stub
-        assert stub.Info(kvstore_pb2.InfoRequest(), timeout=5).num_keys == 1  # nothing was created
+        assert stub.Info(kvstore_pb2.InfoRequest(), timeout=CALL).num_keys == 1  # nothing was created
         assert _pull(stub, 1).tolist() == [1, 1]  # nor changed
 
 
@@ -225,23 +227,23 @@ def test_malformed_calls_of_other_kinds(raw_stub):
         (lambda: _pull(raw_stub, 42), "NOT_FOUND", "key 42 has not been initialized"),
         (lambda: _push(raw_stub, [_entry(1, b"\0" * 8)], rank=5), "FAILED_PRECONDITION", "rank 5 is out of range"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
-            optimizer=kvstore_pb2.Optimizer(name="sgld"))]), timeout=5), "INVALID_ARGUMENT", "unknown optimizer"),
+            optimizer=kvstore_pb2.Optimizer(name="sgld"))]), timeout=CALL), "INVALID_ARGUMENT", "unknown optimizer"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
-            optimizer=kvstore_pb2.Optimizer(name="sgd", params={"lr": 1}))]), timeout=5),
+            optimizer=kvstore_pb2.Optimizer(name="sgd", params={"lr": 1}))]), timeout=CALL),
          "INVALID_ARGUMENT", "has no parameter lr"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
-            optimizer=kvstore_pb2.Optimizer(name="adam", params={"beta1": 1.0}))]), timeout=5),
+            optimizer=kvstore_pb2.Optimizer(name="adam", params={"beta1": 1.0}))]), timeout=CALL),
          "INVALID_ARGUMENT", "beta1=1 is outside its range [0, 1)"),
         (lambda: raw_stub.SetUpdater(iter([kvstore_pb2.SetUpdaterRequest(
-            optimizer=kvstore_pb2.Optimizer(name="sgd", params={"momentum": 5.0}))]), timeout=5),
+            optimizer=kvstore_pb2.Optimizer(name="sgd", params={"momentum": 5.0}))]), timeout=CALL),
          "INVALID_ARGUMENT", "momentum=5 is outside its range [0, 1)"),
         (lambda: raw_stub.Push(iter([
             kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(entries=[_entry(1, b"\0" * 4)])),
-            kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(more=b"\0" * 8))]), timeout=5),
+            kvstore_pb2.PushRequest(frame=tensor_pb2.TensorFrame(more=b"\0" * 8))]), timeout=CALL),
          "INVALID_ARGUMENT", "12 bytes sent for a tensor of 8 bytes"),
-        (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=-1), timeout=5),
+        (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=-1), timeout=CALL),
          "FAILED_PRECONDITION", "rank -1 is out of range"),
-        (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=0), timeout=5),
+        (lambda: raw_stub.Unregister(kvstore_pb2.UnregisterRequest(rank=0), timeout=CALL),
          "FAILED_PRECONDITION", "this call carries no incarnation: every call of a registered worker must send "
                                 "the RegisterResponse.incarnation of its registration"),
     ]
@@ -249,7 +251,7 @@ def test_malformed_calls_of_other_kinds(raw_stub):
         with pytest.raises(grpc.RpcError) as caught:
             call()
         assert (caught.value.code().name, words in caught.value.details()) == (code, True), caught.value.details()
-    assert raw_stub.Info(kvstore_pb2.InfoRequest(), timeout=5).optimizer == ""
+    assert raw_stub.Info(kvstore_pb2.InfoRequest(), timeout=CALL).optimizer == ""
 
 
 # ---- the client against servers in this process's view ----------------------------------------
@@ -318,7 +320,7 @@ def test_a_closed_store_gives_its_rank_back_and_the_next_continues_the_job(tmp_p
             np.testing.assert_array_equal(kv.pull("w"), [0.0] * 4)
         for address in cluster.addresses:
             with grpc.insecure_channel(address) as channel:
-                info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5)
+                info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
             assert list(info.registered_ranks) == []
 
 

@@ -5,7 +5,6 @@ import contextlib
 import fcntl
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from tensorkv import shm
 from tensorkv.rpc import CHANNEL_OPTIONS, Session, Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
-from cluster import WAIT, WORKERS, Cluster, stop, wait_until
+from cluster import CALL, WAIT, WORKERS, Cluster, stop, wait_until
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memory files (memfd_create)")
 
@@ -268,7 +267,7 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
                 assert answer.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and not answer.region_id
                 assert "the token does not match" in answer.message
             # with a region of its own, references outside it are refused
-            incarnation = Stub(channel).Register(kvstore_pb2.RegisterRequest(rank=1), timeout=5).incarnation
+            incarnation = Stub(channel).Register(kvstore_pb2.RegisterRequest(rank=1), timeout=CALL).incarnation
             own = _ask(session, shm_bytes=1 << 20, op=kvstore_pb2.SESSION_OP_PULL, rank=1, incarnation=incarnation,
                        keys=[tensor_pb2.Key(str_key="w")])
             mine = session.region
@@ -285,7 +284,7 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
             request = kvstore_pb2.PushRequest(rank=1)
             request.frame.entries.append(_entry("w", n, (mine.id, 0, n * 8)))
             with pytest.raises(grpc.RpcError) as caught:
-                stub.Push(iter([request]), timeout=5)
+                stub.Push(iter([request]), timeout=CALL)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "only valid on the Session stream" in caught.value.details()
             # nothing changed: a's value is intact and no round started
@@ -413,24 +412,33 @@ def test_the_server_maps_only_sealed_memfds(tmp_path):
             channel.close()
 
 
+NOBODY = 65534  # the uid and gid of the caller of another user
 # Registers descriptor argv[2] of process argv[1] with a token of zeros on a raw Session
-# stream to argv[3], and prints the answer's code and message.
+# stream to argv[3] as uid and gid argv[4], and prints the answer's code and message. It
+# starts as root, imports what it needs and makes its channel (gRPC imports modules as it
+# goes), then drops to that user (every uid and gid, no groups) before its first call
+# connects: so it runs where only root can read the checkout and its .venv (a clone under a
+# 0700 directory), and the server sees a caller of another user.
 _FOREIGN_REGISTER = """
-import sys, grpc
+import os, sys, grpc
 from tensorkv.rpc import CHANNEL_OPTIONS, Session
 from tensorkv.v1 import kvstore_pb2
-pid, fd, address = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, shm_allowed=True)
+pid, fd, address, nobody = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, shm_allowed=True)  # not connected
+os.setgroups([])
+os.setresgid(nobody, nobody, nobody)
+os.setresuid(nobody, nobody, nobody)
+assert os.getresuid() == os.getresgid() == (nobody,) * 3 and not os.getgroups()
 def build(call_id, timeout_ms, region, channel):
     return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
         region=kvstore_pb2.SharedMemoryRegion(pid=pid, fd=fd, size=4096, token=bytes(32))).SerializeToString(), ()
-answer = kvstore_pb2.SessionResponse.FromString(session.call(build, 5.0)[1])
+answer = kvstore_pb2.SessionResponse.FromString(session.call(build, 30.0)[1])
 print(answer.code, answer.message)
 session.close()
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run a caller as nobody")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a caller as nobody")
 def test_the_server_maps_no_file_of_another_user_for_a_caller(tmp_path):
     """The server opens /proc/PID/fd/FD as its own user: a caller of another user, who cannot
     open a sealed memfd of the server's user, named it with the bytes it starts with (zeros),
@@ -442,16 +450,15 @@ def test_the_server_maps_no_file_of_another_user_for_a_caller(tmp_path):
         os.pwrite(victim, b"a secret of the server's user", 64)
         fcntl.fcntl(victim, fcntl.F_ADD_SEALS, shm.SEALS)
         with Cluster(tmp_path=tmp_path) as cluster:
-            done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                                   "-c", _FOREIGN_REGISTER, str(os.getpid()), str(victim), cluster.addresses[0]],
-                                  capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            done = subprocess.run([sys.executable, "-c", _FOREIGN_REGISTER, str(os.getpid()), str(victim),
+                                   cluster.addresses[0], str(NOBODY)], capture_output=True, text=True, timeout=90)
             log = (tmp_path / "server0.log").read_text()
         assert done.returncode == 0, done.stderr
         code, message = done.stdout.split(" ", 1)
         assert int(code) == grpc.StatusCode.FAILED_PRECONDITION.value[0]
         assert message.startswith(f"cannot use descriptor {victim} of process {os.getpid()}: the server takes only "
                                   "a sealed memfd of the caller's own user")
-        assert f"it belongs to uid 0, the caller is uid 65534" in log
+        assert f"it belongs to uid 0, the caller is uid {NOBODY}" in log
         assert os.pread(victim, 32, 0) == bytes(32)  # untouched: the server never mapped it
     finally:
         os.close(victim)

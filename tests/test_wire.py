@@ -10,7 +10,7 @@ from tensorkv.codec import Item, encode_stream
 from tensorkv.rpc import Stub, status_code
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
-from cluster import Cluster
+from cluster import CALL, Cluster
 
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 # Bytes that are no protobuf message: garbage (a varint that never ends), a varint field cut
@@ -42,7 +42,7 @@ def test_malformed_messages_are_refused_with_invalid_argument_and_one_log_line(t
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method.name, data, error.details())
                 assert f"malformed {method.input_type.name}" in error.details(), (method.name, data)
         lines = log.read_text().splitlines()[logged:]  # each logged before its answer went
-        assert Stub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5).num_workers == 1
+        assert Stub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL).num_workers == 1
         with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
             kv.init("w", np.ones(3))
             kv.push("w", np.full(3, 2.0))
@@ -59,7 +59,7 @@ def test_a_malformed_message_later_in_a_setupdater_stream_is_refused(tmp_path):
         with pytest.raises(grpc.RpcError) as refused:
             set_updater(iter([first, b"\x0a\x05ab"]), timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert Stub(channel).Info(kvstore_pb2.InfoRequest(), timeout=5).optimizer == ""  # nothing installed
+        assert Stub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL).optimizer == ""  # nothing installed
 
 
 def _session(channel, requests):

@@ -58,6 +58,12 @@ CHANNEL_OPTIONS = _COMMON_OPTIONS + [
     # that is down every 2 s or so.
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # Each channel connects on its own. gRPC otherwise shares one connection, and its state,
+    # among the channels of a process to the same address with the same options: a new channel
+    # (a reconnect, a new store) then fails at once with the error of an earlier channel's
+    # failed attempt ("connection refused", "reset") until that one's backoff ends, however long
+    # the server has been up again.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 SERVER_OPTIONS = _COMMON_OPTIONS + [
     # the server's own pings find the connections of dead workers, and end their streams

@@ -16,7 +16,7 @@ from tensorkv.codec import get_key
 from tensorkv.ctl import Server
 from tensorkv.security import Security
 
-from cluster import Cluster, DrivenWorker, check_workers, rss, stop, wait_until
+from cluster import WAIT, Cluster, DrivenWorker, check_workers, rss, stop, wait_until
 from faultproxy import FaultProxy
 
 KEYS = {"a": 4, "b": 4, **{f"p{i}": 2 for i in range(12)}, "big": 16}  # as tests/workers/robust_rounds.py
@@ -157,7 +157,7 @@ def test_a_worker_killed_or_paused_past_its_lease_is_replaced_and_nothing_it_sen
             if lost_pushed:  # the round holds rank 1's push: its replacement joins the next one
                 lost.call("push 2", "pushed")
             os.kill(lost.process.pid, signal.SIGSTOP if paused else signal.SIGKILL)
-            wait_until(lambda: 1 not in _holders(cluster.addresses[0]), "rank 1 freed", timeout=lease + 5)
+            wait_until(lambda: 1 not in _holders(cluster.addresses[0]), "rank 1 freed", timeout=lease + WAIT)
             started.append(DrivenWorker(cluster, 1))
             replacement = started[-1]
             if paused:  # wakes up and pushes: refused, merged nowhere
