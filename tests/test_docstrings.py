@@ -4,9 +4,15 @@ import doctest
 import pytest
 
 from tensorkv import compression, engine, env, kernels, local, lr_scheduler, optimizer, rowsparse, states_file, trainer
+from tensorkv.optimizer import adagrad, adam, dcasgd, ftrl, registry, rmsprop, sgd, updater
+from tensorkv.optimizer import optimizer as optimizer_base
 
 
-@pytest.mark.parametrize("module", [compression, engine, env, kernels, local, lr_scheduler, optimizer, rowsparse, states_file, trainer], ids=lambda m: m.__name__)
+MODULES = [compression, engine, env, kernels, local, lr_scheduler, optimizer, optimizer_base, sgd, adam, adagrad, rmsprop,
+           ftrl, dcasgd, registry, updater, rowsparse, states_file, trainer]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

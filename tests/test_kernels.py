@@ -17,6 +17,7 @@ import pytest
 
 from tensorkv import kernels, optimizer
 from tensorkv.kernels import PREAMBLE, Kernel
+from tensorkv.optimizer.optimizer import _compute_dtype
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 C_TYPES = {"float32": "float", "float64": "double", "uint16": "unsigned short", "int8": "signed char",
@@ -199,7 +200,7 @@ def _cases():
     rng = np.random.default_rng(3)
     size = 4099
     for opt, (weight_dtype, grad_dtype) in itertools.product(OPTIMIZERS, OPTIMIZER_DTYPES):
-        compute = optimizer._compute_dtype(np.dtype(weight_dtype))
+        compute = _compute_dtype(np.dtype(weight_dtype))
         for kernel, scalars in _passes(opt, np.dtype(weight_dtype)):
             given = {"weight": weight_dtype, "grad": grad_dtype}
             # the states and LAMB's direction in the compute dtype, not negative (variances are not)

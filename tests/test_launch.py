@@ -15,6 +15,7 @@ import pytest
 from tensorkv import launch
 
 from cluster import WORKERS, free_port, stop, wait_until
+from test_security import TOKEN, Pki
 
 LAUNCH = Path(sys.executable).with_name("tensorkv-launch")  # the console script pip installed
 TIMEOUT = 90.0
@@ -105,6 +106,22 @@ def test_server_args_may_be_one_flag_and_a_missing_command_is_said_in_one_line()
     assert "Traceback" not in out and not [pid for pid in launcher.pids("server") if alive(pid)], out
     assert launch.parse_args(["-n", "1", "--server-args", "--no-shared-memory", "python", "--server-args", "x"]) \
         .server_args == "--no-shared-memory"
+
+
+def test_servers_with_tls_and_tokens_are_health_checked_with_the_workers_credentials(tmp_path):
+    """The health check opened a plaintext channel: a server given --tls-cert never answered
+    it, and the job failed after --start-timeout."""
+    pki = Pki(tmp_path / "pki")
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    server_args = shlex.join([*pki.server_args(mutual=True), "--token-file", str(tokens)])
+    env = {**os.environ, **pki.env(), "TENSORKV_TOKEN": TOKEN}
+    launcher = Launcher("-n", 2, "-s", 2, "--start-timeout", 60, "--server-args", server_args,
+                        sys.executable, WORKERS / "sync_rounds.py", 3, env=env)
+    code, out = launcher.finish()
+    assert code == 0, out
+    assert "[worker 0] ok 0" in out.splitlines() and "[worker 1] ok 1" in out.splitlines(), out
+    assert re.search(r"^\[server 0\] .*mutual TLS, tokens", out, re.MULTILINE), out
 
 
 def running_job(tmp_path, *args):

@@ -13,6 +13,8 @@ from tensorkv.optimizer import (
     DCASGD, FTML, LAMB, LARS, NAG, SGD, AdaDelta, AdaGrad, Adam, Adamax, Ftrl, Nadam, RMSProp, Signum, Updater,
 )
 from tensorkv.lr_scheduler import FactorScheduler
+from tensorkv.optimizer import adam as adam_module, sgd as sgd_module
+from tensorkv.optimizer.adam import _momentum_schedule
 from tensorkv.rowsparse import RowSparse
 
 WEIGHT = [0.5, -1.0, 2.0, 0.0]
@@ -221,10 +223,10 @@ def test_nadam(decay, wd, rescale, clip_at):
 def test_nadam_schedules_are_per_key_and_vanish():
     """Each key's schedule is the product of its own momenta (MXNet's, for a single key); far
     enough, the product is 0 and ``1 - schedule`` is 1."""
-    assert optimizer._momentum_schedule(0.9, 0.004, 0) == 1.0
-    assert optimizer._momentum_schedule(0.9, 0.004, 2) == \
+    assert _momentum_schedule(0.9, 0.004, 0) == 1.0
+    assert _momentum_schedule(0.9, 0.004, 2) == \
         (0.9 * (1 - 0.5 * 0.96 ** 0.004)) * (0.9 * (1 - 0.5 * 0.96 ** 0.008))
-    assert optimizer._momentum_schedule(0.9, 0.004, 10 ** 6) == 0.0
+    assert _momentum_schedule(0.9, 0.004, 10 ** 6) == 0.0
     weights = [np.array(WEIGHT), np.array(WEIGHT)]
     updater = Updater(Nadam(learning_rate=0.01))
     for step, grad in enumerate(GRADS):
@@ -413,7 +415,7 @@ def pushed_through(kv, name, params, dtype, key=0):
 def test_mxnet_numbers_bit_for_bit(name, params, dtype, expected, monkeypatch):
     """DCASGD as it is, LAMB with MXNet's float32 sum of squares for its norms: every other
     operation of its two passes is MXNet's (the double arithmetic in its direction too)."""
-    monkeypatch.setattr(optimizer, "l2_norm", mxnet_cpu_norm)
+    monkeypatch.setattr(adam_module, "l2_norm", mxnet_cpu_norm)
     with tensorkv.create("local") as kv:
         np.testing.assert_array_equal(pushed_through(kv, name, params, dtype), np.array(expected, dtype))
 
@@ -431,7 +433,7 @@ def test_lamb_with_its_own_norms_is_within_an_ulp_of_mxnet(name, params, dtype, 
 def test_lars_gives_mxnets_bits_with_its_norms(key, params, dtype, expected, monkeypatch):
     """LARS with MXNet's float32 sums of squares for its norms: MXNet's multi_lars in float32,
     then its SGD kernels, bit for bit."""
-    monkeypatch.setattr(optimizer, "l2_norm", mxnet_cpu_norm)
+    monkeypatch.setattr(sgd_module, "l2_norm", mxnet_cpu_norm)
     with tensorkv.create("local") as kv:
         got = pushed_through(kv, "lars", params, dtype, key)
     np.testing.assert_array_equal(got, np.array(expected, dtype))

@@ -493,6 +493,38 @@ def test_a_read_only_token_pulls_as_no_rank(tmp_path):
             np.testing.assert_array_equal(kv0.pull("w"), np.zeros(4, np.float32))
 
 
+def test_reset_reaches_a_server_with_tls_and_tokens_and_says_what_it_lacks(pki, tmp_path, monkeypatch):
+    """tensorkv.reset() took no credentials and opened a plaintext channel: it could not reach
+    such a server at all. It takes create()'s options and variables now."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n{READ_ONLY_TOKEN} ro\n")
+    security = Security(pki.ca_file, pki.client_cert, pki.client_key, TOKEN)
+    credentials = dict(tls_ca=pki.ca_file, tls_cert=pki.client_cert, tls_key=pki.client_key)
+    with Cluster(tmp_path=tmp_path, security=security,
+                 server_args=[*pki.server_args(mutual=True), "--token-file", str(tokens)]) as cluster:
+        for keys in (["a", "b"], ["c"]):
+            with tensorkv.create("dist_sync", servers=cluster.addresses, token=TOKEN, **credentials) as kv:
+                kv.init(keys, [np.ones(2)] * len(keys))
+            if keys == ["a", "b"]:
+                assert tensorkv.reset(cluster.addresses, token=TOKEN, **credentials) == 2
+        for variable, value in pki.env().items():
+            monkeypatch.setenv(variable, value)
+        with pytest.raises(tensorkv.UnauthenticatedError, match="this server requires a token"):
+            tensorkv.reset(cluster.addresses)
+        with pytest.raises(tensorkv.PermissionDeniedError, match="read-only token"):
+            tensorkv.reset(cluster.addresses, token=READ_ONLY_TOKEN)
+        monkeypatch.delenv("TENSORKV_TLS_CA")
+        with pytest.raises(tensorkv.InvalidArgumentError, match="client certificate is for TLS"):
+            tensorkv.reset(cluster.addresses, token=TOKEN)
+        for variable in ("TENSORKV_TLS_CERT", "TENSORKV_TLS_KEY"):
+            monkeypatch.delenv(variable)
+        with pytest.raises(tensorkv.UnauthenticatedError, match="uses TLS and this client does not"):
+            tensorkv.reset(cluster.addresses, token=TOKEN)
+        for variable, value in {**pki.env(), "TENSORKV_TOKEN": TOKEN}.items():
+            monkeypatch.setenv(variable, value)
+        assert tensorkv.reset(cluster.addresses) == 1  # "c", with the variables alone
+
+
 def test_a_store_with_a_token(token_server):
     with tensorkv.create("dist_sync", servers=token_server, token=TOKEN) as kv:
         kv.init(3, np.ones(4))

@@ -90,7 +90,10 @@ def reset(servers=None, **options):
     the servers after it in ``servers`` (or ``TENSORKV_SERVERS``) are left as they are. So
     does a server that restored a snapshot taken while a run was going on, as long as that
     run's workers can come back to it, unless ``force=True``.
-    ``timeout=`` bounds each server's answer (seconds, default 10).
+    ``timeout=`` bounds each server's answer (seconds, default 10). ``tls_ca=``,
+    ``tls_cert=``, ``tls_key=`` and ``token=`` (else ``TENSORKV_TLS_CA``,
+    ``TENSORKV_TLS_CERT``, ``TENSORKV_TLS_KEY``, ``TENSORKV_TOKEN``) are the credentials, as
+    for :func:`create`.
     """
     from .dist import reset as reset_servers
     return reset_servers(servers, **options)

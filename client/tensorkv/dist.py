@@ -81,15 +81,21 @@ def parse_servers(servers):
     return servers
 
 
-def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT, force=False):
-    """Reset each server, one after the other: see :func:`tensorkv.reset`."""
+def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT, force=False, tls_ca=None, tls_cert=None, tls_key=None,
+          token=None):
+    """Reset each server, one after the other, reached with the credentials of
+    :class:`~tensorkv.security.Security`: see :func:`tensorkv.reset`."""
+    security = Security.from_options(tls_ca, tls_cert, tls_key, token)
     dropped = 0
     for address in parse_servers(servers):
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        with security.channel(address, CHANNEL_OPTIONS) as channel:
             try:
                 dropped += Stub(channel).Reset(kvstore_pb2.ResetRequest(force=force), timeout=timeout).num_keys
             except grpc.RpcError as error:
-                raise error_from_rpc(error, address, "reset") from None
+                failed = error_from_rpc(error, address, "reset")
+                if isinstance(failed, ServerUnavailableError):  # no connection: a TLS mismatch is named as such
+                    failed = security.diagnose(address) or failed
+                raise failed from None
     return dropped
 
 

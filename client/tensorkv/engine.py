@@ -87,6 +87,11 @@ class Engine:
         # master copy under multi_precision): what a server counts against its --max-memory.
         self.value_bytes = self.state_array_bytes = self.master_bytes = 0
 
+    @property
+    def key_type(self):
+        """int or str, the type of every stored key (fixed by the first); None while empty."""
+        return self._key_type
+
     def __contains__(self, key):
         return key in self._values
 

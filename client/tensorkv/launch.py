@@ -16,6 +16,10 @@ process it started: SIGTERM to each one's process group, SIGKILL to the groups a
 file (one ``host`` or ``host:ssh_port`` a line, as dmlc-core's tracker reads it): servers
 first, then workers, host after host in turn, server i listening on ``--port`` + i of its
 host; each remote command ``cd``s to this directory and runs with the variables above.
+
+Servers given TLS or tokens in ``--server-args`` are health-checked with the credentials the
+workers get, ``TENSORKV_TLS_CA``, ``TENSORKV_TLS_CERT``, ``TENSORKV_TLS_KEY`` and
+``TENSORKV_TOKEN`` (:class:`tensorkv.security.Security`).
 """
 import argparse
 import os
@@ -32,6 +36,8 @@ from collections import namedtuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .errors import KVStoreError
+from .security import Security
 from .v1 import kvstore_pb2
 from .words import plural
 
@@ -174,8 +180,8 @@ def ssh_plan(args, hosts, cwd):
 class Job:
     """The processes of one job, each in its own process group, their output prefixed."""
 
-    def __init__(self, grace):
-        self.grace = grace
+    def __init__(self, grace, security):
+        self.grace, self.security = grace, security
         self.processes = []  # [(Launch, Popen)]
         self._readers = []
         self._out_lock = threading.Lock()
@@ -228,7 +234,12 @@ class Job:
         """Return once the server at ``address`` answers SERVING; Failed if it exits or does
         not within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(address) as channel:
+        try:
+            channel = self.security.channel(address, ())
+        except KVStoreError as error:  # e.g. a token that would cross the network in plaintext
+            self.say(f"server {launch.rank} at {address}: {error}")
+            raise Failed(1) from None
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if process.poll() is not None:
@@ -242,7 +253,9 @@ class Job:
                     pass
                 self.check()
                 if time.monotonic() > deadline:
-                    self.say(f"server {launch.rank} at {address} did not answer its health check within {timeout:g} s")
+                    why = self.security.diagnose(address)  # a TLS mismatch is named as such
+                    self.say(f"server {launch.rank} at {address} did not answer its health check within {timeout:g} s"
+                             + (f": {why}" if why else ""))
                     raise Failed(1)
                 time.sleep(POLL)
 
@@ -309,7 +322,11 @@ def run(args):
         addresses, launches = ssh_plan(args, read_hostfile(args.hostfile), os.getcwd())
     else:
         addresses, launches = local_plan(args)
-    job = Job(args.grace)
+    try:
+        security = Security.from_options()  # the workers' TENSORKV_TLS_* and TENSORKV_TOKEN
+    except KVStoreError as error:
+        raise SystemExit(f"tensorkv-launch: {error}") from None
+    job = Job(args.grace, security)
     job.catch_signals()
     try:
         servers = [launch for launch in launches if launch.role == "server"]

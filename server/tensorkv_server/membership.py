@@ -264,6 +264,16 @@ class Membership:
         return self._restored_run is not None and time.monotonic() < self._restored_until
 
     @property
+    def next_incarnation(self):
+        """The incarnation the next registration gets (a snapshot keeps it: a restarted server
+        grants none of the incarnations it granted before)."""
+        return self._next_incarnation
+
+    def restore_next_incarnation(self, number):
+        """Grant no incarnation below ``number``, a snapshot's :attr:`next_incarnation`."""
+        self._next_incarnation = max(self._next_incarnation, number)
+
+    @property
     def run_going_on(self):
         """Whether a run is going on: some rank is registered, or the run restored from a
         snapshot has not ended (its workers may come back)."""

@@ -665,6 +665,31 @@ class Coordinator:
             states[key] = (num_update, [Item(key, _host_copy(a), stored.shape, stored.slice) for a in arrays])
         return self.optimizer, states
 
+    # ---- snapshots --------------------------------------------------------------------
+
+    def snapshot_state(self, keys=True):
+        """What a snapshot keeps of the rounds besides the values, the optimizer and its states
+        (:meth:`optimizer_states`), as plain numbers: {"barriers_done", "next_incarnation",
+        and with ``keys`` "keys": {key: {"round", "updates", "initialized_in"}} of every stored
+        key, in the engine's order}."""
+        state = {"barriers_done": self._barriers_done, "next_incarnation": self.members.next_incarnation}
+        if keys:
+            state["keys"] = {key: {"round": self._rounds[key].current.number if key in self._rounds else 1,
+                                   "updates": self._updates.get(key, 0),
+                                   "initialized_in": self._initialized_in.get(key, 0)} for key in self.engine.keys()}
+        return state
+
+    def restore_state(self, state):
+        """Take a :meth:`snapshot_state` back, on a server that has just put the keys of
+        ``state["keys"]`` into its engine and serves nothing yet."""
+        for key, entry in state["keys"].items():
+            self._rounds[key] = rounds = _KeyRounds()
+            rounds.current = _Wait(entry["round"])
+            self._updates[key] = entry["updates"]
+            self._initialized_in[key] = entry["initialized_in"]
+        self._barriers_done = state["barriers_done"]
+        self.members.restore_next_incarnation(state["next_incarnation"])
+
     # ---- life cycle -------------------------------------------------------------------
 
     def info(self):

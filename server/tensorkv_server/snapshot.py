@@ -38,7 +38,6 @@ from tensorkv.words import plural, size
 
 from . import metrics
 from .membership import Run
-from .rounds import _KeyRounds, _Wait
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +68,12 @@ def capture(coordinator, buffers):
     """(header, {name: NumPy array}) of ``coordinator``'s state, with copies of the arrays:
     into ``buffers[key]`` where it has the value's shape and dtype."""
     engine, arrays, keys = coordinator.engine, {}, []
-    for key in engine.keys():
+    state = coordinator.snapshot_state()
+    for key, counters in state["keys"].items():
         stored = engine.get(key)
         value = _host_copy(stored.array, buffers.get(key))
         keys.append({"key": key, "shape": list(stored.shape), "slice": stored.slice and list(stored.slice),
-                     "dtype": str(value.dtype),
-                     "round": coordinator._rounds[key].current.number if key in coordinator._rounds else 1,
-                     "updates": coordinator._updates.get(key, 0),
-                     "initialized_in": coordinator._initialized_in.get(key, 0)})
+                     "dtype": str(value.dtype), **counters})
         arrays[f"value_{len(keys) - 1}"] = value
     optimizer, states = coordinator.optimizer_states()
     state_keys, count = [], 0
@@ -87,13 +84,13 @@ def capture(coordinator, buffers):
             count += 1
     run = coordinator.members.run
     header = {"format": FORMAT, "version": VERSION, "mode": coordinator.mode, "num_workers": coordinator.num_workers,
-              "key_type": engine._key_type and engine._key_type.__name__, "keys": keys,
+              "key_type": engine.key_type and engine.key_type.__name__, "keys": keys,
               "optimizer": optimizer and states_file.optimizer_header(optimizer), "states": state_keys,
               "run": run and {"number": run.number, "if_exists": run.if_exists, "job": run.job,
                               "going": coordinator.members.run_going_on},
-              "next_incarnation": coordinator.members._next_incarnation,
+              "next_incarnation": state["next_incarnation"],
               "sequences": coordinator.members.saved_sequences(coordinator.open_sequences()),
-              "barriers_done": coordinator._barriers_done}
+              "barriers_done": state["barriers_done"]}
     return header, arrays
 
 
@@ -101,10 +98,10 @@ def _stamp(coordinator):
     """What changes whenever the state a snapshot holds changes (compared, not written): the
     engine's count of changes to values, keys and the optimizer, and the rest of the header."""
     members, optimizer = coordinator.members, coordinator.engine.updater
-    run = members.run
+    run, state = members.run, coordinator.snapshot_state(keys=False)
     return (coordinator.engine.changes, repr(getattr(optimizer, "optimizer", optimizer)),
-            run and (run.number, run.if_exists), members.run_going_on, members._next_incarnation,
-            coordinator._barriers_done, repr(members.saved_sequences(coordinator.open_sequences())))
+            run and (run.number, run.if_exists), members.run_going_on, state["next_incarnation"],
+            state["barriers_done"], repr(members.saved_sequences(coordinator.open_sequences())))
 
 
 def _summary(header):
@@ -291,11 +288,10 @@ def restore(coordinator, header, arrays):
                           f"free") from None
     coordinator.engine.init(items)
     metrics.stored(items)
-    for item, entry in zip(items, header["keys"]):
-        coordinator._rounds[item.key] = rounds = _KeyRounds()
-        rounds.current = _Wait(entry["round"])
-        coordinator._updates[item.key] = entry["updates"]
-        coordinator._initialized_in[item.key] = entry["initialized_in"]
+    coordinator.restore_state({
+        "keys": {item.key: {field: entry[field] for field in ("round", "updates", "initialized_in")}
+                 for item, entry in zip(items, header["keys"])},
+        "barriers_done": header["barriers_done"], "next_incarnation": header["next_incarnation"]})
     if optimizer is not None:
         coordinator.set_optimizer(optimizer, states)
     members = coordinator.members
@@ -305,9 +301,7 @@ def restore(coordinator, header, arrays):
         members.restore_run(Run(run["number"], run["if_exists"], run.get("job", "")),
                             run.get("going", bool(header.get("sequences"))))
         coordinator.optimizer_run = run["number"]  # the last run's, or an earlier one's: not a later run's
-    members._next_incarnation = max(members._next_incarnation, header["next_incarnation"])
     members.restore_sequences(header.get("sequences", []))
-    coordinator._barriers_done = header["barriers_done"]
 
 
 def _parse(header, arrays):
