@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tensorkv import shm
 from tensorkv.codec import Item, encode_stream
-from tensorkv.rpc import status_code
+from tensorkv.status import status_code
 from tensorkv.security import Security
 from tensorkv.v1 import kvstore_pb2, maintenance_pb2, tensor_pb2
 from tensorkv_server import datachan

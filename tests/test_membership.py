@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.rpc import CHANNEL_OPTIONS, Session, status_code
+from tensorkv.grpc_options import CHANNEL_OPTIONS
+from tensorkv.session import RawSession as Session
+from tensorkv.status import status_code
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
 from cluster import CALL, Cluster, wait_until

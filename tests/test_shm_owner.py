@@ -100,7 +100,8 @@ def become(uid):
 _BORROWED_PORT = _BECOME + """
 import socket, threading, time
 import grpc
-from tensorkv.rpc import CHANNEL_OPTIONS, Session
+from tensorkv.grpc_options import CHANNEL_OPTIONS
+from tensorkv.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2
 
 uid, pid, fd, address = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

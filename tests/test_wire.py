@@ -7,7 +7,8 @@ import pytest
 
 import tensorkv
 from tensorkv.codec import Item, encode_stream
-from tensorkv.rpc import Stub, status_code
+from tensorkv.rpc import Stub
+from tensorkv.status import status_code
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import CALL, Cluster

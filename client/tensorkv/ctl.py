@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensorkv import codec
 from tensorkv.dist import parse_servers
 from tensorkv.errors import InvalidArgumentError, KVStoreError
-from tensorkv.rpc import error_from_rpc
+from tensorkv.status import error_from_rpc
 from tensorkv.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintenance_pb2_grpc
 

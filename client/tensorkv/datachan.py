@@ -28,7 +28,7 @@ TLS_RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a ti
 # barrier waiting for the other workers), which gRPC's pings keep alive on the stream but
 # not here. Probed after this many idle seconds, then every KEEPALIVE_INTERVAL, a
 # connection stays known to the NATs and firewalls on its way, and a peer that vanished is
-# found within about a minute (as gRPC's keepalive on the stream: rpc.py).
+# found within about a minute (as gRPC's keepalive on the stream: grpc_options.py).
 KEEPALIVE_IDLE = 30
 KEEPALIVE_INTERVAL = 10
 KEEPALIVE_PROBES = 3

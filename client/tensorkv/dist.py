@@ -29,7 +29,9 @@ from .kvstore import KVStore
 from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
 from .lease import Heartbeat
 from .security import Security
-from .rpc import CHANNEL_OPTIONS, Stub, error_from_rpc
+from .grpc_options import CHANNEL_OPTIONS
+from .rpc import Stub
+from .status import error_from_rpc
 from .server_conn import ServerConn, receivable
 from .v1 import kvstore_pb2
 from .words import plural

@@ -4,7 +4,7 @@ key by key once, and after that as a whole.
 The first push or pull of a list goes the general way: each key checked, each value summed
 and placed on its server, the keys' shapes and dtypes learnt. Once that call succeeded, a
 list whose keys are distinct, of one type and known, whose values are of one dtype, each
-whole on its server and small enough to pack (server_conn: PACK_MIN_VALUES per server at
+whole on its server and small enough to pack (routes: PACK_MIN_VALUES per server at
 least, each under DATACHAN_MIN_BYTES), becomes a :class:`FusedList`: per server, the
 positions of its keys and the packed.Layout they move in. A later push of the same list
 with one C-contiguous NumPy array per key, of the known shapes and dtype, is checked in a
@@ -23,7 +23,7 @@ import operator
 
 import numpy as np
 
-from .server_conn import PACK_MIN_VALUES
+from .routes import PACK_MIN_VALUES
 
 # Lists a store keeps (fused or not): a worker has a few (its parameters, perhaps grouped);
 # past this many, the one kept first makes room.

@@ -1,7 +1,8 @@
 """One tensorkv server as a worker's store sees it: :class:`ServerConn`, its channel and
-stub, this worker's registration there, and the transport of each call, chosen here once
-per call: the Session stream (with the values in shared memory, on the data channel or in
-the messages) when the call fits it, else a plain RPC.
+stub, this worker's registration there, reconnecting after a broken connection or a restart,
+and one thin method per call: on the Session stream by the route tensorkv.routes chooses
+(the values in shared memory, on the data channel, packed or in the messages) when the call
+fits it, else a plain RPC.
 
 A ``part`` is the list [(position, Item)] of the values of one call that go to this server
 (a key, or its slice); for a pull, [(position, key)]. ``outs`` are the caller's out arrays
@@ -20,48 +21,31 @@ import grpc
 import numpy as np
 from google.protobuf import message
 
-from . import datachan, env, packed, rowsparse_wire, shm, states_wire
-from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields, set_key
+from . import packed, routes, rowsparse_wire, shm, states_wire
+from .codec import Item, encode_stream, set_key
 from .errors import (
-    DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
-    RoundAbortedError, ServerUnavailableError, ShapeMismatchError, key_repr,
+    DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, RoundAbortedError,
+    ServerUnavailableError, ShapeMismatchError, key_repr,
 )
-from .rpc import (
-    CHANNEL_OPTIONS, READ_ONLY_CALLS, Deferred, Session, Stub, connection_lost, error_from_code, error_from_rpc,
-    status_code,
-)
-from .words import plural
-from .v1 import kvstore_pb2, tensor_pb2
+from .grpc_options import CHANNEL_OPTIONS
+from .replay import PushLog, pushed_items
+from .routes import DATACHAN_MIN_BYTES, PACK_MIN_VALUES, Call, receivable  # noqa: F401 (receivable: dist)
+from .rpc import Stub
+from .session import Session
+from .status import connection_lost, error_from_rpc
+from .v1 import kvstore_pb2
 
-# Calls whose values (per server) take at most this many bytes use the Session stream.
-SESSION_MAX_BYTES = CHUNK_BYTES
 # Earlier incarnations a registration names (RegisterRequest.earlier_incarnations): as many as a server reads.
 MAX_EARLIER_INCARNATIONS = 16
-# With shared memory, values of at least this many bytes travel through the region.
-SHM_MIN_BYTES = env.integer("TENSORKV_SHM_MIN_BYTES", 16 << 10, low=0)
-# With a data channel, values of at least this many bytes travel on it.
-DATACHAN_MIN_BYTES = env.integer("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10, low=0)
 # A push of at most this many bytes (per server) may be sent without waiting for its answer (its
-# request, which holds the values, is kept until the answer comes).
+# request, which holds the values, is kept until the answer comes: replay.PushLog).
 DEFER_MAX_BYTES = 1 << 20
-# A push, pull or push-pull of at least this many values (per server), each whole, below
-# DATACHAN_MIN_BYTES and of one dtype, moves them packed in one buffer (tensorkv.packed) on a
-# session whose calls go on the data channel.
-PACK_MIN_VALUES = env.integer("TENSORKV_PACK_MIN_VALUES", 16, low=0)
 # The layouts a worker keeps per server, by signature (each is registered again on a new stream);
 # the lists seen once this many are known travel as entries.
 MAX_KNOWN_LAYOUTS = 4 * packed.MAX_LAYOUTS
-_ONE_MESSAGE = 1 << 62
 # Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
-# The Session op of each kind of call that may travel on a Session stream.
-_SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
-                "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL,
-                "row_sparse_pull": kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL, "barrier": kvstore_pb2.SESSION_OP_BARRIER}
-_PACKED_KINDS = ("push", "pull", "pushpull")
-KEPT_PUSHES = 8  # copies kept per key at most, where a worker realigns (ServerConn._keep)
-_PULLS = (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL, kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL)
 log = logging.getLogger(__name__)
 
 
@@ -115,16 +99,8 @@ class ServerConn:
         self._issued = 0  # the last sequence number given to a call
         self._pull_sequences = itertools.count(1)  # numbered apart: see PullRequest.pull_sequence
         self._lock = threading.Lock()  # one reconnect at a time
-        self._realign = False  # whether a restart needs the last pushes again (sync, several workers, snapshots)
-        # key -> [(sequence number, a copy of a push to it: an Item, or row-sparse (key, shape,
-        # row ids, rows))]: its last push whose round this worker saw complete (a pull of the key
-        # answered after it), and those after it, where it realigns (see the class docstring)
-        self._pushes_kept = {}
-        self._seen = {}  # key -> the sequence number of its kept push whose round was seen complete
-        # sequence number -> the serialized request of a push sent without waiting (or, packed, its
-        # layout and values; or its own Items), until its answer came
-        self._unacked = {}
-        self._undos = {}  # sequence number -> what ServerConn.push runs should that push fail
+        self._log = PushLog(address)  # the pushes to send again (see the class docstring)
+        self._pushes_kept = self._log.kept  # the same dict, of the copies kept per key
         self._layouts = {}  # packed.signature -> packed.Layout
 
     def _connect(self):
@@ -149,7 +125,7 @@ class ServerConn:
         self._transport = transport
         self._session_barrier = True  # until the server says it has no SESSION_OP_BARRIER
         # A copy of each push is kept for a restart only where one can restore rounds to line up.
-        self._realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1 and info.snapshots
+        self._log.realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1 and info.snapshots
         if self.session is not None:
             self.session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
             self.session.data_port = info.data_port if transport != "grpc" else 0
@@ -212,7 +188,7 @@ class ServerConn:
                     self._reconnect(deadline)
                 if self.lease_lost is not None:
                     raise FailedPreconditionError(self.lease_lost)
-                if self._unacked and not (self.session is not None and self.session.unread):
+                if self._log.unacked and not (self.session is not None and self.session.unread):
                     self._push_again(deadline, restarted=False)  # their answers were lost with a session reset
                 return attempt(_left(deadline), *args)
             except ServerUnavailableError as error:
@@ -234,8 +210,8 @@ class ServerConn:
     def realigns(self):
         """Whether this worker keeps copies of its pushes to send again after this server
         restarts (sync mode, several workers, snapshots): then a pull of a key must reach
-        every server of its slices, to tell each that its rounds ended (_seen_complete)."""
-        return self._realign
+        every server of its slices, to tell each that its rounds ended (PushLog.seen_complete)."""
+        return self._log.realign
 
     def _reconnect(self, deadline):
         """Open a new connection and register again under this worker's rank: in the place of
@@ -270,39 +246,33 @@ class ServerConn:
 
     def _push_again(self, deadline, restarted):
         """Send again the pushes sent without waiting whose answers did not come, and after a
-        restart the pushes kept of each key (:meth:`_keep`), each with the sequence number it
+        restart the pushes kept of each key (PushLog.keep), each with the sequence number it
         had: the server skips a push it applied (after a restart, one its snapshot holds:
         RegisterRequest.previous_incarnation) and applies the others."""
-        calls = {}
-        if restarted:
-            for kept in list(self._pushes_kept.values()):
-                for sequence, value in list(kept):
-                    calls.setdefault(sequence, []).append(value)
-        calls.update((sequence, _pushed_items(request)) for sequence, request in self._unacked.items())
-        for sequence, values in sorted(calls.items()):
+        for sequence, values in self._log.to_send_again(restarted):
             try:
                 if isinstance(values[0], Item):
-                    self._push_once(_left(deadline), list(enumerate(values)), sequence)
+                    self._push_once(_left(deadline), Call("push", list(enumerate(values)), sequence=sequence))
                 else:
                     self._row_sparse_push_once(_left(deadline), values, sequence)
             except (ServerUnavailableError, DeadlineExceededError):
                 raise  # still to send again, by the next attempt or call
             except KVStoreError as error:
-                if sequence not in self._unacked:
+                if not self._log.waits_for(sequence):
                     raise
-                raise self._failed(sequence, [item.key for item in values], error) from None
-            self._settled(sequence)
+                raise self._log.failed(sequence, [item.key for item in values], error) from None
+            self._log.answered(sequence)
 
     # ---- the data path ----------------------------------------------------------------
 
     def init(self, part, wait_only):
-        self._call("init", self._init_once, part, wait_only, self._next_sequence())
+        self._call("init", self._init_once, Call("init", part, wait_only=wait_only, sequence=self._next_sequence()))
 
-    def _init_once(self, timeout, part, wait_only, sequence):
-        if self._session("init", part, timeout, wait_only=wait_only, sequence=sequence) is None:
-            items = [item for _, item in part]
-            self._rpc("init", self.stub.init_raw, self._frames(kvstore_pb2.InitRequest, items, wait_only=wait_only,
-                                                               sequence=sequence), timeout)
+    def _init_once(self, timeout, call):
+        if self._session(call, timeout) is None:
+            items = [item for _, item in call.part]
+            self._rpc("init", self.stub.init_raw, self._frames(kvstore_pb2.InitRequest, items, wait_only=call.wait_only,
+                                                               sequence=call.sequence), timeout)
 
     def push(self, part, defer=False, undo=None):
         """Push ``part``. With ``defer`` (the caller checked every key against what it knows of it),
@@ -312,58 +282,12 @@ class ServerConn:
         error that only the server can see (a round aborted, a lease lost) is then raised by the
         next call to this server, naming the push, and the push changed nothing; ``undo`` is run
         first, to put back what the caller changed for it. Until the answer comes, the request
-        (or the push's own Items) is kept to send again on a new connection."""
-        sequence = self._next_sequence()
-        deferred = None
+        (or the push's own Items) is kept to send again on a new connection (replay.PushLog)."""
+        call = Call("push", part, sequence=self._next_sequence(), undo=undo)
         if defer and sum(item.array.nbytes for _, item in part) <= DEFER_MAX_BYTES:
-            deferred = self._deferred(sequence, [item.key for _, item in part], undo)
-        self._call("push", self._push_once, part, sequence, deferred)
-        self._keep(self._copies(part), sequence)
-
-    def _deferred(self, sequence, keys, undo=None):
-        """The Deferred of the push ``sequence`` of ``keys``, to be sent without waiting."""
-        return Deferred(lambda request: self._sent(sequence, request, undo), lambda: self._settled(sequence),
-                        lambda error: self._failed(sequence, keys, error))
-
-    def _sent(self, sequence, request, undo):
-        """The push ``sequence`` was sent without waiting: keep what sends it again, and its undo."""
-        self._unacked[sequence] = request
-        if undo is not None:
-            self._undos[sequence] = undo
-
-    def _settled(self, sequence):
-        """The push ``sequence``, sent without waiting, succeeded."""
-        self._unacked.pop(sequence, None)
-        self._undos.pop(sequence, None)
-
-    def _failed(self, sequence, keys, error):
-        """The error to raise for the push ``sequence`` of ``keys``, sent without waiting, which
-        failed with ``error`` (its undo run); it is no longer to be sent again."""
-        self._unacked.pop(sequence, None)
-        for key in keys:  # it changed nothing: a restart must not send it again
-            kept = self._pushes_kept.get(key, [])
-            kept[:] = [entry for entry in kept if entry[0] != sequence]
-        undo = self._undos.pop(sequence, None)
-        if undo is not None:
-            undo()
-        named = ", ".join(key_repr(key) for key in keys[:5]) + (", ..." if len(keys) > 5 else "")
-        return type(error)(f"an earlier push of {plural(len(keys), 'key')} ({named}) to server {self.address}, sent "
-                           f"without waiting for its answer, failed and changed nothing: {error}")
-
-    def _copies(self, part):
-        """[(key, a copy of its Item)] of ``part`` to keep where this worker realigns."""
-        if not self._realign:
-            return []
-        return [(item.key, Item(item.key, item.array if item.owned else item.array.copy(), item.shape, item.slice,
-                                two_bit=item.two_bit))
-                for _, item in part]
-
-    def _keep(self, copies, sequence):
-        """Keep ``copies`` [(key, value)] of the push ``sequence``, after what is kept of each key."""
-        for key, value in copies:
-            kept = self._pushes_kept.setdefault(key, [])
-            kept.append((sequence, value))
-            del kept[:-KEPT_PUSHES]
+            call.log = self._log
+        self._call("push", self._push_once, call)
+        self._log.keep(self._log.copies(part), call.sequence)
 
     def _next_sequence(self):
         self._issued = next(self._sequences)
@@ -371,65 +295,42 @@ class ServerConn:
 
     def _pull_call(self, keys, kind, attempt, *args):
         """``self._call(kind, attempt, *args)`` of a pull of ``keys``, whose answer says how the
-        rounds of this worker's pushes to them ended: complete (:meth:`_seen_complete`), or
+        rounds of this worker's pushes to them ended: complete (PushLog.seen_complete), or
         aborted (RoundAbortedError: the server discarded the last of them)."""
         issued = self._issued
         try:
             result = self._call(kind, attempt, *args)
         except RoundAbortedError:
-            self._discarded(keys, issued)
+            self._log.discarded(keys, issued)
             raise
-        self._seen_complete(keys, issued)
+        self._log.seen_complete(keys, issued)
         return result
-
-    def _seen_complete(self, keys, issued):
-        """A pull of ``keys`` answered, after this worker's calls up to the sequence number
-        ``issued``: the rounds of its pushes to them are complete; of those, only the last is
-        kept (see the class docstring)."""
-        if not self._pushes_kept:  # nothing is kept where this worker does not realign
-            return
-        for key in keys:
-            kept = self._pushes_kept.get(key, [])
-            seen = [index for index, (sequence, _) in enumerate(kept) if sequence <= issued]
-            if seen:
-                del kept[:seen[-1]]
-                self._seen[key] = kept[0][0]
-
-    def _discarded(self, keys, issued):
-        """A pull of ``keys`` raised RoundAbortedError: the last push to each, sent before the
-        call ``issued`` and not seen complete, was discarded with its round; a restart must
-        not send it again."""
-        for key in keys:
-            kept = self._pushes_kept.get(key, [])
-            unseen = [index for index, (sequence, _) in enumerate(kept)
-                      if sequence <= issued and sequence != self._seen.get(key)]
-            if unseen:
-                del kept[unseen[-1]]
 
     def settle(self):
         """Wait for the answers of the pushes sent without waiting; raise the first one's error."""
-        if self._unacked and self.session is not None:
+        if self._log.unacked and self.session is not None:
             self._call("push", lambda timeout: self.session.settle())
 
-    def _push_once(self, timeout, part, sequence, deferred=None):
-        if self._session("push", part, timeout, sequence=sequence, defer=deferred) is None:
-            items = [item for _, item in part]
-            self._rpc("push", self.stub.push_raw, self._frames(kvstore_pb2.PushRequest, items, sequence=sequence),
+    def _push_once(self, timeout, call):
+        if self._session(call, timeout) is None:
+            items = [item for _, item in call.part]
+            self._rpc("push", self.stub.push_raw, self._frames(kvstore_pb2.PushRequest, items, sequence=call.sequence),
                       timeout)
 
     def pushpull(self, part, outs):
         """The items pulled back after pushing ``part``."""
-        sequence = self._next_sequence()
-        copies = self._copies(part)  # before the pull writes into arrays that may be the pushed ones
-        items = self._call("pushpull", self._pushpull_once, part, outs, sequence)
-        self._keep(copies, sequence)
-        self._seen_complete([key for key, _ in copies], sequence)
+        call = Call("pushpull", part, outs=outs, sequence=self._next_sequence())
+        copies = self._log.copies(part)  # before the pull writes into arrays that may be the pushed ones
+        items = self._call("pushpull", self._pushpull_once, call)
+        self._log.keep(copies, call.sequence)
+        self._log.seen_complete([key for key, _ in copies], call.sequence)
         return items
 
-    def _pushpull_once(self, timeout, part, outs, sequence):
-        items = self._session("pushpull", part, timeout, outs=outs, sequence=sequence)
+    def _pushpull_once(self, timeout, call):
+        items = self._session(call, timeout)
         if items is None:
-            request = self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part], sequence=sequence)
+            part, outs = call.part, call.outs
+            request = self._frames(kvstore_pb2.PushPullRequest, [item for _, item in part], sequence=call.sequence)
             items = self._rpc("pushpull", lambda r, timeout: decode(
                 kvstore_pb2.PushPullResponse, self.stub.pushpull_raw(r, timeout=timeout), part, outs), request, timeout)
         return items
@@ -437,16 +338,17 @@ class ServerConn:
     def pull(self, part, outs, sizes, shapes=None):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None;
         ``shapes``: [(shape, dtype)] of their values when each is known and whole on this server."""
-        return self._pull_call([key for _, key in part], "pull", self._pull_once, part, outs, sizes, shapes,
-                               next(self._pull_sequences))
-
-    def _pull_once(self, timeout, part, outs, sizes, shapes, pull_sequence):
         keys = [key for _, key in part]
-        items = self._session("pull", part, timeout, outs=outs, keys=keys, sizes=sizes, shapes=shapes,
-                              pull_sequence=pull_sequence)
+        call = Call("pull", part, outs=outs, keys=keys, sizes=sizes, shapes=shapes,
+                    pull_sequence=next(self._pull_sequences))
+        return self._pull_call(keys, "pull", self._pull_once, call)
+
+    def _pull_once(self, timeout, call):
+        items = self._session(call, timeout)
         if items is None:
-            request = kvstore_pb2.PullRequest(pull_sequence=pull_sequence, **self._caller())
-            for key in keys:
+            part, outs = call.part, call.outs
+            request = kvstore_pb2.PullRequest(pull_sequence=call.pull_sequence, **self._caller())
+            for key in call.keys:
                 set_key(request.keys.add(), key)
             items = self._rpc("pull", lambda r, timeout: decode(
                 kvstore_pb2.PullResponse, self.stub.pull_raw(r, timeout=timeout), part, outs), request, timeout)
@@ -456,31 +358,32 @@ class ServerConn:
         """Push the values of ``layout``, packed in ``values`` (bytes), of keys the caller knows
         (a fused list, tensorkv.fusion): sent without waiting as :meth:`push` is, when it has
         DEFER_MAX_BYTES at most."""
-        sequence = self._next_sequence()
-        deferred = self._deferred(sequence, layout.keys) if layout.nbytes <= DEFER_MAX_BYTES else None
-        self._call("push", self._push_packed_once, layout, values, sequence, deferred)
-        if self._realign:  # views of ``values``, which nothing changes
-            self._keep([(item.key, item) for item in _pushed_items((layout, values))], sequence)
+        call = Call("push", values=values, sequence=self._next_sequence())
+        if layout.nbytes <= DEFER_MAX_BYTES:
+            call.log = self._log
+        self._call("push", self._push_packed_once, layout, call)
+        if self._log.realign:  # views of ``values``, which nothing changes
+            self._log.keep([(item.key, item) for item in pushed_items((layout, values))], call.sequence)
 
-    def _push_packed_once(self, timeout, layout, values, sequence, deferred):
-        session = self.session
-        if session is None or not self._packed(session, "push", layout, values, None, timeout, sequence, 0, deferred):
-            self._push_once(timeout, list(enumerate(_pushed_items((layout, values)))), sequence, deferred)
+    def _push_packed_once(self, timeout, layout, call):
+        if self._session(call, timeout, layout) is None:
+            self._push_once(timeout, Call("push", list(enumerate(pushed_items((layout, call.values)))),
+                                          sequence=call.sequence, log=call.log))
 
     def pull_packed(self, layout, targets):
         """Pull the values of ``layout`` into ``targets``, writable C-contiguous NumPy arrays of its
         shapes and dtype, in its order (a fused list, tensorkv.fusion)."""
-        self._pull_call(layout.keys, "pull", self._pull_packed_once, layout, targets, next(self._pull_sequences))
+        call = Call("pull", targets=targets, pull_sequence=next(self._pull_sequences))
+        self._pull_call(layout.keys, "pull", self._pull_packed_once, layout, call)
 
-    def _pull_packed_once(self, timeout, layout, targets, pull_sequence):
-        session = self.session
-        if session is not None and self._packed(session, "pull", layout, None, targets, timeout, 0, pull_sequence,
-                                                None):
+    def _pull_packed_once(self, timeout, layout, call):
+        if self._session(call, timeout, layout) is not None:
             return
-        part = list(enumerate(layout.keys))
-        shapes = [(shape, layout.dtype) for shape in layout.shapes]
+        targets = call.targets
         sizes = [math.prod(shape) * layout.dtype.itemsize for shape in layout.shapes]
-        items = self._pull_once(timeout, part, [[target] for target in targets], sizes, shapes, pull_sequence)
+        items = self._pull_once(timeout, Call(
+            "pull", list(enumerate(layout.keys)), outs=[[target] for target in targets], keys=list(layout.keys),
+            sizes=sizes, shapes=[(shape, layout.dtype) for shape in layout.shapes], pull_sequence=call.pull_sequence))
         for item, target in zip(items, targets):
             if item.array is target:
                 continue
@@ -494,8 +397,8 @@ class ServerConn:
         """RowSparsePush of ``values`` [(key, full shape, row ids, rows)] (rows only, in plain messages)."""
         sequence = self._next_sequence()
         self._call("push", self._row_sparse_push_once, values, sequence)
-        if self._realign:
-            self._keep([(key, (key, shape, row_ids.copy(), rows.copy())) for key, shape, row_ids, rows in values],
+        if self._log.realign:
+            self._log.keep([(key, (key, shape, row_ids.copy(), rows.copy())) for key, shape, row_ids, rows in values],
                        sequence)
 
     def _row_sparse_push_once(self, timeout, values, sequence):
@@ -513,7 +416,8 @@ class ServerConn:
 
     def _row_sparse_pull_once(self, timeout, part, sizes, outs, pull_sequence):
         items = [(position, Item(key, row_ids)) for position, (key, row_ids) in enumerate(part)]
-        pulled = self._session("row_sparse_pull", items, timeout, outs=outs, sizes=sizes, pull_sequence=pull_sequence)
+        pulled = self._session(Call("row_sparse_pull", items, outs=outs, sizes=sizes, pull_sequence=pull_sequence),
+                               timeout)
         if pulled is not None:
             return [item.array for item in pulled]
         values = self._row_sparse_values(timeout, part, pull_sequence).values
@@ -558,7 +462,7 @@ class ServerConn:
     def _barrier_once(self, timeout):
         if self._session_barrier:
             try:
-                if self._session("barrier", [], timeout) is not None:
+                if self._session(Call("barrier"), timeout) is not None:
                     return
             except InvalidArgumentError as error:
                 if "unknown session op" not in str(error):
@@ -583,7 +487,7 @@ class ServerConn:
 
     def _rpc(self, kind, method, request, timeout=None):
         """``method(request, timeout=...)``, with gRPC errors raised as KVStoreError; ``kind``
-        names the call in them ('push', 'pull', ...: see rpc.transport_error). The answers of
+        names the call in them ('push', 'pull', ...: see status.transport_error). The answers of
         pushes sent without waiting are read first: the RPC must not overtake them."""
         if self.session is not None and self.session.unread:
             self.session.settle()
@@ -595,7 +499,7 @@ class ServerConn:
     def _through_resets(self, kind, method, request, timeout):
         """:meth:`_rpc`, made again after RETRY_FIRST to RETRY_MAX seconds while its connection
         is reset (the server, or something between, accepted it and tore it down:
-        rpc.connection_lost, where the server does not refuse this client's credentials) until
+        status.connection_lost, where the server does not refuse this client's credentials) until
         ``timeout`` has passed; a refused connection (nothing listens) and every other error
         are raised at once. Only for calls that may be made twice."""
         deadline = time.monotonic() + timeout
@@ -617,106 +521,25 @@ class ServerConn:
         return encode_stream(message_type, items, dict(self._caller(), **fields),
                              with_data=not fields.get("wait_only", False))
 
-    def _session(self, kind, part, timeout, outs=None, keys=None, sizes=None, shapes=None, wait_only=False,
-                 sequence=0, pull_sequence=0, defer=None):
-        """Make the ``kind`` call on the Session stream: the items (or keys) it returns; None
-        when the call is not for a session (too large without shared memory, sessions off,
-        or the session busy with another thread's call), for the caller to make a plain RPC.
-
-        With shared memory, values of SHM_MIN_BYTES or more are written into the session's
-        region and only their references travel; a pull names the region as its output area,
-        and the values the server writes there are copied into ``outs`` (or new arrays).
-        Without it, values of DATACHAN_MIN_BYTES or more travel on the session's data channel
-        when there is one, pulled ones straight into ``outs`` where they fit. ``sizes``: the
-        bytes of the values pulled, for a pull of ``keys`` when all are known, and for a call
-        whose items are not the values it pulls (row ids). A list of values that packs (see
-        PACK_MIN_VALUES; a pull's ``shapes``) moves as one buffer (:meth:`_packed`)."""
+    def _session(self, call, timeout, layout=None):
+        """Make ``call`` (a routes.Call) on the Session stream, by the route routes.choose picks:
+        what its answer gives (the items pulled); None when it is not for a session (too large
+        without shared memory or a data channel, sessions off, or the session busy with another
+        thread's call), for the caller to make a plain RPC. A list that packs (PACK_MIN_VALUES;
+        a pull's ``call.shapes``; or a fused list's ``layout``) moves as one buffer, when the
+        stream takes it."""
         session = self.session
         if session is None:
             return None
-        layout = self._layout(part, keys, shapes) if kind in _PACKED_KINDS else None
-        if layout is not None:
-            values = None if kind == "pull" else layout.pack([item.array for _, item in part])
-            targets = None if kind == "push" else _targets(layout, part, outs)
-            if self._packed(session, kind, layout, values, targets, timeout, sequence, pull_sequence, defer):
-                return [] if targets is None else [Item(key, value) for key, value in zip(layout.keys, targets)]
-        use_shm = session.shm_possible
-        use_channel = not use_shm and session.channel_possible
-        min_bytes = SHM_MIN_BYTES if use_shm else DATACHAN_MIN_BYTES
-        offload = use_shm or use_channel  # large values leave the messages
-        op = _SESSION_OPS[kind]
-        pulls = op in _PULLS
-        in_bytes = out_bytes = 0
-        if keys is None:
-            items = [item for _, item in part]
-            inline = 0
-            for item in items:
-                nbytes = item.array.nbytes
-                if offload and not wait_only and nbytes >= min_bytes:
-                    in_bytes += aligned(nbytes)
-                elif not wait_only:
-                    inline += nbytes
-            if inline > SESSION_MAX_BYTES:
-                return None
-            if pulls:
-                pulled = [_pulled_nbytes(item) for item in items] if sizes is None else sizes
-                if sum(pulled) > SESSION_MAX_BYTES and not offload:
-                    return None
-                if max(pulled, default=0) >= min_bytes:
-                    out_bytes = sum(aligned(nbytes) for nbytes in pulled)
-        else:
-            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
-                return None
-            if sizes is None:
-                out_bytes = shm.MIN_REGION_BYTES
-            else:
-                # Values that all travel inline need no output area (one copy on each side
-                # either way, without a placement per value).
-                out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= min_bytes else 0
-        use_output = offload and pulls and out_bytes >= min_bytes
-        shm_bytes = max(in_bytes, out_bytes if use_output else 0) if use_shm and (in_bytes or use_output) else 0
-
-        def build(call_id, timeout_ms, region, channel):
-            fields = dict(id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, pull_sequence=pull_sequence,
-                          **self._caller())
-            if wait_only:
-                fields["wait_only"] = True
-            if region is not None and use_output:
-                fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=shm.HEADER_BYTES,
-                                                             length=region.capacity)
-            if channel is not None and use_output:
-                fields["data_channel_min_bytes"] = min_bytes
-            if keys is not None:
-                return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(keys), ()
-            sent, arrays = items, ()
-            if region is not None and in_bytes:
-                placement = Placement(region.buffer, region.id, shm.HEADER_BYTES)
-                sent = [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in items]
-            elif channel is not None and in_bytes:
-                sent, arrays = following(items, min_bytes)
-            return encode_stream(kvstore_pb2.SessionRequest, sent, fields, chunk_bytes=_ONE_MESSAGE,
-                                 with_data=not wait_only)[0], arrays
-
-        def decode_response(call_id, data, region, channel):
-            decoder = _decoder(kvstore_pb2.SessionResponse, part, outs,
-                               resolve=region.resolve if region is not None else None, channel=channel is not None)
-            decoder.feed(data)
-            self._check_answer(decoder.first, call_id, kind)
-            items = decoder.finish()
-            if decoder.frames.incoming:
-                channel.receive(decoder.frames.incoming)
-            decoder.remember()
-            return items
-
-        if defer is not None and in_bytes:
-            # Values that follow the request are kept to send again when they are the push's own
-            # (2-bit codes); the caller's own arrays may change once push returns: then it waits.
-            defer = Deferred(lambda request, sent=defer.sent: sent(items), defer.answered, defer.failed) \
-                if use_channel and all(item.owned for item in items) else None
-        return session.call(build, timeout, decode_response, shm_bytes, use_channel and (in_bytes > 0 or use_output),
-                            kind, defer=defer, read_only=kind in READ_ONLY_CALLS,
-                            answer_bytes=datachan.MAX_ANSWER_BYTES if pulls else datachan.ANSWER_ROOM)
-
+        call.caller = self._caller()
+        if layout is None and call.kind in routes.PACKED_KINDS:
+            layout = self._layout(call.part, call.keys, call.shapes)
+        route = routes.choose(session, call, layout)
+        result = None if route is None else session.call(route, call, timeout)
+        if result is None and layout is not None and call.part:  # not packed on this stream: as entries
+            route = routes.choose(session, call)
+            result = None if route is None else session.call(route, call, timeout)
+        return result
 
     def _layout(self, part, keys, shapes):
         """The packed.Layout of the values of ``part`` (or, for a pull, of ``keys`` with their
@@ -751,87 +574,6 @@ class ServerConn:
             layout = self._layouts[signature] = packed.Layout(*signature)
         return layout
 
-    def _packed(self, session, kind, layout, values, targets, timeout, sequence, pull_sequence, defer):
-        """Make the ``kind`` call of the values of ``layout`` on ``session``'s data channel, packed:
-        a push sends ``values`` (its bytes); a pull receives each value straight into its array of
-        ``targets``. False when the session cannot (Session.call)."""
-        op = _SESSION_OPS[kind]
-        if defer is not None:  # the request does not hold the values: they are kept to send again
-            defer = Deferred(lambda request, sent=defer.sent: sent((layout, values)), defer.answered,
-                             defer.failed)
-
-        def build(call_id, timeout_ms, region, channel):
-            request = kvstore_pb2.SessionRequest(
-                id=call_id, op=op, timeout_ms=timeout_ms, sequence=sequence, pull_sequence=pull_sequence,
-                layout_id=session.layout_ids[layout], **self._caller())
-            return request.SerializeToString(), () if values is None else (np.frombuffer(values, np.uint8),)
-
-        def decode_response(call_id, data, region, channel):
-            response = kvstore_pb2.SessionResponse.FromString(data)
-            self._check_answer(response, call_id, kind)
-            if targets is not None:
-                if response.packed_bytes != layout.nbytes:
-                    raise InternalError(f"server {self.address} answered {response.packed_bytes} packed bytes for "
-                                        f"a layout of {layout.nbytes}")
-                channel.receive(targets)
-            return True
-
-        return session.call(build, timeout, decode_response, data_channel=True, kind=kind,
-                            defer=defer if op == kvstore_pb2.SESSION_OP_PUSH else None,
-                            read_only=kind in READ_ONLY_CALLS, layout=layout,
-                            answer_bytes=datachan.ANSWER_ROOM) is not None
-
-    def _check_answer(self, response, call_id, kind):
-        """Raise the error that the SessionResponse ``response`` of a ``kind`` call carries, or
-        InternalError when it answers another call than ``call_id``."""
-        if response.code:
-            error = error_from_code(status_code(response.code), response.message, response.error_class or None,
-                                    self.address, kind)
-            error.answered = True  # by the server: see rpc.Session
-            raise error
-        if response.id != call_id:
-            raise InternalError(f"server {self.address} answered session call {response.id}, not {call_id}")
-
-
-def receivable(target, dtype, shape):
-    """Whether a pulled value of ``dtype`` and full ``shape`` may be received straight into
-    ``target``, the caller's out array."""
-    return type(target) is np.ndarray and target.dtype == dtype and target.shape == tuple(shape) \
-        and target.flags.c_contiguous and target.flags.writeable
-
-
-def _targets(layout, part, outs):
-    """The arrays that the values of ``layout`` are pulled into: the out array of each
-    (``outs[position][0]`` of its (position, key) in ``part``) where it is :func:`receivable`,
-    else a new array."""
-    targets = []
-    for (position, _), shape in zip(part, layout.shapes):
-        target = outs[position][0] if outs is not None else None
-        targets.append(target if receivable(target, layout.dtype, shape) else np.empty(shape, layout.dtype))
-    return targets
-
-
-def _pulled_nbytes(item):
-    """The bytes of the value that a pushpull of ``item`` pulls back: its array's, or for 2-bit
-    codes those of the float32 elements they stand for."""
-    if item.two_bit is None:
-        return item.array.nbytes
-    return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
-
-
-def _pushed_items(request):
-    """The Items of a push sent without waiting: of the serialized SessionRequest ``request``
-    whose values all travel in it, of the (packed.Layout, packed values) it moved, or the
-    push's own Items whose values followed it."""
-    if isinstance(request, list):
-        return request
-    if isinstance(request, tuple):
-        layout, values = request
-        return [Item(key, value) for key, value in zip(layout.keys, layout.views(values))]
-    decoder = StreamDecoder(kvstore_pb2.SessionRequest, "frame", two_bit=True)
-    decoder.feed(request)
-    return decoder.finish()
-
 
 def _request_id():
     """A new RegisterRequest.request_id: random, never 0."""
@@ -852,30 +594,9 @@ def decode(message_type, responses, part=None, outs=None):
     """The items of a stream of serialized responses. The values of ``part`` [(position,
     Item or key)] go straight into their ``outs[position][0]`` where that is a NumPy array
     of the right dtype and shape (the others are decoded into new arrays)."""
-    decoder = _decoder(message_type, part, outs)
+    decoder = routes.make_decoder(message_type, part, outs)
     for data in responses:
         decoder.feed(data)
     items = decoder.finish()
     decoder.remember()
     return items
-
-
-def _decoder(message_type, part, outs, resolve=None, channel=False):
-    destination = None
-    if outs is not None:
-        # (asked key, out array that may receive its value straight, or None) by entry index
-        expected = []
-        for position, asked in part:
-            target = outs[position][0]
-            writable = type(target) is np.ndarray and target.flags.c_contiguous and target.flags.writeable
-            expected.append((asked.key if isinstance(asked, Item) else asked, target if writable else None))
-
-        def destination(index, key, dtype, shape, slice):
-            if index >= len(expected):
-                return None
-            asked, target = expected[index]
-            if target is None or asked != key or target.dtype != dtype or target.shape != shape:
-                return None
-            return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
-    return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True,
-                         channel=channel)

@@ -25,7 +25,7 @@ from tensorkv.errors import (
     DeadlineExceededError, FailedPreconditionError, KVStoreError, ResourceExhaustedError, ServerUnavailableError,
 )
 from tensorkv.datachan import ACK, FRAME_HEADER
-from tensorkv.rpc import error_status
+from tensorkv.status import error_status
 from tensorkv.v1 import kvstore_pb2
 
 from . import datalink, metrics

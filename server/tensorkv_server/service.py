@@ -1,5 +1,5 @@
 """The KVStoreService handlers: decode the request, call the :class:`~.rounds.Coordinator`,
-encode the answer. Errors become statuses in :func:`tensorkv.rpc.translate_errors`, which
+encode the answer. Errors become statuses in :func:`tensorkv.status.translate_errors`, which
 :func:`add_to_server` wraps around each handler.
 
 The streams of tensors (Init, Push and PushPull requests, Pull and PushPull responses)
@@ -23,7 +23,7 @@ from tensorkv.errors import (
     ResourceExhaustedError, ShapeMismatchError, key_repr,
 )
 from tensorkv.rowsparse import RowSparse
-from tensorkv.rpc import error_status, translate_errors
+from tensorkv.status import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv.words import plural, size
 
@@ -122,7 +122,7 @@ def add_to_server(service, server, descriptor=_SERVICE):
     generated code would, except that every
     request arrives as bytes: the tensor streams (RAW_REQUESTS) reach their handlers so, the
     other requests are parsed here (:func:`_parser`), and the tensor streams of RAW_RESPONSES
-    leave as bytes. Each handler is wrapped in :func:`tensorkv.rpc.translate_errors`."""
+    leave as bytes. Each handler is wrapped in :func:`tensorkv.status.translate_errors`."""
     factories = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,

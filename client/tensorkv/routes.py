@@ -1,0 +1,340 @@
+"""The ways a call's values travel on a Session stream, one class each: in the messages
+(:class:`Inline`), through the session's shared-memory region (:class:`SharedMemory`), on its
+data channel (:class:`DataChannel`), or packed in one buffer (:class:`Packed`);
+:func:`choose` picks one for a :class:`Call`, by the thresholds beside it.
+
+A route is what :meth:`tensorkv.session.Session.call` needs of a call: ``shm_bytes`` (the
+size of the region it needs, 0: none), ``data_channel`` (whether its bytes use the data
+channel), ``layout`` (the packed.Layout to register on the stream, or None), ``answer_bytes``
+(the longest answer it can have), the request it builds (:meth:`request`), the answer it
+reads (:meth:`answer`), and what is kept to send it again when it goes without waiting for
+its answer (:meth:`kept`). A new way to travel is one class here and one line in
+:func:`choose`.
+
+A ``part`` is the list [(position, Item)] of the values of one call that go to one server
+(a key, or its slice); for a pull, [(position, key)]. ``outs`` are the caller's out arrays
+by position: a pulled value goes straight into ``outs[position][0]`` where that is a NumPy
+array of its dtype and shape.
+"""
+import dataclasses
+import math
+
+import numpy as np
+
+from . import datachan, env, shm
+from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields
+from .errors import InternalError
+from .status import error_from_code, status_code
+from .v1 import kvstore_pb2, tensor_pb2
+
+# Calls whose values (per server) take at most this many bytes use the Session stream.
+SESSION_MAX_BYTES = CHUNK_BYTES
+# With shared memory, values of at least this many bytes travel through the region.
+SHM_MIN_BYTES = env.integer("TENSORKV_SHM_MIN_BYTES", 16 << 10, low=0)
+# With a data channel, values of at least this many bytes travel on it.
+DATACHAN_MIN_BYTES = env.integer("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10, low=0)
+# A push, pull or push-pull of at least this many values (per server), each whole, below
+# DATACHAN_MIN_BYTES and of one dtype, moves them packed in one buffer (tensorkv.packed) on a
+# session whose calls go on the data channel (ServerConn.packed_layout).
+PACK_MIN_VALUES = env.integer("TENSORKV_PACK_MIN_VALUES", 16, low=0)
+PACKED_KINDS = ("push", "pull", "pushpull")
+_ONE_MESSAGE = 1 << 62
+# The Session op of each kind of call that may travel on a Session stream.
+SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
+               "pull": kvstore_pb2.SESSION_OP_PULL, "pushpull": kvstore_pb2.SESSION_OP_PUSH_PULL,
+               "row_sparse_pull": kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL, "barrier": kvstore_pb2.SESSION_OP_BARRIER}
+_PULLS = (kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL, kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL)
+
+
+@dataclasses.dataclass(slots=True)
+class Call:
+    """One call to one server, as its route carries it."""
+    kind: str  # names the call in errors: 'push', 'pull', ... (see status.transport_error)
+    part: list = ()  # [(position, Item)], or for a pull of keys [(position, key)]
+    _: dataclasses.KW_ONLY
+    outs: list = None  # the caller's out arrays, by position
+    keys: list = None  # a pull's keys (its part's)
+    sizes: list = None  # the bytes pulled: for a pull of keys when all are known, or of row ids
+    shapes: list = None  # a pull's [(shape, dtype)] when each is known and whole on this server
+    wait_only: bool = False  # an init that only waits for the key's value
+    sequence: int = 0  # PushRequest.sequence
+    pull_sequence: int = 0  # PullRequest.pull_sequence
+    values: bytes = None  # the packed values of a packed push (a fused list)
+    targets: list = None  # the arrays a packed pull receives into (a fused list)
+    log: object = None  # a push's replay.PushLog where it may go without waiting for its answer
+    undo: object = None  # what to run should a push sent without waiting fail
+    caller: dict = None  # rank and incarnation of this attempt (set by ServerConn)
+
+
+def choose(session, call, layout=None):
+    """The route of ``call`` on ``session``: packed when it has a ``layout``; else through shared
+    memory when the session may have a region, on the data channel when it may have one, in the
+    messages otherwise. None when the call does not fit a session (its values in the messages
+    take more than SESSION_MAX_BYTES): the caller makes a plain RPC."""
+    if layout is not None:
+        return Packed(session, call, layout)
+    if session.shm_possible:
+        route = SharedMemory(session.address, call, SHM_MIN_BYTES)
+    elif session.channel_possible:
+        route = DataChannel(session.address, call, DATACHAN_MIN_BYTES)
+    else:
+        route = Inline(session.address, call)
+    return route if route.fits else None
+
+
+class Inline:
+    """Every value in the SessionRequest and SessionResponse messages. The base of the routes
+    that move a call's large values elsewhere (those of ``min_bytes`` or more): it measures
+    them (``in_bytes``, and ``use_output`` for a pull's answer) and builds the messages."""
+
+    shm_bytes = 0
+    data_channel = False
+    layout = None
+
+    def __init__(self, address, call, min_bytes=None):
+        self.address, self.call, self.min_bytes = address, call, min_bytes
+        self.op = SESSION_OPS[call.kind]
+        self.pulls = self.op in _PULLS
+        self.answer_bytes = datachan.MAX_ANSWER_BYTES if self.pulls else datachan.ANSWER_ROOM
+        self.items = [item for _, item in call.part] if call.keys is None else None
+        self.in_bytes = self.out_bytes = 0
+        self.fits = self._measure(min_bytes is not None, min_bytes or 0)
+        self.use_output = min_bytes is not None and self.pulls and self.out_bytes >= min_bytes
+
+    def _measure(self, offload, min_bytes):
+        """Set ``in_bytes`` (the aligned bytes of the values that leave the messages) and
+        ``out_bytes`` (of the values pulled, where some may leave them); whether the call fits
+        a session."""
+        call = self.call
+        if call.keys is not None:
+            sizes = call.sizes
+            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
+                return False
+            if sizes is None:
+                self.out_bytes = shm.MIN_REGION_BYTES
+            else:
+                # Values that all travel inline need no output area (one copy on each side
+                # either way, without a placement per value).
+                self.out_bytes = sum(aligned(b) for b in sizes) if max(sizes, default=0) >= min_bytes else 0
+            return True
+        inline = 0
+        if not call.wait_only:
+            for item in self.items:
+                nbytes = item.array.nbytes
+                if offload and nbytes >= min_bytes:
+                    self.in_bytes += aligned(nbytes)
+                else:
+                    inline += nbytes
+        if inline > SESSION_MAX_BYTES:
+            return False
+        if self.pulls:
+            pulled = [_pulled_nbytes(item) for item in self.items] if call.sizes is None else call.sizes
+            if sum(pulled) > SESSION_MAX_BYTES and not offload:
+                return False
+            if max(pulled, default=0) >= min_bytes:
+                self.out_bytes = sum(aligned(nbytes) for nbytes in pulled)
+        return True
+
+    def request(self, call_id, timeout_ms, region, channel):
+        """(serialized SessionRequest, the arrays whose bytes follow it on the data channel)."""
+        call = self.call
+        fields = dict(id=call_id, op=self.op, timeout_ms=timeout_ms, sequence=call.sequence,
+                      pull_sequence=call.pull_sequence, **call.caller)
+        if call.wait_only:
+            fields["wait_only"] = True
+        if self.use_output:
+            self._output(fields, region, channel)
+        if call.keys is not None:
+            return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(call.keys), ()
+        sent, arrays = self._offload(region, channel) if self.in_bytes else (self.items, ())
+        return encode_stream(kvstore_pb2.SessionRequest, sent, fields, chunk_bytes=_ONE_MESSAGE,
+                             with_data=not call.wait_only)[0], arrays
+
+    def _output(self, fields, region, channel):
+        """Name where the pulled values of ``min_bytes`` or more go (``fields`` of the request)."""
+
+    def _offload(self, region, channel):
+        """(the items the request carries, the arrays that follow it) for values that leave it."""
+        return self.items, ()
+
+    def answer(self, call_id, data, region, channel):
+        """The items of the serialized SessionResponse ``data`` (values that follow on ``channel``
+        read from it, those in ``region`` copied out)."""
+        call = self.call
+        decoder = make_decoder(kvstore_pb2.SessionResponse, call.part, call.outs,
+                               resolve=region.resolve if region is not None else None, channel=channel is not None)
+        decoder.feed(data)
+        check_answer(decoder.first, call_id, call.kind, self.address)
+        items = decoder.finish()
+        if decoder.frames.incoming:
+            channel.receive(decoder.frames.incoming)
+        decoder.remember()
+        return items
+
+    def kept(self, request):
+        """What sends this push again, when it may go without waiting for its answer (the
+        serialized ``request``, which holds its values); None when it must wait."""
+        return request
+
+    def keys(self):
+        """The keys of the values it pushes."""
+        return [item.key for item in self.items]
+
+
+class SharedMemory(Inline):
+    """Values of ``min_bytes`` or more written into the session's shared-memory region, only
+    their references in the request; a pull names the region as its output area, and the
+    values the server writes there are copied out. A region the server refuses leaves them in
+    the messages."""
+
+    def __init__(self, address, call, min_bytes):
+        super().__init__(address, call, min_bytes)
+        if self.in_bytes or self.use_output:
+            self.shm_bytes = max(self.in_bytes, self.out_bytes if self.use_output else 0)
+
+    def _output(self, fields, region, channel):
+        if region is not None:
+            fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=shm.HEADER_BYTES,
+                                                         length=region.capacity)
+
+    def _offload(self, region, channel):
+        if region is None:
+            return self.items, ()
+        placement, min_bytes = Placement(region.buffer, region.id, shm.HEADER_BYTES), self.min_bytes
+        return [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in self.items], ()
+
+    def kept(self, request):
+        # Values in the region change with the next call: such a push waits.
+        return None if self.in_bytes else request
+
+
+class DataChannel(Inline):
+    """Values of ``min_bytes`` or more on the session's data channel, after the request, and
+    pulled ones of as many bytes after the answer, straight into ``outs`` where they fit."""
+
+    def __init__(self, address, call, min_bytes):
+        super().__init__(address, call, min_bytes)
+        self.data_channel = self.in_bytes > 0 or self.use_output
+
+    def _output(self, fields, region, channel):
+        if channel is not None:
+            fields["data_channel_min_bytes"] = self.min_bytes
+
+    def _offload(self, region, channel):
+        return (self.items, ()) if channel is None else following(self.items, self.min_bytes)
+
+    def kept(self, request):
+        if not self.in_bytes:
+            return request
+        # Values that follow the request are kept to send again when they are the push's own
+        # (2-bit codes); the caller's own arrays may change once push returns: then it waits.
+        return self.items if all(item.owned for item in self.items) else None
+
+
+class Packed:
+    """The values of ``layout`` (a list the stream registered: tensorkv.packed) in one buffer
+    on the session's data channel: a push sends their bytes after the request; a pull receives
+    each value straight into its array of ``targets``. Only where calls go on the channel."""
+
+    shm_bytes = 0
+    data_channel = True
+    answer_bytes = datachan.ANSWER_ROOM
+
+    def __init__(self, session, call, layout):
+        self.address, self.call, self.layout = session.address, call, layout
+        self.layout_ids = session.layout_ids
+        self.op = SESSION_OPS[call.kind]
+        self.values = call.values
+        if self.values is None and call.kind != "pull":
+            self.values = layout.pack([item.array for _, item in call.part])
+        self.targets = call.targets
+        if self.targets is None and call.kind != "push":
+            self.targets = _targets(layout, call.part, call.outs)
+
+    def request(self, call_id, timeout_ms, region, channel):
+        call = self.call
+        request = kvstore_pb2.SessionRequest(
+            id=call_id, op=self.op, timeout_ms=timeout_ms, sequence=call.sequence, pull_sequence=call.pull_sequence,
+            layout_id=self.layout_ids[self.layout], **call.caller)
+        return request.SerializeToString(), () if self.values is None else (np.frombuffer(self.values, np.uint8),)
+
+    def answer(self, call_id, data, region, channel):
+        """The Items pulled ([] for a push)."""
+        response = kvstore_pb2.SessionResponse.FromString(data)
+        check_answer(response, call_id, self.call.kind, self.address)
+        if self.targets is None:
+            return []
+        if response.packed_bytes != self.layout.nbytes:
+            raise InternalError(f"server {self.address} answered {response.packed_bytes} packed bytes for "
+                                f"a layout of {self.layout.nbytes}")
+        channel.receive(self.targets)
+        return [Item(key, value) for key, value in zip(self.layout.keys, self.targets)]
+
+    def kept(self, request):
+        # The request does not hold the values: they are kept to send again.
+        return (self.layout, self.values) if self.op == kvstore_pb2.SESSION_OP_PUSH else None
+
+    def keys(self):
+        return self.layout.keys
+
+
+def check_answer(response, call_id, kind, address):
+    """Raise the error that the SessionResponse ``response`` of a ``kind`` call carries, or
+    InternalError when it answers another call than ``call_id``."""
+    if response.code:
+        error = error_from_code(status_code(response.code), response.message, response.error_class or None,
+                                address, kind)
+        error.answered = True  # by the server: see session.Session
+        raise error
+    if response.id != call_id:
+        raise InternalError(f"server {address} answered session call {response.id}, not {call_id}")
+
+
+def receivable(target, dtype, shape):
+    """Whether a pulled value of ``dtype`` and full ``shape`` may be received straight into
+    ``target``, the caller's out array."""
+    return type(target) is np.ndarray and target.dtype == dtype and target.shape == tuple(shape) \
+        and target.flags.c_contiguous and target.flags.writeable
+
+
+def _targets(layout, part, outs):
+    """The arrays that the values of ``layout`` are pulled into: the out array of each
+    (``outs[position][0]`` of its (position, key) in ``part``) where it is :func:`receivable`,
+    else a new array."""
+    targets = []
+    for (position, _), shape in zip(part, layout.shapes):
+        target = outs[position][0] if outs is not None else None
+        targets.append(target if receivable(target, layout.dtype, shape) else np.empty(shape, layout.dtype))
+    return targets
+
+
+def _pulled_nbytes(item):
+    """The bytes of the value that a pushpull of ``item`` pulls back: its array's, or for 2-bit
+    codes those of the float32 elements they stand for."""
+    if item.two_bit is None:
+        return item.array.nbytes
+    return 4 * (math.prod(item.shape) if item.slice is None else item.slice[1] - item.slice[0])
+
+
+def make_decoder(message_type, part, outs, resolve=None, channel=False):
+    """A StreamDecoder of responses of ``message_type`` that puts the values of ``part``
+    [(position, Item or key)] straight into their ``outs[position][0]`` where that is a NumPy
+    array of the right dtype and shape."""
+    destination = None
+    if outs is not None:
+        # (asked key, out array that may receive its value straight, or None) by entry index
+        expected = []
+        for position, asked in part:
+            target = outs[position][0]
+            writable = type(target) is np.ndarray and target.flags.c_contiguous and target.flags.writeable
+            expected.append((asked.key if isinstance(asked, Item) else asked, target if writable else None))
+
+        def destination(index, key, dtype, shape, slice):
+            if index >= len(expected):
+                return None
+            asked, target = expected[index]
+            if target is None or asked != key or target.dtype != dtype or target.shape != shape:
+                return None
+            return target if slice is None else target.reshape(-1)[slice[0]:slice[1]]
+    return StreamDecoder(message_type, "frame", destination=destination, resolve=resolve, copy_refs=True,
+                         channel=channel)
