@@ -3,7 +3,8 @@ and answers being built and sent, of all calls together.
 
 A call reserves its bytes before it reads them from a data channel (so a full budget stops
 reading: back pressure) and before it builds an answer; a gRPC message is read before any
-handler runs, so its bytes are counted as they arrive (:meth:`Budget.charge`). A reservation
+handler runs, so its bytes are counted as they arrive (:meth:`Budget.charge`), and a stream of them
+(Init, Push, PushPull) reads its next message once there is room (:meth:`Budget.paced`). A reservation
 that does not fit waits, first come first served, at most WAIT seconds or the call's
 deadline, then fails with RESOURCE_EXHAUSTED; one larger than the whole budget fails at once.
 
@@ -43,6 +44,7 @@ class Reservation:
         self.nbytes += nbytes
 
     def release(self):
+        self._budget.done_reading(self)
         nbytes, self.nbytes = self.nbytes, 0
         if nbytes:
             self._budget.give_back(nbytes)
@@ -55,6 +57,8 @@ class Budget:
         self.total = total
         self.used = 0
         self._waiters = collections.deque()  # [bytes, future] of the reservations that wait, oldest first
+        self._streams = {}  # the Reservations of the gRPC streams being read (paced), oldest first
+        self._room = None  # a future done when bytes are given back or a stream is read, for paced streams
 
     def charge(self, nbytes):
         """A Reservation of ``nbytes`` that are already in memory: counted at once, even past the total."""
@@ -91,9 +95,53 @@ class Budget:
                 f"held by other calls): try again, or give the server a larger {FLAG}")
         return Reservation(self, nbytes)
 
+    async def paced(self, messages, reservation):
+        """The messages (bytes) of a gRPC stream, each counted in ``reservation`` as it arrives;
+        the next one is read only once the budget has room, or once this stream is the oldest
+        being read (which always goes on: the streams are read one after the other, never all
+        stopped half way), for at most WAIT seconds, then ResourceExhaustedError."""
+        messages = aiter(messages)
+        while True:
+            await self._room_for(reservation)
+            try:
+                message = await anext(messages)
+            except StopAsyncIteration:
+                self.done_reading(reservation)
+                return
+            reservation.add(len(message))
+            yield message
+
+    async def _room_for(self, reservation):
+        if self.total is None:
+            return
+        self._streams.setdefault(reservation)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while self.used >= self.total and next(iter(self._streams)) is not reservation:
+            if loop.time() >= deadline:
+                self.done_reading(reservation)
+                raise ResourceExhaustedError(
+                    f"a stream of values holding {reservation.nbytes} bytes waited {WAIT:g} s for room to receive "
+                    f"more; this server's budget for bytes in flight, {self.total} bytes ({size(self.total)}, "
+                    f"{FLAG}), stayed full ({size(self.used)} held): try again, or give the server a larger {FLAG}")
+            if self._room is None:
+                self._room = loop.create_future()
+            await asyncio.wait((self._room,), timeout=deadline - loop.time())
+
+    def done_reading(self, reservation):
+        """The stream of ``reservation`` is no longer read: those behind it may go on."""
+        if self._streams.pop(reservation, 0) is None:
+            self._say_room()
+
+    def _say_room(self):
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
+
     def give_back(self, nbytes):
         self.used -= nbytes
         self._wake()
+        self._say_room()
 
     def _take(self, nbytes):
         self.used += nbytes
@@ -116,6 +164,7 @@ class Budget:
         future.cancel()
         self._waiters.remove(waiter)
         self._wake()  # those behind it may fit now
+        self._say_room()
 
 
 def hold(reservation):

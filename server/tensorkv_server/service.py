@@ -56,6 +56,8 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # status n
 # Copies of a row-sparse answer's rows and ids that the server may hold at once: the rows, the
 # answer message, its serialized bytes.
 ROW_ANSWER_COPIES = 3
+# Copies of a Pull or PushPull answer's values held at once: our messages, and gRPC's of them.
+_GRPC_ANSWER_COPIES = 2
 
 
 def _ms(seconds):
@@ -204,11 +206,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         for an empty stream. ``with_data(first)`` says whether the frames carry data (Init's
         wait_only does not)."""
         decoder = self._decoder(message_class, with_data=with_data)
-        held = budget.hold(self.budget.charge(0))  # read already: counted as they come, given back once merged
+        held = budget.hold(self.budget.charge(0))  # counted as they come, given back once merged
         try:
-            async for data in requests:
+            async for data in self.budget.paced(requests, held):
                 metrics.received("grpc", len(data))
-                held.add(len(data))
                 decoder.feed(data)
             items = decoder.finish()
             if decoder.first is None:
@@ -219,9 +220,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         decoder.remember()
         return result
 
-    async def _answer_room(self, items, timeout, what):
-        """The budget's Reservation (see budget.py) for an answer that carries the values of ``items``."""
-        return await self.budget.reserve(sum(item.array.nbytes for item in items), timeout, what)
+    async def _answer_room(self, items, timeout, what, copies=1):
+        """The budget's Reservation (see budget.py) for an answer that carries the values of
+        ``items``, held ``copies`` times at once (gRPC's own copy of our messages: 2; at most
+        the whole budget, as one value over it is refused already)."""
+        nbytes = sum(item.array.nbytes for item in items)
+        if copies > 1 and self.budget.total is not None:
+            nbytes = max(nbytes, min(copies * nbytes, self.budget.total))
+        return await self.budget.reserve(nbytes, timeout, what)
 
     def _keys(self, request):
         """The keys of a Pull or Session request; InvalidArgumentError for one over --max-key-bytes,
@@ -294,7 +300,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         else:
             items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request),
                                                 request.pull_sequence)
-        held = await self._answer_room(items, context.time_remaining(), f"a pull of {plural(len(items), 'value')}")
+        held = await self._answer_room(items, context.time_remaining(), f"a pull of {plural(len(items), 'value')}",
+                                       _GRPC_ANSWER_COPIES)
         try:
             for message in _responses(self._host(items)):
                 yield message
@@ -360,7 +367,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                       first.rank, first.incarnation, items, first.sequence))
         if items is not None:
             held = await self._answer_room(items, context.time_remaining(),
-                                           f"a push-pull of {plural(len(items), 'value')}")
+                                           f"a push-pull of {plural(len(items), 'value')}", _GRPC_ANSWER_COPIES)
             try:
                 for message in _responses(self._host(items)):
                     yield message
