@@ -21,7 +21,7 @@ from tensorkv.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES
 
-from cluster import STOP_TIMEOUT, Cluster, rss
+from cluster import STOP_TIMEOUT, Cluster, check_workers, rss
 
 TIMEOUT = 20.0  # seconds for one call
 
@@ -495,7 +495,7 @@ def test_the_limits_log_line_reads_in_units_and_names_each_flag():
     from tensorkv_server import limits
     line = limits.describe(limits.Limits(max_inflight_bytes=(6 << 30) + (1 << 29)), 13743895347)
     assert line == ("limits: 16 GiB per value (--max-value-bytes), 65536 keys per call (--max-keys-per-call), "
-                    "6.5 GiB of values per call (--max-inflight-bytes), 12.8 GiB stored (--max-memory)")
+                    "6.5 GiB in flight (--max-inflight-bytes), 12.8 GiB stored (--max-memory)")
     assert [size(n) for n in (0, 1, 512, 1024, 1536, 64 << 20, 1 << 40, 1048535, (1 << 30) - 1, 900)] == [
         "0 bytes", "1 byte", "512 bytes", "1 KiB", "1.5 KiB", "64 MiB", "1 TiB", "1 MiB", "1 GiB", "900 bytes"]
 
@@ -511,12 +511,12 @@ def test_with_a_state_dir_the_default_memory_leaves_room_for_a_snapshots_copy(tm
         args = parse_args(["--num-workers", "1", *argv])
         return args, limits.from_args(args, np)[1]
 
-    host = limits.host_memory()
+    host = limits.usable_memory()
     args, plain = memory()
     assert plain == int(host * limits.MEMORY_SHARE) and limits.snapshot_room(args, np, plain) is None
     args, durable = memory("--state-dir", str(tmp_path))
     assert durable == int(host * limits.MEMORY_SHARE / 2) and limits.snapshot_room(args, np, durable) is None
-    args, crowded = memory("--state-dir", str(tmp_path), "--max-memory", str(host // 2 + 1))
+    args, crowded = memory("--state-dir", str(tmp_path), "--max-memory", str(limits.host_memory() // 2 + 1))
     assert re.fullmatch(r"--max-memory .* leaves no room for a snapshot's copy: a full server holds up to .* of host "
                         r"memory while one is written, more than the .* this server has; give at most .*",
                         limits.snapshot_room(args, np, crowded))
@@ -550,3 +550,114 @@ def test_a_message_longer_than_a_call_may_be_is_refused_before_the_token_check(t
             kv.init("w", np.zeros_like(value))
             kv.push("w", value)
             np.testing.assert_array_equal(kv.pull("w"), value)
+
+
+# ---- --max-inflight-bytes: one budget for the whole server ---------------------------------
+
+MIB = 1 << 20
+
+
+def _peak_rss(pid):
+    """The peak resident memory of process ``pid`` so far, in bytes (VmHWM)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+@pytest.mark.parametrize("transport, memory", [("tcp", 128 * MIB), ("grpc", 384 * MIB)])
+def test_eight_workers_pushing_at_once_wait_for_the_budget_and_the_server_stays_within_it(tmp_path, transport, memory):
+    """8 workers push 64 MiB each at once to a server whose budget holds 2 such pushes: on the
+    data channel each call waits for room before its bytes are read, on gRPC a Push stream
+    reads its next message once there is room (back pressure, not failure); every round
+    completes with exact values, and the server's peak RSS stays within --max-memory + the
+    budget + 300 MB (the stored value and the round's total take 128 MiB; on gRPC, whose copies
+    in and out of messages are not all counted, --max-memory leaves room for 256 MiB more:
+    peaks of 540-610 MB measured, 700 MB once under load). Before: the budget bounded each
+    call only; peaks of 685-689 MB on the data channel and 1310-1350 MB on gRPC."""
+    budget = 2 * 64 * MIB + MIB
+    with Cluster(num_workers=8, tmp_path=tmp_path, round_timeout=300.0,
+                 server_args=["--max-memory", str(memory), "--max-inflight-bytes", str(budget)]) as cluster:
+        results = cluster.run_workers("budget_rounds", 64, 3, timeout=600.0, env={"TENSORKV_TRANSPORT": transport})
+        assert sorted(check_workers(results)) == sorted(f"ok {rank}\n" for rank in range(8))
+        peak = _peak_rss(cluster.processes[0].pid)
+    assert peak <= memory + budget + 300_000_000, f"server peak RSS {peak} bytes"
+
+
+def test_a_row_sparse_pull_whose_answer_would_pass_the_budget_is_refused_before_it_is_built(tmp_path):
+    """1.5 M repeated row ids (a request of a few MB) ask for 96 MB of rows: with their ids, the
+    answer message and its bytes, more than the budget of 128 MiB; refused with
+    RESOURCE_EXHAUSTED before anything is built, and the server's peak RSS does not grow by the
+    answer's size. Before: the rows alone were checked against the budget, and the answer was
+    built (three copies of it)."""
+    value = np.arange(160, dtype=np.float32).reshape(10, 16)  # rows of 64 bytes
+    ids = np.zeros(1_500_000, np.int64)
+    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", str(128 * MIB)]) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc", timeout=120) as kv:
+        kv.init("w", value)
+        np.testing.assert_array_equal(kv.row_sparse_pull("w", row_ids=ids[:1000]), value[[0] * 1000])
+        before = _peak_rss(cluster.processes[0].pid)
+        with pytest.raises(tensorkv.ResourceExhaustedError) as refused:
+            kv.row_sparse_pull("w", row_ids=ids)
+        grown = _peak_rss(cluster.processes[0].pid) - before
+        np.testing.assert_array_equal(kv.row_sparse_pull("w", row_ids=ids[:10]), value[[0] * 10])
+    assert "a row-sparse pull of 1500000 rows would answer 91.6 MiB of values" in str(refused.value)
+    assert "this server's budget for bytes in flight is 128 MiB (--max-inflight-bytes)" in str(refused.value)
+    assert grown < ids.size * 64, f"the server's peak RSS grew by {grown} bytes"
+
+
+@pytest.mark.skipif(not shm.available(), reason="the value is stored through shared memory, which is not counted")
+def test_an_answer_larger_than_the_whole_budget_is_refused_at_once(tmp_path):
+    """A 2 MiB value stored through shared memory (not counted), pulled over gRPC and the data
+    channel from a server whose budget is 1 MiB: refused at once with RESOURCE_EXHAUSTED naming
+    the bytes, the budget and its flag; the store goes on. Before: answered whatever its size."""
+    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", str(MIB)]) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
+            kv.init(["big", "small"], [_floats(MIB // 2), _floats(4)])
+            np.testing.assert_array_equal(kv.pull("big"), _floats(MIB // 2))  # into shared memory
+        for transport in ("grpc", "tcp"):
+            with tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport,
+                                 if_exists="resume") as kv:
+                with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                        "needs 2097152 bytes in flight (2 MiB), more than this server's whole budget for bytes in "
+                        "flight of 1048576 bytes (1 MiB, --max-inflight-bytes)")):
+                    kv.pull("big")
+                np.testing.assert_array_equal(kv.pull("small"), _floats(4))
+
+
+def test_the_budget_grants_in_turn_refuses_after_its_wait_and_takes_back_what_a_cancelled_call_was_given():
+    """budget.Budget on its own: reservations that do not fit wait, first come first served;
+    one that finds no room by its deadline is refused naming the bytes, the budget and the
+    flag; one larger than the whole budget is refused at once; a waiter cancelled after it
+    was granted gives its bytes back."""
+    import asyncio
+
+    from tensorkv_server.budget import Budget
+
+    async def scenario():
+        budget = Budget(100)
+        first = await budget.reserve(60)
+        second = asyncio.ensure_future(budget.reserve(50))
+        third = asyncio.ensure_future(budget.reserve(10))  # fits now, but waits behind the second
+        await asyncio.sleep(0)
+        assert not second.done() and not third.done() and budget.used == 60
+        with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                "a pull needs 101 bytes in flight (101 bytes), more than this server's whole budget for bytes in "
+                "flight of 100 bytes (100 bytes, --max-inflight-bytes)")):
+            await budget.reserve(101, what="a pull")
+        first.release()
+        first.release()  # once only
+        granted = await asyncio.wait_for(second, 60)
+        assert (await asyncio.wait_for(third, 60)).nbytes == 10 and budget.used == 60
+        with pytest.raises(tensorkv.ResourceExhaustedError, match=re.escape(
+                "a push needs 50 bytes in flight (50 bytes); this server's budget for bytes in flight, 100 bytes "
+                "(100 bytes, --max-inflight-bytes), stayed full for 0.01 s")):
+            await budget.reserve(50, timeout=0.01, what="a push")
+        assert budget.used == 60
+        waiting = asyncio.ensure_future(budget.reserve(50))
+        await asyncio.sleep(0)
+        granted.release()  # grants the waiter; then its call is cancelled before it runs
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert budget.used == 10
+
+    asyncio.run(scenario())

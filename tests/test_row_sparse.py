@@ -117,16 +117,18 @@ def test_row_sparse_pulls_on_a_raw_session_stream(tmp_path):
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_a_row_sparse_pull_over_the_per_call_limit_is_refused(tmp_path, transport):
     """Ids may repeat: a pull of a few bytes could ask for any number of rows (one of 60 KB
-    once answered 937 MiB). Rows past --max-inflight-bytes are refused, on either path."""
+    once answered 937 MiB). An answer whose rows, with their ids, the answer message and its bytes
+    (3 copies of 36 bytes a row here) would pass --max-inflight-bytes is refused, on either path."""
     value = np.arange(70, dtype=np.float32).reshape(10, 7)  # rows of 28 bytes
-    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", "28000"]) as cluster, \
+    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", "108000"]) as cluster, \
             tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport) as kv:
         kv.init("w", value)
         np.testing.assert_array_equal(kv.row_sparse_pull("w", row_ids=np.zeros(1000, np.int64)), value[[0] * 1000])
         with pytest.raises(tensorkv.ResourceExhaustedError) as refused:
             kv.row_sparse_pull("w", row_ids=np.zeros(1001, np.int64))
-        assert "a row-sparse pull of 1001 rows would answer 27.4 KiB of values; this server answers at most " \
-               "27.3 KiB per call (--max-inflight-bytes)" in str(refused.value)
+        assert "a row-sparse pull of 1001 rows would answer 27.4 KiB of values, which with their row ids hold " \
+               "105.6 KiB in flight while the answer is built and sent; this server's budget for bytes in flight " \
+               "is 105.5 KiB (--max-inflight-bytes)" in str(refused.value)
 
 
 @pytest.mark.parametrize("store", ["local", "dist_sync"])

@@ -29,6 +29,7 @@ from tensorkv.status import error_status
 from tensorkv.v1 import kvstore_pb2
 
 from . import datalink, metrics
+from .budget import hold, release_held
 from .deadline import within
 
 log = logging.getLogger(__name__)
@@ -177,18 +178,19 @@ class StreamChannel:
         """Whether this stream's calls come on the channel (serve_calls)."""
         return self._calls is not None
 
-    def serve_calls(self, handle, send_after, max_bytes):
+    def serve_calls(self, handle, send_after, max_bytes, budget):
         """Once the channel is bound, serve the calls framed on it (SessionResponse.calls_on_channel):
         ``await handle(request bytes)`` gives (the serialized SessionResponse, None or the values
         that follow it (with a ``release()`` for when they are not sent), whether to close the
         channel after it); ``await send_after(values)`` sends those. A request longer than
         ``max_bytes`` is refused unread (RESOURCE_EXHAUSTED) and closes the channel; so does
-        the end of the connection."""
+        the end of the connection, and a request that finds no room in ``budget`` (budget.Budget)
+        before it is read, which it waits for: back pressure on the sender."""
         self._calls = asyncio.get_running_loop().create_task(
-            self._serve_calls(self._waiter, handle, send_after, max_bytes))
+            self._serve_calls(self._waiter, handle, send_after, max_bytes, budget))
         self._calls.add_done_callback(_log_failure)
 
-    async def _serve_calls(self, waiter, handle, send_after, max_bytes):
+    async def _serve_calls(self, waiter, handle, send_after, max_bytes, budget):
         header = bytearray(FRAME_HEADER)
         try:
             link = await self._streams.next_call(lambda: waiter)
@@ -204,15 +206,27 @@ class StreamChannel:
                     metrics.session_error("RESOURCE_EXHAUSTED")
                     await link.sendall(len(refusal).to_bytes(FRAME_HEADER, "little") + refusal)
                     return
-                response, outgoing, close = await handle(await link.read_bytes(size))
                 try:
-                    await link.sendall(len(response).to_bytes(FRAME_HEADER, "little") + response)
-                except BaseException:
+                    hold(await budget.reserve(min(size, budget.total or size), None,
+                                              f"a call of {size} bytes on the data channel"))
+                except ResourceExhaustedError as error:  # its bytes stay unread: the channel closes
+                    log.warning("data channel of %s closed: %s", self.peer, error)
+                    metrics.session_error("RESOURCE_EXHAUSTED")
+                    refusal = _refusal(error)
+                    await link.sendall(len(refusal).to_bytes(FRAME_HEADER, "little") + refusal)
+                    return
+                try:
+                    response, outgoing, close = await handle(await link.read_bytes(size))
+                    try:
+                        await link.sendall(len(response).to_bytes(FRAME_HEADER, "little") + response)
+                    except BaseException:
+                        if outgoing is not None:
+                            outgoing.release()
+                        raise
                     if outgoing is not None:
-                        outgoing.release()
-                    raise
-                if outgoing is not None:
-                    await send_after(outgoing)
+                        await send_after(outgoing)
+                finally:
+                    release_held()  # the request's bytes, or the answer's
                 if close or not self.bound:
                     return
         except (OSError, EOFError, KVStoreError) as error:  # the connection is gone, or failed a send

@@ -342,3 +342,8 @@ def _watch_device_memory(engine):
 def _on_device(engine, measure):
     with engine.on_device():  # the pool counts per device, and this runs in the HTTP thread
         return measure()
+
+INFLIGHT_BYTES = Gauge(
+    "tensorkv_inflight_bytes",
+    "Bytes of the server-wide budget for values in flight (--max-inflight-bytes) that calls hold now: values "
+    "being received or waiting to be merged, answers being built or sent.")

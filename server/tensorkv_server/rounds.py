@@ -44,7 +44,7 @@ from tensorkv.errors import (
 )
 from tensorkv.words import plural
 
-from . import metrics
+from . import budget, metrics
 from .membership import FAIL, REPLACE, Membership
 
 log = logging.getLogger(__name__)
@@ -339,6 +339,7 @@ class Coordinator:
             return
         self._check_open()
         waiters = [self._init_waiters.setdefault(key, loop.create_future()) for key in missing]
+        budget.before_wait()
         done, pending = await asyncio.wait(waiters, timeout=self.round_timeout)
         for future in done:
             if future.exception() is not None:
@@ -423,16 +424,20 @@ class Coordinator:
         metrics.COUNTS.pulls += len(keys)
         return [self._snapshot(key) for key in keys]
 
-    async def pull_rows(self, rank, incarnation, requests, pull_sequence=0):
+    async def pull_rows(self, rank, incarnation, requests, pull_sequence=0, before_build=None):
         """[(full shape, new array of the rows)] of ``requests`` [(key, row ids)], after the
         current round of each key this rank has pushed to (sync mode); every id is checked
-        before anything is waited for."""
+        before anything is waited for. ``await before_build()``, if given, once that round is
+        over and before the rows are copied (the caller reserves room for them then)."""
         self.members.check(rank, incarnation)
         keys = self.engine.check_keys([key for key, _ in requests])
         for key, (_, ids) in zip(keys, requests):
             shape = self.engine.get(key).shape
             check_row_ids(key, ids, shape[0] if shape else 0)
         if self.mode == SYNC and await self._settled(rank, keys, ("pull", pull_sequence)):
+            self.members.check(rank, incarnation)
+        if before_build is not None:
+            await before_build()
             self.members.check(rank, incarnation)
         metrics.COUNTS.pulls += len(keys)
         return [self.engine.pull_rows(key, ids) for key, (_, ids) in zip(keys, requests)]
@@ -540,6 +545,7 @@ class Coordinator:
                 futures[key] = rounds.current.done
         if futures and not errors:
             self._check_open()
+            budget.before_wait()
             await asyncio.wait(futures.values())
             for key, future in futures.items():
                 if future.exception() is not None:
@@ -578,6 +584,7 @@ class Coordinator:
             self._barrier = None
             self._barriers_done += 1
             barrier.done.set_result(None)
+        budget.before_wait()
         await asyncio.shield(barrier.done)
 
     def _abort_barrier(self, barrier, why=None, error_class=RoundAbortedError):

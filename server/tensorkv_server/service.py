@@ -27,7 +27,7 @@ from tensorkv.status import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv.words import plural, size
 
-from . import datachan, logs, metrics, shm
+from . import budget, datachan, logs, metrics, shm
 from .deadline import within
 from .limits import Limits, max_call_bytes
 from .membership import FAIL, MAX_EARLIER_INCARNATIONS, MAX_JOB_BYTES, REPLACE, RESUME
@@ -53,6 +53,11 @@ _OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSI
 _PACKED_OPS = {kvstore_pb2.SESSION_OP_PUSH, kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 _PACKED_PULLS = {kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # status number -> its name, for metrics
+# Copies of a row-sparse answer's rows and ids that the server may hold at once: the rows, the
+# answer message, its serialized bytes.
+ROW_ANSWER_COPIES = 3
+# Copies of a Pull or PushPull answer's values held at once: our messages, and gRPC's of them.
+_GRPC_ANSWER_COPIES = 2
 
 
 def _ms(seconds):
@@ -171,6 +176,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         self.server_id = secrets.randbits(64)
         # What one request may carry (--max-key-bytes, --max-value-bytes, ...).
         self.limits = limits
+        # The server-wide budget of bytes in flight (--max-inflight-bytes): see budget.py.
+        self.budget = budget.Budget(limits.max_inflight_bytes)
         # Whether Session streams may register shared-memory regions (--no-shared-memory).
         self.shared_memory = shared_memory and shm.available()
         # The datachan.DataPort that binds data channels to Session streams, or None.
@@ -179,8 +186,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         xp = coordinator.engine.xp
         self.staging = Staging(xp) if xp is not np else None
         # Receive buffers of 32 MiB or more, used again once nothing refers to them (as many
-        # bytes kept as glibc is told to keep of freed memory).
-        self.buffers = allocator.Buffers(allocator.SERVER_TRIM_THRESHOLD)
+        # bytes kept as glibc is told to keep of freed memory, and no more than the budget: a
+        # call's buffers are made before it waits for room, and would all be kept).
+        self.buffers = allocator.Buffers(min(allocator.SERVER_TRIM_THRESHOLD,
+                                             limits.max_inflight_bytes or allocator.SERVER_TRIM_THRESHOLD))
 
     def _decoder(self, message_class, **options):
         """A decoder of a stream of serialized ``message_class`` (see codec.StreamDecoder) within
@@ -197,15 +206,28 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         for an empty stream. ``with_data(first)`` says whether the frames carry data (Init's
         wait_only does not)."""
         decoder = self._decoder(message_class, with_data=with_data)
-        async for data in requests:
-            metrics.received("grpc", len(data))
-            decoder.feed(data)
-        items = decoder.finish()
-        if decoder.first is None:
-            return None
-        result = await call(decoder.first, items)
+        held = budget.hold(self.budget.charge(0))  # counted as they come, given back once merged
+        try:
+            async for data in self.budget.paced(requests, held):
+                metrics.received("grpc", len(data))
+                decoder.feed(data)
+            items = decoder.finish()
+            if decoder.first is None:
+                return None
+            result = await call(decoder.first, items)
+        finally:
+            held.release()
         decoder.remember()
         return result
+
+    async def _answer_room(self, items, timeout, what, copies=1):
+        """The budget's Reservation (see budget.py) for an answer that carries the values of
+        ``items``, held ``copies`` times at once (gRPC's own copy of our messages: 2; at most
+        the whole budget, as one value over it is refused already)."""
+        nbytes = sum(item.array.nbytes for item in items)
+        if copies > 1 and self.budget.total is not None:
+            nbytes = max(nbytes, min(copies * nbytes, self.budget.total))
+        return await self.budget.reserve(nbytes, timeout, what)
 
     def _keys(self, request):
         """The keys of a Pull or Session request; InvalidArgumentError for one over --max-key-bytes,
@@ -278,8 +300,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         else:
             items = await self.coordinator.pull(request.rank, request.incarnation, self._keys(request),
                                                 request.pull_sequence)
-        for message in _responses(self._host(items)):
-            yield message
+        held = await self._answer_room(items, context.time_remaining(), f"a pull of {plural(len(items), 'value')}",
+                                       _GRPC_ANSWER_COPIES)
+        try:
+            for message in _responses(self._host(items)):
+                yield message
+        finally:
+            held.release()
 
     async def RowSparsePull(self, request, context):
         requests = []
@@ -288,29 +315,42 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             codec.check_key_bytes(key, self.limits.max_key_bytes)
             requests.append((key, np.array(entry.row_ids, np.int64)))
         codec.check_key_count([key for key, _ in requests], self.limits.max_keys_per_call)
-        results = await self._pull_rows(request, requests)
-        response = kvstore_pb2.RowSparsePullResponse()
-        for (key, row_ids), (shape, rows) in zip(requests, results):
-            rowsparse_wire.set_value(response.values.add(), key, shape, row_ids, rows)
-        return response
+        try:
+            results = await self._pull_rows(request, requests, context.time_remaining())
+            response = kvstore_pb2.RowSparsePullResponse()
+            for (key, row_ids), (shape, rows) in zip(requests, results):
+                rowsparse_wire.set_value(response.values.add(), key, shape, row_ids, rows)
+            return response
+        finally:
+            budget.release_held()
 
-    async def _pull_rows(self, request, requests):
+    async def _pull_rows(self, request, requests, timeout):
         """Coordinator.pull_rows of ``requests`` [(key, row ids)] for ``request`` (a RowSparsePull
-        or Session request), refused (RESOURCE_EXHAUSTED) when the rows would pass
-        --max-inflight-bytes: ids may repeat, so a short request can ask for any number of rows."""
-        limit, engine = self.limits.max_inflight_bytes, self.coordinator.engine
-        if limit is not None:
-            asked = 0
-            for key, ids in requests:
-                if key in engine:  # else pull_rows names it
-                    stored = engine.get(key)
-                    asked += len(ids) * (stored.array.nbytes // max(stored.shape[0] if stored.shape else 1, 1))
-            if asked > limit:
-                rows = sum(len(ids) for _, ids in requests)
-                raise ResourceExhaustedError(
-                    f"a row-sparse pull of {plural(rows, 'row')} would answer {size(asked)} of values; this server "
-                    f"answers at most {size(limit)} per call (--max-inflight-bytes)")
-        return await self.coordinator.pull_rows(request.rank, request.incarnation, requests, request.pull_sequence)
+        or Session request). Ids may repeat, so a short request can ask for any number of rows:
+        the bytes the answer holds in flight are counted from the request first, refused
+        (RESOURCE_EXHAUSTED) when they would pass the whole budget (--max-inflight-bytes), and
+        reserved once the round is over, before the rows are copied; the call then holds that
+        reservation (budget.hold) until its answer is sent."""
+        engine, values, rows = self.coordinator.engine, 0, 0
+        for key, ids in requests:
+            rows += len(ids)
+            if key in engine:  # else pull_rows names it
+                stored = engine.get(key)
+                values += len(ids) * (stored.array.nbytes // max(stored.shape[0] if stored.shape else 1, 1))
+        held, total = ROW_ANSWER_COPIES * (values + rows * 8), self.budget.total
+        what = f"a row-sparse pull of {plural(rows, 'row')}"
+        if total is not None and held > total:
+            raise ResourceExhaustedError(
+                f"{what} would answer {size(values)} of values, which with their row ids hold {size(held)} in flight "
+                f"while the answer is built and sent; this server's budget for bytes in flight is {size(total)} "
+                f"(--max-inflight-bytes)")
+
+        async def reserve():
+            budget.release_held()  # the request's
+            budget.hold(await self.budget.reserve(held, timeout, what))
+
+        return await self.coordinator.pull_rows(request.rank, request.incarnation, requests, request.pull_sequence,
+                                                reserve)
 
     async def RowSparsePush(self, request, context):
         items = []
@@ -326,8 +366,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                   lambda first, items: self.coordinator.pushpull(
                                       first.rank, first.incarnation, items, first.sequence))
         if items is not None:
-            for message in _responses(self._host(items)):
-                yield message
+            held = await self._answer_room(items, context.time_remaining(),
+                                           f"a push-pull of {plural(len(items), 'value')}", _GRPC_ANSWER_COPIES)
+            try:
+                for message in _responses(self._host(items)):
+                    yield message
+            finally:
+                held.release()
 
     async def Session(self, request_iterator, context):
         # The shared-memory regions and the data channel of this stream: released when it
@@ -339,18 +384,22 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         try:
             async for data in self._requests(request_iterator):
                 metrics.received("grpc", len(data))
-                response, outgoing, close = await self._session_call(data, regions, channel, layouts)
-                if close:
-                    channel.close()
-                metrics.sent("grpc", len(response))
+                budget.hold(self.budget.charge(len(data)))  # read already; the call's answer holds what it reserves
                 try:
-                    yield response
-                except BaseException:
+                    response, outgoing, close = await self._session_call(data, regions, channel, layouts)
+                    if close:
+                        channel.close()
+                    metrics.sent("grpc", len(response))
+                    try:
+                        yield response
+                    except BaseException:
+                        if outgoing is not None:
+                            outgoing.release()
+                        raise
                     if outgoing is not None:
-                        outgoing.release()
-                    raise
-                if outgoing is not None:
-                    await self._send_after(channel, outgoing)
+                        await self._send_after(channel, outgoing)
+                finally:
+                    budget.release_held()
         finally:
             try:
                 if channel is not None and self.streams.ending:  # its calls on the channel end at their next boundary
@@ -417,6 +466,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                               "data channel is bound to this stream (open one, connect with its token)")
             timeout = request.timeout_ms / 1000 if request.timeout_ms else None
             if incoming:  # the bytes first, so that the channel stays in step whatever the work does
+                budget.release_held()  # the request's, reserved again with the values: never one held while waiting
+                nbytes = len(data) + sum(buffer.nbytes for buffer in incoming)
+                budget.hold(await self.budget.reserve(
+                    min(nbytes, self.budget.total or nbytes), timeout,
+                    f"a call of {plural(len(incoming), 'value')} on the data channel"))
                 await channel.receive(incoming, timeout)
                 metrics.received("datachan", sum(buffer.nbytes for buffer in incoming))
                 in_step = True
@@ -433,6 +487,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             else:
                 items = await work
             decoder.remember()
+            if request.op != kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL:  # (which reserved its answer in _pull_rows)
+                budget.release_held()  # the request's values are merged
+                if items and output is None:
+                    budget.hold(await self._answer_room(items, timeout, f"the answer of {plural(len(items), 'value')}"))
             items = self._host(items)
             if output is not None:
                 items = output.place(items)
@@ -477,7 +535,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         token = channel.open()
         if request.calls_on_channel:
             channel.serve_calls(lambda data: self._channel_call(data, regions, channel, layouts),
-                                lambda outgoing: self._send_after(channel, outgoing), self._max_call_bytes())
+                                lambda outgoing: self._send_after(channel, outgoing), self._max_call_bytes(),
+                                self.budget)
         return kvstore_pb2.SessionResponse(id=request.id, data_token=token,
                                            calls_on_channel=request.calls_on_channel).SerializeToString()
 
@@ -530,7 +589,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             return []
         if request.op == kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL:
             requests = [(item.key, _row_ids(item)) for item in items]
-            results = await self._pull_rows(request, requests)
+            results = await self._pull_rows(request, requests, request.timeout_ms / 1000 or None)
             return [codec.Item(key, rows) for (key, _), (_, rows) in zip(requests, results)]
         raise InvalidArgumentError(f"unknown session op {request.op}")
 
