@@ -8,14 +8,14 @@ import pytest
 
 import tensorkv
 from cluster import Cluster, check_workers, wait_until
-from tensorkv import fusion, packed, server_conn
+from tensorkv import config, fusion, packed
 from tensorkv.codec import set_key
 from tensorkv.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from test_channel_calls import _pushes, proxied_data_port
 
 TIMEOUT = 20.0
-COUNT = 20  # keys in a list: more than server_conn.PACK_MIN_VALUES
+COUNT = 20  # keys in a list: more than ClientConfig.pack_min_values
 
 
 def _list(count=COUNT, prefix="k"):
@@ -268,8 +268,8 @@ def test_bfloat16_lists_and_numpy_integer_keys(tmp_path):
 def test_a_store_keeps_the_newest_lists():
     """Past fusion.MAX_LISTS lists, the one learnt first makes room; lists of NumPy integer
     keys, or of fewer keys than pack, are not kept at all."""
-    lists = fusion.FusedLists()
-    size = server_conn.PACK_MIN_VALUES
+    size = config.default("pack_min_values")
+    lists = fusion.FusedLists(size)
     made = [_list(size, prefix=f"l{j}-") for j in range(fusion.MAX_LISTS + 1)]
     for keys in made:
         lists.learn(keys, lambda keys: fusion.FusedList(str, [(1,)] * len(keys), np.float32, []))

@@ -16,6 +16,7 @@ import os as _os
 _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from . import lr_scheduler, optimizer  # noqa: E402
+from .config import ClientConfig  # noqa: E402
 from .errors import (
     DeadlineExceededError, DtypeMismatchError, FailedPreconditionError, InternalError,
     InvalidArgumentError, InvalidTensorError, KeyExistsError, KeyNotFoundError, KeyTypeError,
@@ -56,6 +57,10 @@ def create(name="local", **kwargs):
     then refuses another job's workers while a run is registered, and a worker process of
     the job restarted together with a server rejoins the run the server restored from its
     snapshot, whatever its ``if_exists`` (with 'replace' it would otherwise start afresh).
+
+    Every setting of a dist store is a field of :class:`ClientConfig` (docs/reference.md lists
+    them): a keyword argument above, else ``config=ClientConfig(...)``'s field, else its
+    ``TENSORKV_*`` variable, read here (never at import), else its default.
 
     MXNet's other names of these (``'local_update_cpu'``, ``'local_allreduce_cpu'``,
     ``'local_allreduce_device'``, ``'dist_sync_device'``, ``'dist_device_sync'``, and
@@ -100,7 +105,7 @@ def reset(servers=None, **options):
 
 
 __all__ = [
-    "create", "reset", "row_sparse", "KVStore", "Trainer", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
+    "create", "reset", "row_sparse", "ClientConfig", "KVStore", "Trainer", "optimizer", "lr_scheduler", "KVStoreError", "InvalidArgumentError",
     "InvalidTensorError", "ShapeMismatchError", "DtypeMismatchError", "KeyTypeError", "KeyNotFoundError",
     "KeyExistsError", "FailedPreconditionError", "RoundAbortedError", "ServerUnavailableError",
     "DeadlineExceededError", "ResourceExhaustedError", "InternalError", "UnauthenticatedError",

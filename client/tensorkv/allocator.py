@@ -42,6 +42,10 @@ def wanted():
         return False
     if env.flag("TENSORKV_NO_MALLOC_TUNING"):
         return False
+    return _on_glibc()
+
+
+def _on_glibc():
     return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
@@ -55,10 +59,12 @@ def reexec_with_tunables():
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(os.environ, GLIBC_TUNABLES=SERVER_TUNABLES))
 
 
-def tune_this_process():
-    """Set glibc's mmap and trim thresholds in this running process (once), when :func:`wanted`."""
+def tune_this_process(enabled=None):
+    """Set glibc's mmap and trim thresholds in this running process (once), when ``enabled`` (a
+    worker's ClientConfig.malloc_tuning, which reads the variables; None: :func:`wanted`) and
+    on glibc's Linux."""
     global _tuned
-    if _tuned or not wanted():
+    if _tuned or not (wanted() if enabled is None else enabled and _on_glibc()):
         return
     _tuned = True
     try:

@@ -28,7 +28,6 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from . import env
 from .backend import shape_dtype, to_host
 from .errors import (
     InvalidArgumentError, InvalidTensorError, KeyTypeError, ResourceExhaustedError, key_repr, no_memory,
@@ -55,8 +54,10 @@ _TO_WIRE = {dt: wire for wire, dt in _WIRE_DTYPES}
 
 SUPPORTED_DTYPES = tuple(dt for _, dt in _WIRE_DTYPES)
 MAX_RANK = 32
-# Payload bytes per stream message; chosen by measurement (see docs/transport.md).
-CHUNK_BYTES = env.integer("TENSORKV_CHUNK_BYTES", 1 << 20, low=1)
+# Payload bytes per stream message when a caller gives none; chosen by measurement (see
+# docs/transport.md). A worker's is ClientConfig.chunk_bytes; the server's __main__ sets this
+# one from TENSORKV_CHUNK_BYTES.
+CHUNK_BYTES = 1 << 20
 
 
 def wire_dtype(dtype, key=None):
@@ -190,13 +191,14 @@ class Item:
         return f"Item(key={self.key!r}, shape={self.shape}, dtype={self.array.dtype}, slice={self.slice})"
 
 
-def encode_frames(items, chunk_bytes=CHUNK_BYTES, with_data=True):
+def encode_frames(items, chunk_bytes=None, with_data=True):
     """Yield ``TensorFrame`` messages carrying ``items`` (an iterable of :class:`Item`).
 
     Small tensors share a frame; a tensor larger than what is left of the frame's budget
     continues in ``more`` frames of ``chunk_bytes`` each. With ``with_data=False`` only
-    keys, dtypes and shapes travel (Init's wait_only).
+    keys, dtypes and shapes travel (Init's wait_only). ``chunk_bytes`` None: CHUNK_BYTES.
     """
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     frame = tensor_pb2.TensorFrame()
     budget = chunk_bytes
     for item in items:
@@ -634,7 +636,7 @@ def _message(head, frame_field, pieces, size):
 _MORE_TAG = _tag(2, _LEN)
 
 
-def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_data=True, count_field=None):
+def encode_messages(items, frame_field, head=b"", chunk_bytes=None, with_data=True, count_field=None):
     """The serialized messages (bytes) of a stream that carries ``items`` (:class:`Item`).
 
     Every message is ``head`` (the serialized scalar fields of the first message, e.g.
@@ -646,7 +648,9 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
     ``with_data=False`` only keys, dtypes and shapes travel (Init's wait_only). A stream of
     several messages says how many in the first one's varint field ``count_field``, when
     given (e.g. PushRequest.messages), so that a receiver can tell a stream cut short.
+    ``chunk_bytes`` None: CHUNK_BYTES.
     """
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     frames, pieces, size, budget = [], [], 0, chunk_bytes  # frames: [(pieces of a frame's body, its size)]
     for item in items:
         two_bit = item.two_bit
@@ -692,7 +696,7 @@ def encode_messages(items, frame_field, head=b"", chunk_bytes=CHUNK_BYTES, with_
             for index, (body, size) in enumerate(frames)]
 
 
-def encode_stream(message_class, items, fields=None, chunk_bytes=CHUNK_BYTES, with_data=True):
+def encode_stream(message_class, items, fields=None, chunk_bytes=None, with_data=True):
     """The serialized ``message_class`` messages (Init, Push or PushPull requests, Pull or
     PushPull responses) that carry ``items``, with the scalar ``fields`` set in the first (and
     the number of messages, in a request stream of several: its field ``messages``)."""

@@ -6,19 +6,17 @@ back together on pull. A call over a list of keys makes one RPC per server invol
 all of them at once, each with a deadline.
 """
 import functools
-import ipaddress
 import math
-import os
-import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 
-from . import allocator, compression, env, states_file
+from . import allocator, compression, states_file
 from .backend import on_gpu, shape_dtype, to_host
 from .codec import Item
+from .config import SECURITY_FIELDS, ClientConfig, parse_servers  # noqa: F401 (parse_servers: ctl)
 from .engine import Engine, dtype_mismatch
 from .fusion import FusedList, FusedLists
 from .errors import (
@@ -36,11 +34,8 @@ from .server_conn import ServerConn, receivable
 from .v1 import kvstore_pb2
 from .words import plural
 
-DEFAULT_TIMEOUT = 120.0
-DEFAULT_CONNECT_TIMEOUT = 10.0
-DEFAULT_BIGARRAY_BOUND = 1_000_000
+DEFAULT_CONNECT_TIMEOUT = 10.0  # of reset()
 UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for the servers to take the rank back
-TRANSPORTS = ("auto", "tcp", "grpc")
 _MODES = {"dist_sync": kvstore_pb2.MODE_SYNC, "dist_async": kvstore_pb2.MODE_ASYNC}
 # What a new run does with the keys earlier runs left on a server (RegisterRequest.if_exists).
 IF_EXISTS = {"fail": kvstore_pb2.IF_EXISTS_FAIL, "resume": kvstore_pb2.IF_EXISTS_RESUME,
@@ -65,31 +60,15 @@ def _merge_engine(arrays):
     return engine
 
 
-def parse_servers(servers):
-    """A list of 'host:port' from a comma-separated string, a list, or TENSORKV_SERVERS, each
-    checked (InvalidArgumentError naming the entry) before any connection is tried."""
-    source = "servers"
-    if servers is None:
-        servers, source = os.environ.get("TENSORKV_SERVERS", ""), "TENSORKV_SERVERS"
-    if isinstance(servers, str):
-        servers = servers.split(",")
-    servers = [str(s).strip() for s in servers if str(s).strip()]
-    if not servers:
-        raise InvalidArgumentError("no servers given: pass servers='host:port,...' or set TENSORKV_SERVERS")
-    for entry in servers:
-        why = _address_problem(entry)
-        if why:
-            raise InvalidArgumentError(f"{source}: {entry!r} is not a server address host:port: {why}")
-    return servers
-
-
 def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT, force=False, tls_ca=None, tls_cert=None, tls_key=None,
           token=None):
     """Reset each server, one after the other, reached with the credentials of
     :class:`~tensorkv.security.Security`: see :func:`tensorkv.reset`."""
-    security = Security.from_options(tls_ca, tls_cert, tls_key, token)
+    given = ClientConfig(servers=servers, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
+    config = given.resolved(("servers", *SECURITY_FIELDS))
+    security = Security.from_config(config)
     dropped = 0
-    for address in parse_servers(servers):
+    for address in config.servers:
         with security.channel(address, CHANNEL_OPTIONS) as channel:
             try:
                 dropped += Stub(channel).Reset(kvstore_pb2.ResetRequest(force=force), timeout=timeout).num_keys
@@ -101,52 +80,11 @@ def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT, force=False, tls_ca=Non
     return dropped
 
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-def _address_problem(entry):
-    """What is wrong with ``entry`` as 'host:port' or '[IPv6 address]:port'; '' if nothing."""
-    _, has_scheme, rest = entry.partition("://")
-    if has_scheme:
-        return f"drop the scheme: write {rest!r}"
-    if entry.startswith("["):
-        address, bracket, port = entry[1:].partition("]")
-        if not bracket:
-            return "no ']' after the IPv6 address"
-        try:
-            ipaddress.IPv6Address(address)
-        except ValueError:
-            return f"{address!r} is not an IPv6 address"
-        if not port.startswith(":"):
-            return f"no port: write e.g. '[{address}]:50051'"
-        port = port[1:]
-    else:
-        host, colon, port = entry.rpartition(":")
-        if not colon:
-            return f"no port: write e.g. '{entry}:50051'"
-        if ":" in host:
-            return f"an IPv6 address goes in brackets: write '[{host}]:{port}'"
-        if not host:
-            return "no host before the port"
-        if not _HOST_NAME.fullmatch(host):
-            return f"{host!r} is not a host name or address"
-    if not (port.isascii() and port.isdigit()):
-        return f"port {port!r} is not a number"
-    if not 1 <= int(port) <= 65535:
-        return f"port {port} is not in 1..65535"
-    return ""
-
-
 def home(key, num_servers):
     """The server index of ``key``: a hash that is the same in every process and run."""
     if num_servers == 1:
         return 0
     return zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
-
-
-def _env_int(name, value, low):
-    """``value`` when given, else the whole number of the variable ``name`` (None when unset)."""
-    return env.integer(name, None, low, given=value)
 
 
 def _grouped(pairs):
@@ -174,36 +112,36 @@ class DistStore(KVStore):
     then keeps one job's workers together, and a worker process of the job restarted with a
     server rejoins the run the server restored whatever its ``if_exists``.
     ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
-    (:class:`tensorkv.security.Security`).
+    (:class:`tensorkv.security.Security`). Each setting is a field of
+    :class:`tensorkv.ClientConfig`: an argument given wins over ``config``'s field, which wins
+    over the field's ``TENSORKV_*`` variable, all read here (never at import).
     """
 
     _compressor = None  # compression.Compressor once set_gradient_compression was called
 
-    def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=DEFAULT_TIMEOUT,
-                 connect_timeout=DEFAULT_CONNECT_TIMEOUT, bigarray_bound=None, session=None, transport=None,
-                 if_exists=None, job=None, tls_ca=None, tls_cert=None, tls_key=None, token=None):
+    def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=None,
+                 connect_timeout=None, bigarray_bound=None, session=None, transport=None,
+                 if_exists=None, job=None, tls_ca=None, tls_cert=None, tls_key=None, token=None, config=None):
         super().__init__(name)
-        transport = env.choice("TENSORKV_TRANSPORT", transport, TRANSPORTS, "auto")
-        if_exists = env.choice("TENSORKV_IF_EXISTS", if_exists, tuple(IF_EXISTS), "fail")
-        self.transport = transport
-        addresses = parse_servers(servers)
-        allocator.tune_this_process()
-        self._timeout = timeout
-        self._bound = _env_int("TENSORKV_BIGARRAY_BOUND", bigarray_bound, 1) or DEFAULT_BIGARRAY_BOUND
-        self._security = Security.from_options(tls_ca, tls_cert, tls_key, token)
-        # Small calls go over one long-lived Session stream per server (off with session=False
-        # or TENSORKV_NO_SESSION=1).
-        if session is None:
-            session = not env.flag("TENSORKV_NO_SESSION")
-        job = job or os.environ.get("TENSORKV_JOB") or ""
-        self._conns = [ServerConn(address, self._security, timeout, session, job, self._bound) for address in addresses]
+        if config is not None and not isinstance(config, ClientConfig):
+            raise InvalidArgumentError(f"config={config!r} is not a tensorkv.ClientConfig")
+        given = (config or ClientConfig()).merged(
+            servers=servers, rank=rank, num_workers=num_workers, timeout=timeout, connect_timeout=connect_timeout,
+            bigarray_bound=bigarray_bound, session=session, transport=transport, if_exists=if_exists, job=job,
+            tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
+        config = self._config = given.resolved()
+        self.transport = config.transport
+        allocator.tune_this_process(config.malloc_tuning)
+        self._timeout = config.timeout
+        self._bound = config.bigarray_bound
+        self._security = Security.from_config(config)
+        self._conns = [ServerConn(address, config, self._security) for address in config.servers]
         self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
-        self._lists = FusedLists()  # of the lists of keys pushed and pulled (tensorkv.fusion)
+        self._lists = FusedLists(config.pack_min_values)  # of the lists of keys pushed and pulled (tensorkv.fusion)
         self._heartbeat = None  # renews the registrations' leases
         try:
-            self._register(_env_int("TENSORKV_RANK", rank, 0), _env_int("TENSORKV_NUM_WORKERS", num_workers, 1),
-                           connect_timeout, IF_EXISTS[if_exists])
+            self._register(config.rank, config.num_workers, config.connect_timeout, IF_EXISTS[config.if_exists])
         except BaseException:
             self.close()
             raise

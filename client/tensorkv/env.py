@@ -20,28 +20,51 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-def integer(name, default, low=None, given=None):
-    """``given`` when it is not None (the keyword argument the variable stands for: rank= for
-    TENSORKV_RANK), else ``name``'s whole number (surrounding spaces allowed), else ``default``;
-    InvalidArgumentError, naming the argument or the variable, when it is not a whole number
-    or is below ``low``."""
+def integer(name, default, low=None, given=None, argument=None):
+    """``given`` when it is not None (the keyword ``argument`` the variable stands for, by
+    default its name: rank= for TENSORKV_RANK), else ``name``'s whole number (surrounding
+    spaces allowed), else ``default``; InvalidArgumentError, naming the argument or the
+    variable, when it is not a whole number or is below ``low``."""
     if given is not None:
-        source = name.removeprefix("TENSORKV_").lower()
+        source = argument or name.removeprefix("TENSORKV_").lower()
         if isinstance(given, bool) or not isinstance(given, numbers.Real) or not math.isfinite(given) \
                 or given != int(given):
             raise InvalidArgumentError(f"{source}={given!r} is not a whole number")
         value = int(given)
     else:
-        source, text = name, os.environ.get(name, "").strip()
-        if not text:
+        source, value = name, _variable(name, int, "whole number")
+        if value is None:
             return default
-        try:
-            value = int(text)
-        except ValueError:
-            raise InvalidArgumentError(f"{name}={text!r} is not a whole number") from None
     if low is not None and value < low:
         raise InvalidArgumentError(f"{source}={value} is below its least value, {low}")
     return value
+
+
+def number(name, default, given=None, argument=None):
+    """``given`` when it is not None, else ``name``'s number, else ``default``, as a float;
+    InvalidArgumentError, naming the argument or the variable, when it is not a number above 0."""
+    source, value = argument or name.removeprefix("TENSORKV_").lower(), given
+    if value is None:
+        source, value = name, _variable(name, float, "number")
+        if value is None:
+            return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{source}={value!r} is not a number")
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgumentError(f"{source}={value!r} is not a number of seconds above 0")
+    return float(value)
+
+
+def _variable(name, convert, kind):
+    """``convert`` of ``name``'s value (surrounding spaces allowed); None when it is unset or
+    empty; InvalidArgumentError naming the variable when it is not a ``kind``."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return convert(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{name}={text!r} is not a {kind}") from None
 
 
 def flag(name):
@@ -56,10 +79,11 @@ def flag(name):
                                "nor false (0, false, no, off, empty)")
 
 
-def choice(name, given, choices, default):
+def choice(name, given, choices, default, argument=None):
     """``given`` when it is not None, else ``name``'s value, else ``default``; checked to be one
-    of ``choices`` (InvalidArgumentError naming the argument, or the variable it came from)."""
-    source, value = name.removeprefix("TENSORKV_").lower(), given
+    of ``choices`` (InvalidArgumentError naming the ``argument``, by default the variable's
+    name in lower case, or the variable it came from)."""
+    source, value = argument or name.removeprefix("TENSORKV_").lower(), given
     if value is None:
         source, value = name, os.environ.get(name, "").strip() or None
     if value is None:

@@ -4,8 +4,8 @@ key by key once, and after that as a whole.
 The first push or pull of a list goes the general way: each key checked, each value summed
 and placed on its server, the keys' shapes and dtypes learnt. Once that call succeeded, a
 list whose keys are distinct, of one type and known, whose values are of one dtype, each
-whole on its server and small enough to pack (routes: PACK_MIN_VALUES per server at
-least, each under DATACHAN_MIN_BYTES), becomes a :class:`FusedList`: per server, the
+whole on its server and small enough to pack (ClientConfig: pack_min_values per server at
+least, each under datachan_min_bytes), becomes a :class:`FusedList`: per server, the
 positions of its keys and the packed.Layout they move in. A later push of the same list
 with one C-contiguous NumPy array per key, of the known shapes and dtype, is checked in a
 few passes over the whole list and sent as one buffer per server
@@ -22,8 +22,6 @@ False
 import operator
 
 import numpy as np
-
-from .routes import PACK_MIN_VALUES
 
 # Lists a store keeps (fused or not): a worker has a few (its parameters, perhaps grouped);
 # past this many, the one kept first makes room.
@@ -68,10 +66,12 @@ class FusedList:
 
 class FusedLists:
     """The FusedList of each list of keys a store has called, or None for one that does not
-    fuse; up to MAX_LISTS lists."""
+    fuse; up to MAX_LISTS lists. A list of fewer than ``min_values`` keys is not kept
+    (ClientConfig.pack_min_values: it could not pack)."""
 
-    def __init__(self):
+    def __init__(self, min_values):
         self._lists = {}
+        self._min_values = min_values
 
     def get(self, keys):
         """The FusedList of ``keys``; None when it has none (or ``keys`` is not a list)."""
@@ -91,7 +91,7 @@ class FusedLists:
         the list's, the first time; past MAX_LISTS, in the place of the list kept first. Only
         lists of plain ints or of strs are kept: the general way turns a NumPy integer key into
         an int, which hashes to another server, and ``1 == np.int64(1)`` as a dict key."""
-        if type(keys) not in (list, tuple) or len(keys) < PACK_MIN_VALUES \
+        if type(keys) not in (list, tuple) or len(keys) < self._min_values \
                 or set(map(type, keys)) not in ({int}, {str}):
             return
         signature = tuple(keys)

@@ -21,22 +21,12 @@ import math
 
 import numpy as np
 
-from . import datachan, env, shm
-from .codec import CHUNK_BYTES, Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields
+from . import config, datachan, shm
+from .codec import Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields
 from .errors import InternalError
 from .status import error_from_code, status_code
 from .v1 import kvstore_pb2, tensor_pb2
 
-# Calls whose values (per server) take at most this many bytes use the Session stream.
-SESSION_MAX_BYTES = CHUNK_BYTES
-# With shared memory, values of at least this many bytes travel through the region.
-SHM_MIN_BYTES = env.integer("TENSORKV_SHM_MIN_BYTES", 16 << 10, low=0)
-# With a data channel, values of at least this many bytes travel on it.
-DATACHAN_MIN_BYTES = env.integer("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10, low=0)
-# A push, pull or push-pull of at least this many values (per server), each whole, below
-# DATACHAN_MIN_BYTES and of one dtype, moves them packed in one buffer (tensorkv.packed) on a
-# session whose calls go on the data channel (ServerConn.packed_layout).
-PACK_MIN_VALUES = env.integer("TENSORKV_PACK_MIN_VALUES", 16, low=0)
 PACKED_KINDS = ("push", "pull", "pushpull")
 _ONE_MESSAGE = 1 << 62
 # The Session op of each kind of call that may travel on a Session stream.
@@ -66,33 +56,53 @@ class Call:
     caller: dict = None  # rank and incarnation of this attempt (set by ServerConn)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Thresholds:
+    """The sizes :func:`choose` goes by, a session's (from its store's ClientConfig)."""
+    # Calls whose values (per server) take at most this many bytes in the messages use the
+    # Session stream (ClientConfig.chunk_bytes).
+    session_max_bytes: int = config.default("chunk_bytes")
+    # With shared memory, values of at least this many bytes travel through the region.
+    shm_min_bytes: int = config.default("shm_min_bytes")
+    # With a data channel, values of at least this many bytes travel on it.
+    datachan_min_bytes: int = config.default("datachan_min_bytes")
+
+    @classmethod
+    def of(cls, settings):
+        """The thresholds of ``settings`` (a resolved ClientConfig)."""
+        return cls(settings.chunk_bytes, settings.shm_min_bytes, settings.datachan_min_bytes)
+
+
 def choose(session, call, layout=None):
     """The route of ``call`` on ``session``: packed when it has a ``layout``; else through shared
     memory when the session may have a region, on the data channel when it may have one, in the
-    messages otherwise. None when the call does not fit a session (its values in the messages
-    take more than SESSION_MAX_BYTES): the caller makes a plain RPC."""
+    messages otherwise (by ``session.thresholds``). None when the call does not fit a session
+    (its values in the messages take more than ``session_max_bytes``): the caller makes a plain
+    RPC."""
     if layout is not None:
         return Packed(session, call, layout)
+    limits = session.thresholds
     if session.shm_possible:
-        route = SharedMemory(session.address, call, SHM_MIN_BYTES)
+        route = SharedMemory(session.address, call, limits.session_max_bytes, limits.shm_min_bytes)
     elif session.channel_possible:
-        route = DataChannel(session.address, call, DATACHAN_MIN_BYTES)
+        route = DataChannel(session.address, call, limits.session_max_bytes, limits.datachan_min_bytes)
     else:
-        route = Inline(session.address, call)
+        route = Inline(session.address, call, limits.session_max_bytes)
     return route if route.fits else None
 
 
 class Inline:
     """Every value in the SessionRequest and SessionResponse messages. The base of the routes
     that move a call's large values elsewhere (those of ``min_bytes`` or more): it measures
-    them (``in_bytes``, and ``use_output`` for a pull's answer) and builds the messages."""
+    them (``in_bytes``, and ``use_output`` for a pull's answer) and builds the messages. A
+    call whose values in the messages take more than ``max_bytes`` does not fit."""
 
     shm_bytes = 0
     data_channel = False
     layout = None
 
-    def __init__(self, address, call, min_bytes=None):
-        self.address, self.call, self.min_bytes = address, call, min_bytes
+    def __init__(self, address, call, max_bytes, min_bytes=None):
+        self.address, self.call, self.min_bytes, self.max_bytes = address, call, min_bytes, max_bytes
         self.op = SESSION_OPS[call.kind]
         self.pulls = self.op in _PULLS
         self.answer_bytes = datachan.MAX_ANSWER_BYTES if self.pulls else datachan.ANSWER_ROOM
@@ -108,7 +118,7 @@ class Inline:
         call = self.call
         if call.keys is not None:
             sizes = call.sizes
-            if (sizes is None or sum(sizes) > SESSION_MAX_BYTES) and not offload:
+            if (sizes is None or sum(sizes) > self.max_bytes) and not offload:
                 return False
             if sizes is None:
                 self.out_bytes = shm.MIN_REGION_BYTES
@@ -125,11 +135,11 @@ class Inline:
                     self.in_bytes += aligned(nbytes)
                 else:
                     inline += nbytes
-        if inline > SESSION_MAX_BYTES:
+        if inline > self.max_bytes:
             return False
         if self.pulls:
             pulled = [_pulled_nbytes(item) for item in self.items] if call.sizes is None else call.sizes
-            if sum(pulled) > SESSION_MAX_BYTES and not offload:
+            if sum(pulled) > self.max_bytes and not offload:
                 return False
             if max(pulled, default=0) >= min_bytes:
                 self.out_bytes = sum(aligned(nbytes) for nbytes in pulled)
@@ -187,8 +197,8 @@ class SharedMemory(Inline):
     values the server writes there are copied out. A region the server refuses leaves them in
     the messages."""
 
-    def __init__(self, address, call, min_bytes):
-        super().__init__(address, call, min_bytes)
+    def __init__(self, address, call, max_bytes, min_bytes):
+        super().__init__(address, call, max_bytes, min_bytes)
         if self.in_bytes or self.use_output:
             self.shm_bytes = max(self.in_bytes, self.out_bytes if self.use_output else 0)
 
@@ -212,8 +222,8 @@ class DataChannel(Inline):
     """Values of ``min_bytes`` or more on the session's data channel, after the request, and
     pulled ones of as many bytes after the answer, straight into ``outs`` where they fit."""
 
-    def __init__(self, address, call, min_bytes):
-        super().__init__(address, call, min_bytes)
+    def __init__(self, address, call, max_bytes, min_bytes):
+        super().__init__(address, call, max_bytes, min_bytes)
         self.data_channel = self.in_bytes > 0 or self.use_output
 
     def _output(self, fields, region, channel):

@@ -12,7 +12,6 @@ reason (a server that speaks TLS to a plaintext client or the reverse, a certifi
 expired or signed by another CA, a client certificate missing or refused).
 """
 import ipaddress
-import os
 import socket
 import ssl
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from .config import SECURITY_FIELDS, ClientConfig
 from .errors import InvalidArgumentError, UnauthenticatedError
 
 CONNECT_POLL = 0.2  # seconds between looks at a channel that does not connect
@@ -67,10 +67,16 @@ class Security:
     @classmethod
     def from_options(cls, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         """The arguments given, else TENSORKV_TLS_CA, TENSORKV_TLS_CERT, TENSORKV_TLS_KEY and
-        TENSORKV_TOKEN; InvalidArgumentError for a combination that cannot work."""
-        env = os.environ
-        security = cls(tls_ca or env.get("TENSORKV_TLS_CA") or None, tls_cert or env.get("TENSORKV_TLS_CERT") or None,
-                       tls_key or env.get("TENSORKV_TLS_KEY") or None, token or env.get("TENSORKV_TOKEN") or None)
+        TENSORKV_TOKEN (as tensorkv.ClientConfig reads them); InvalidArgumentError for a
+        combination that cannot work."""
+        given = ClientConfig(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
+        return cls.from_config(given.resolved(SECURITY_FIELDS))
+
+    @classmethod
+    def from_config(cls, config):
+        """The credentials of ``config`` (a tensorkv.ClientConfig whose security fields are
+        resolved); InvalidArgumentError for a combination that cannot work."""
+        security = cls(config.tls_ca, config.tls_cert, config.tls_key, config.token)
         if (security.tls_cert is None) != (security.tls_key is None):
             raise InvalidArgumentError("a client certificate needs both tls_cert= and tls_key= "
                                        "(TENSORKV_TLS_CERT, TENSORKV_TLS_KEY; the CLI: --tls-cert, --tls-key)")

@@ -29,7 +29,7 @@ from .errors import (
 )
 from .grpc_options import CHANNEL_OPTIONS
 from .replay import PushLog, pushed_items
-from .routes import DATACHAN_MIN_BYTES, PACK_MIN_VALUES, Call, receivable  # noqa: F401 (receivable: dist)
+from .routes import Call, Thresholds, receivable  # noqa: F401 (receivable: dist)
 from .rpc import Stub
 from .session import Session
 from .status import connection_lost, error_from_rpc
@@ -50,9 +50,9 @@ log = logging.getLogger(__name__)
 
 
 class ServerConn:
-    """The server at ``address``, reached with ``security``; every call is bounded by
-    ``timeout`` seconds, reconnecting included. ``session``: whether small calls use a
-    Session stream.
+    """The server at ``address``, reached with ``security``, with the settings of ``config`` (a
+    resolved tensorkv.ClientConfig): every call is bounded by its ``timeout`` seconds,
+    reconnecting included; its ``session`` says whether small calls use a Session stream.
 
     A call whose connection breaks, or that the server answers UNAVAILABLE, is made again
     on a new connection after this worker registered again (:meth:`_reconnect`), with a
@@ -77,13 +77,15 @@ class ServerConn:
     does not hold the round before it (KNOWN GAP: what closes it is the round of each push on
     the wire, so that the server can place every push sent again)."""
 
-    def __init__(self, address, security, timeout, session=True, job="", bigarray_bound=0):
+    def __init__(self, address, config, security):
         self.address = address
-        self.timeout = timeout
-        self.job = job  # RegisterRequest.job of every registration
-        self.bigarray_bound = bigarray_bound  # RegisterRequest.bigarray_bound of every registration
+        self.timeout = config.timeout
+        self.job = config.job  # RegisterRequest.job of every registration
+        self.bigarray_bound = config.bigarray_bound  # RegisterRequest.bigarray_bound of every registration
         self._security = security
-        self._uses_session = session
+        self._uses_session = config.session
+        self._thresholds = Thresholds.of(config)  # read once, for the calls: they pick a call's route
+        self._chunk_bytes, self._pack_min_values = config.chunk_bytes, max(config.pack_min_values, 1)
         self._connect()
         self.rank = None
         self.incarnation = None  # of this worker's registration here; None while not registered
@@ -108,8 +110,8 @@ class ServerConn:
         are negotiated again by the first call that needs them)."""
         self.channel = self._security.channel(self.address, CHANNEL_OPTIONS)
         self.stub = Stub(self.channel)
-        self.session = Session(self.channel, self.address, data_tls=self._security.data_channel_context()) \
-            if self._uses_session else None
+        self.session = Session(self.channel, self.address, data_tls=self._security.data_channel_context(),
+                               thresholds=self._thresholds) if self._uses_session else None
 
     # ---- registration -----------------------------------------------------------------
 
@@ -518,14 +520,14 @@ class ServerConn:
 
     def _frames(self, message_type, items, **fields):
         """The serialized request messages that carry ``items``."""
-        return encode_stream(message_type, items, dict(self._caller(), **fields),
+        return encode_stream(message_type, items, dict(self._caller(), **fields), self._chunk_bytes,
                              with_data=not fields.get("wait_only", False))
 
     def _session(self, call, timeout, layout=None):
         """Make ``call`` (a routes.Call) on the Session stream, by the route routes.choose picks:
         what its answer gives (the items pulled); None when it is not for a session (too large
         without shared memory or a data channel, sessions off, or the session busy with another
-        thread's call), for the caller to make a plain RPC. A list that packs (PACK_MIN_VALUES;
+        thread's call), for the caller to make a plain RPC. A list that packs (pack_min_values;
         a pull's ``call.shapes``; or a fused list's ``layout``) moves as one buffer, when the
         stream takes it."""
         session = self.session
@@ -556,14 +558,14 @@ class ServerConn:
 
     def packed_layout(self, keys, shapes):
         """The packed.Layout of ``keys`` whose whole values have ``shapes`` [(shape, dtype)] when
-        they pack on this server's session: PACK_MIN_VALUES at least, distinct, of one dtype (not
-        big-endian), each under DATACHAN_MIN_BYTES, with calls on the data channel; the same
+        they pack on this server's session: pack_min_values at least, distinct, of one dtype (not
+        big-endian), each under datachan_min_bytes, with calls on the data channel; the same
         object for the same list; else None (also once MAX_KNOWN_LAYOUTS are known)."""
-        if len(keys) < max(PACK_MIN_VALUES, 1) or self.session is None or not self.session.calls_on_channel:
+        if len(keys) < self._pack_min_values or self.session is None or not self.session.calls_on_channel:
             return None
         dtype = shapes[0][1]
         if dtype.byteorder == ">" or len(set(keys)) < len(keys) or any(
-                value_dtype != dtype or math.prod(shape) * dtype.itemsize >= DATACHAN_MIN_BYTES
+                value_dtype != dtype or math.prod(shape) * dtype.itemsize >= self._thresholds.datachan_min_bytes
                 for shape, value_dtype in shapes):
             return None
         signature = packed.signature(keys, [shape for shape, _ in shapes], dtype)

@@ -12,7 +12,7 @@ import grpc
 
 from .errors import DeadlineExceededError, KVStoreError, ServerUnavailableError
 from . import datachan, packed, shm
-from .routes import Call
+from .routes import Call, Thresholds
 from .rpc import Stub
 from .status import READ_ONLY_CALLS, error_from_rpc, transport_error
 from .v1 import kvstore_pb2
@@ -56,7 +56,7 @@ class Session:
     layout the server refuses is not asked for again on this stream; its calls go as entries.
     """
 
-    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None):
+    def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None, thresholds=None):
         self._method = channel.stream_stream(Stub._PATH + "Session")
         self.address = address
         self._lock = threading.Lock()
@@ -71,6 +71,7 @@ class Session:
         self.data_port = data_port
         self.data_tls = data_tls
         self.data_channel = None
+        self.thresholds = thresholds or Thresholds()  # by which routes.choose picks a call's route
         # Whether calls go framed on the data channel once one is bound (every call then
         # negotiates one), and the deferred calls sent there whose answers are not read yet.
         self.calls_on_channel = False

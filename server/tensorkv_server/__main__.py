@@ -13,7 +13,7 @@ if "GRPC_VERBOSITY" not in os.environ:
     _JSON = "--log-format=json" in sys.argv or ("--log-format", "json") in zip(sys.argv, sys.argv[1:])
     os.environ["GRPC_VERBOSITY"] = "NONE" if _JSON else "ERROR"
 
-from tensorkv import __version__, allocator
+from tensorkv import __version__, allocator, codec, env
 from tensorkv.backend import select
 from tensorkv.engine import Engine
 
@@ -158,6 +158,8 @@ def _exit_line(args, message, status=1):
 
 def _serve(args, reexec):
     logs.configure(args.log_format, args.log_level)  # first: a refusal below is a log line (JSON too)
+    # The bytes of data per message it sends, as its workers' ClientConfig.chunk_bytes.
+    codec.CHUNK_BYTES = env.integer("TENSORKV_CHUNK_BYTES", codec.CHUNK_BYTES, low=1)
     check_free(args.host, args.port, "--port")  # before the re-exec and the device: a port in use ends it at once
     if args.data_channel:
         check_free(args.host, args.data_port, "--data-port")

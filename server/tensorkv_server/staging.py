@@ -14,7 +14,7 @@ Only a server whose values live on a GPU uses this (``tensorkv-server --device c
 import numpy as np
 
 from tensorkv.backend import BFLOAT16, DeviceBFloat16
-from tensorkv.codec import CHUNK_BYTES
+from tensorkv import codec
 
 # Pinned chunk buffers in the ring: a chunk waits for the copy of the one ``SLOTS`` before it.
 SLOTS = 4
@@ -23,8 +23,10 @@ SLOTS = 4
 class Staging:
     """The pinned buffers and the CUDA stream of one server's transfers (``cupy``: the module)."""
 
-    def __init__(self, cupy, slot_bytes=CHUNK_BYTES, slots=SLOTS):
+    def __init__(self, cupy, slot_bytes=None, slots=SLOTS):
         import cupyx
+
+        slot_bytes = slot_bytes or codec.CHUNK_BYTES
 
         self.cupy = cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
