@@ -1,5 +1,6 @@
 """--metrics-port: a real server's Prometheus text after real workers' calls, with exact
 counts of the gRPC and tensorkv_ metrics."""
+import os
 import signal
 import socket
 import subprocess
@@ -249,6 +250,40 @@ def test_idle_connections_to_the_metrics_port_take_no_threads(tmp_path):
             assert idle[0].recv(1) == b""  # closed to make room
             scraped, _ = scrape(port)
             assert "tensorkv_keys 0.0" in scraped
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def _sockets(pid):
+    return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
+               if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+
+
+def test_a_connection_closed_to_make_room_while_its_bytes_wait_is_not_read(tmp_path):
+    """The metrics port full, a new connection and bytes on the oldest waiting one come in one
+    turn of its loop (the server SIGSTOPped meanwhile): the oldest is closed to make room, and
+    its bytes are not read. Reading them raised KeyError, which ended the port's only thread:
+    /healthz never answered again (the kubelet restarts the server), found by a review."""
+    port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port))) as cluster:
+        process = cluster.processes[0]
+        assert _healthz(port) == (200, "serving\n")
+        before = _sockets(process.pid)
+        idle = []
+        try:
+            for _ in range(HttpPort.CONNECTIONS):
+                idle.append(socket.create_connection(("127.0.0.1", port), WAIT))
+            wait_until(lambda: _sockets(process.pid) >= before + HttpPort.CONNECTIONS,
+                       "the metrics port accepting every connection")
+            process.send_signal(signal.SIGSTOP)
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", port), WAIT))  # in the listen backlog
+                for sock in idle[:-1]:
+                    sock.sendall(b"G")  # a head begun, on every waiting one: the oldest among them
+            finally:
+                process.send_signal(signal.SIGCONT)
+            assert _healthz(port) == (200, "serving\n")
         finally:
             for sock in idle:
                 sock.close()

@@ -255,7 +255,7 @@ class HttpPort:
             for selected, _ in self._selector.select(self.IDLE_TIMEOUT / 4):
                 if selected.fileobj is self._listener:
                     self._accept()
-                else:
+                elif selected.fileobj in self._waiting:  # else closed by an _accept of this turn, to make room
                     self._read(selected.fileobj)
             self._close_idle()
 
