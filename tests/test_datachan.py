@@ -25,7 +25,8 @@ from tensorkv.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 from tensorkv_server.datachan import TOKEN_BYTES, _io_error
 
-from cluster import WAIT, Cluster, rss, stop, wait_until
+from cluster import WAIT, Cluster, free_port, rss, stop, wait_until
+from test_metrics import scrape
 
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32, np.int64, np.uint8]
 SIZES = [10, 100_000, 2_000_000, 3 << 20]  # inline, one value, sliced over 2 servers, multi-MiB
@@ -426,6 +427,43 @@ def test_a_call_announced_on_the_channel_holds_only_the_bytes_that_came(tmp_path
         finally:
             session.close()
     assert grown < 64 << 20, f"the server grew by {grown >> 20} MiB for a call of which 1 byte came"
+
+
+def test_a_call_on_the_stream_gives_back_nothing_of_what_its_channel_holds(tmp_path):
+    """The budget's bytes that a call on the data channel holds (reserved before its bytes are
+    read) stay counted while a call on the same Session stream comes and goes: the channel's
+    task shared the stream's slot of held bytes, so that call gave them back (the gauge fell
+    to 0 while the channel's call still held them: the budget let others in past it)."""
+    budget, announced = 64 << 20, 32 << 20
+    metrics_port = free_port()
+    with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(metrics_port),
+                                                 "--max-inflight-bytes", str(budget))) as cluster:
+        address = cluster.addresses[0]
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
+            port = kv._sessions[0].data_port
+
+        def inflight():
+            return scrape(metrics_port)[1][("tensorkv_inflight_bytes", ())]
+
+        session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, data_port=port)
+        try:
+            def build_open(call_id, timeout_ms, region, channel):
+                return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
+                                                  calls_on_channel=True).SerializeToString(), ()
+            token = kvstore_pb2.SessionResponse.FromString(session.call(build_open, WAIT)[1]).data_token
+            with socket.create_connection(("127.0.0.1", port), WAIT) as sock:
+                sock.sendall(token)
+                assert sock.recv(1) == datachan.ACK
+                sock.sendall(announced.to_bytes(datachan.FRAME_HEADER, "little") + b"\x08")  # 1 byte of them
+                wait_until(lambda: inflight() >= announced, "the channel's call reserving its bytes")
+
+                def build_pull(call_id, timeout_ms, region, channel):  # on the stream: refused, no matter
+                    return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_PULL,
+                                                      keys=[tensor_pb2.Key(str_key="nothing")]).SerializeToString(), ()
+                session.call(build_pull, WAIT)
+                assert inflight() >= announced
+        finally:
+            session.close()
 
 
 class _FakeDataPort:

@@ -178,6 +178,14 @@ def hold(reservation):
     return reservation
 
 
+def own_slot():
+    """Give the current task a slot of its own: for a task that runs beside the call that
+    started it (a data channel's calls beside its Session stream's), whose holds and releases
+    would otherwise give back the other's bytes (the slot is shared with the task's copy of
+    the context)."""
+    _HELD.set([None])
+
+
 def release_held():
     """Give back the reservation the current call holds, if any."""
     slot = _HELD.get()

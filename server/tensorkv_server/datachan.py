@@ -29,7 +29,7 @@ from tensorkv.status import error_status
 from tensorkv.v1 import kvstore_pb2
 
 from . import datalink, metrics
-from .budget import hold, release_held
+from .budget import hold, own_slot, release_held
 from .deadline import within
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,7 @@ class StreamChannel:
         self._calls.add_done_callback(_log_failure)
 
     async def _serve_calls(self, waiter, handle, send_after, max_bytes, budget):
+        own_slot()  # beside its Session stream's calls, which hold bytes of their own
         header = bytearray(FRAME_HEADER)
         try:
             link = await self._streams.next_call(lambda: waiter)
