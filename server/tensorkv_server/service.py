@@ -220,13 +220,18 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         decoder.remember()
         return result
 
-    async def _answer_room(self, items, timeout, what, copies=1):
+    async def _answer_room(self, items, timeout, what, copies=1, applied=False):
         """The budget's Reservation (see budget.py) for an answer that carries the values of
         ``items``, held ``copies`` times at once (gRPC's own copy of our messages: 2; at most
-        the whole budget, as one value over it is refused already)."""
+        the whole budget, as one value over it is refused already). The answer of a call whose
+        push was ``applied`` is counted at once, past the budget if need be: refused then, the
+        call would fail after changing the values, and a worker that tried it again would push
+        twice (its request's bytes, as many, were given back just before)."""
         nbytes = sum(item.array.nbytes for item in items)
         if copies > 1 and self.budget.total is not None:
             nbytes = max(nbytes, min(copies * nbytes, self.budget.total))
+        if applied:
+            return self.budget.charge(nbytes)
         return await self.budget.reserve(nbytes, timeout, what)
 
     def _keys(self, request):
@@ -367,7 +372,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                       first.rank, first.incarnation, items, first.sequence))
         if items is not None:
             held = await self._answer_room(items, context.time_remaining(),
-                                           f"a push-pull of {plural(len(items), 'value')}", _GRPC_ANSWER_COPIES)
+                                           f"a push-pull of {plural(len(items), 'value')}", _GRPC_ANSWER_COPIES, True)
             try:
                 for message in _responses(self._host(items)):
                     yield message
@@ -490,7 +495,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if request.op != kvstore_pb2.SESSION_OP_ROW_SPARSE_PULL:  # (which reserved its answer in _pull_rows)
                 budget.release_held()  # the request's values are merged
                 if items and output is None:
-                    budget.hold(await self._answer_room(items, timeout, f"the answer of {plural(len(items), 'value')}"))
+                    budget.hold(await self._answer_room(items, timeout, f"the answer of {plural(len(items), 'value')}",
+                                                        applied=request.op == kvstore_pb2.SESSION_OP_PUSH_PULL))
             items = self._host(items)
             if output is not None:
                 items = output.place(items)
