@@ -178,3 +178,26 @@ def test_the_reference_table_lists_exactly_the_fields():
 def _environment():
     import os
     return {k: v for k, v in os.environ.items() if not k.startswith("TENSORKV_")}
+
+
+def test_chunk_bytes_bounds_the_optimizer_states_a_worker_sends(cluster):
+    """chunk_bytes=4096: the SetUpdater messages carrying 40,000 bytes of optimizer states have
+    frames of 4096 data bytes at most (and a header), and the server installs them (before, the
+    states went in one 1 MiB frame whatever the setting: states_wire used codec's default). The
+    messages are read on their way through the worker's stub; the server is real."""
+    from tensorkv.codec import Item
+    from tensorkv.optimizer import SGD
+    states = {"w": (3, [Item("w", np.arange(10_000, dtype=np.float32))])}
+    settings = ClientConfig(chunk_bytes=4096, if_exists="replace")
+    with tensorkv.create("dist_sync", servers=cluster.addresses, timeout=TIMEOUT, config=settings) as kv:
+        kv.init("w", np.zeros(10_000, np.float32))
+        conn, sent = kv._conns[0], []
+        real = conn.stub.SetUpdater
+
+        def set_updater(messages, timeout):
+            sent.extend(messages)
+            return real(iter(sent), timeout=timeout)
+        conn.stub.SetUpdater = set_updater
+        conn.set_updater(SGD(momentum=0.9), states, "set_optimizer")
+        assert len(sent) >= 10
+        assert max(message.states.ByteSize() for message in sent) <= 4096 + 256

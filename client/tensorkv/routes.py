@@ -120,6 +120,8 @@ class Inline:
             sizes = call.sizes
             if (sizes is None or sum(sizes) > self.max_bytes) and not offload:
                 return False
+            if not offload:  # no output area: every value travels in the messages
+                return True
             if sizes is None:
                 self.out_bytes = shm.MIN_REGION_BYTES
             else:
@@ -141,7 +143,7 @@ class Inline:
             pulled = [_pulled_nbytes(item) for item in self.items] if call.sizes is None else call.sizes
             if sum(pulled) > self.max_bytes and not offload:
                 return False
-            if max(pulled, default=0) >= min_bytes:
+            if offload and max(pulled, default=0) >= min_bytes:
                 self.out_bytes = sum(aligned(nbytes) for nbytes in pulled)
         return True
 

@@ -440,8 +440,8 @@ class ServerConn:
 
     def set_updater(self, optimizer, key_states, kind):
         """Install ``optimizer`` with this server's ``key_states``; ``kind`` names the call in errors."""
-        messages = list(states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states))
-        response = self._call(kind, self._unary_once, kind, "SetUpdater", messages)
+        messages = states_wire.to_messages(kvstore_pb2.SetUpdaterRequest, optimizer, key_states, self._chunk_bytes)
+        response = self._call(kind, self._unary_once, kind, "SetUpdater", list(messages))
         sent = len(optimizer.lr_mult) + len(optimizer.wd_mult)
         if response.multipliers != sent:
             raise FailedPreconditionError(

@@ -10,15 +10,16 @@ from .v1 import tensor_pb2
 from .words import plural
 
 
-def to_messages(message_type, optimizer, states):
+def to_messages(message_type, optimizer, states, chunk_bytes=None):
     """Messages of ``message_type`` (SetUpdaterRequest or GetOptimizerStatesResponse) for
-    ``optimizer`` (None: none) and ``states`` {key: (num_update, [codec.Item])}."""
+    ``optimizer`` (None: none) and ``states`` {key: (num_update, [codec.Item])}, the states'
+    data in frames of ``chunk_bytes`` at most (None: codec.CHUNK_BYTES)."""
     first = message_type()
     if optimizer is not None:
         set_optimizer(first.optimizer, optimizer)
     for key, (num_update, items) in states.items():
         codec.set_key(first.key_states.add(num_states=len(items), num_update=num_update).key, key)
-    frames = codec.encode_frames([item for _, items in states.values() for item in items])
+    frames = codec.encode_frames([item for _, items in states.values() for item in items], chunk_bytes)
     first.states.CopyFrom(next(frames, tensor_pb2.TensorFrame()))
     yield first
     for frame in frames:

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 os.environ.setdefault("TENSORKV_PACK_MIN_VALUES", "4")
-import tensorkv  # noqa: E402 (reads TENSORKV_PACK_MIN_VALUES)
+import tensorkv  # noqa: E402 (its stores read TENSORKV_PACK_MIN_VALUES when created)
 
 KEYS = {"a": 4, "b": 4, **{f"p{i}": 2 for i in range(12)}, "big": 16}
 SMALL = [key for key in KEYS if key != "big"]
