@@ -67,6 +67,7 @@ def create(name="local", **kwargs):
     ``'dist'``, which MXNet runs as ``'dist_sync'``) make the store they stand for (ALIASES);
     ``kv.type`` is the name given, as in MXNet.
 
+    >>> import tensorkv
     >>> kv = tensorkv.create('local')
     >>> kv.type
     'local'
@@ -99,6 +100,11 @@ def reset(servers=None, **options):
     ``tls_cert=``, ``tls_key=`` and ``token=`` (else ``TENSORKV_TLS_CA``,
     ``TENSORKV_TLS_CERT``, ``TENSORKV_TLS_KEY``, ``TENSORKV_TOKEN``) are the credentials, as
     for :func:`create`.
+
+    This needs running servers, so the example is not run:
+
+    >>> tensorkv.reset('127.0.0.1:50051,127.0.0.1:50052')   # doctest: +SKIP
+    3
     """
     from .dist import reset as reset_servers
     return reset_servers(servers, **options)
