@@ -3,12 +3,13 @@ import doctest
 
 import pytest
 
-from tensorkv import compression, config, engine, env, kernels, local, lr_scheduler, optimizer, rowsparse, states_file, trainer
+import tensorkv
+from tensorkv import compression, config, engine, env, kernels, kvstore, local, lr_scheduler, optimizer, rowsparse, states_file, trainer
 from tensorkv.optimizer import adagrad, adam, dcasgd, ftrl, registry, rmsprop, sgd, updater
 from tensorkv.optimizer import optimizer as optimizer_base
 
 
-MODULES = [compression, config, engine, env, kernels, local, lr_scheduler, optimizer, optimizer_base, sgd, adam, adagrad, rmsprop,
+MODULES = [tensorkv, kvstore, compression, config, engine, env, kernels, local, lr_scheduler, optimizer, optimizer_base, sgd, adam, adagrad, rmsprop,
            ftrl, dcasgd, registry, updater, rowsparse, states_file, trainer]
 
 

@@ -8,7 +8,10 @@
 [[4. 4. 4.]
  [4. 4. 4.]]
 """
+from __future__ import annotations
+
 import os as _os
+from typing import Any as _Any
 
 # Not gRPC's own INFO lines (a failed TLS handshake: "I1128 ... ssl_transport_security.cc] Handshake
 # failed ...") on a worker's stderr beside the error that says it, unless the user chose a
@@ -38,7 +41,7 @@ ALIASES = {"local_update_cpu": "local", "local_allreduce_cpu": "local", "local_a
            "dist": "dist_sync"}  # MXNet's store is async only when its name has "_async"
 
 
-def create(name="local", **kwargs):
+def create(name: str = "local", **kwargs: _Any) -> KVStore:
     """Create a KVStore.
 
     - ``'local'``: embedded in this process, values in host memory; no server, no network.
@@ -67,6 +70,7 @@ def create(name="local", **kwargs):
     ``'dist'``, which MXNet runs as ``'dist_sync'``) make the store they stand for (ALIASES);
     ``kv.type`` is the name given, as in MXNet.
 
+    >>> import tensorkv
     >>> kv = tensorkv.create('local')
     >>> kv.type
     'local'
@@ -76,7 +80,7 @@ def create(name="local", **kwargs):
     kind = ALIASES.get(name, name)
     if kind in EMBEDDED_TYPES:
         from .local import LocalStore
-        store = LocalStore(kind, **kwargs)
+        store: KVStore = LocalStore(kind, **kwargs)
     elif kind in DIST_TYPES:
         from .dist import DistStore
         store = DistStore(kind, **kwargs)
@@ -88,7 +92,7 @@ def create(name="local", **kwargs):
     return store
 
 
-def reset(servers=None, **options):
+def reset(servers: str | list[str] | None = None, **options: _Any) -> int:
     """Drop everything the servers hold (keys, optimizer, states), as if they had just
     started; the number of keys dropped. A server where a run is registered (some worker
     has not closed its store) refuses with FailedPreconditionError naming its ranks, and
@@ -99,6 +103,11 @@ def reset(servers=None, **options):
     ``tls_cert=``, ``tls_key=`` and ``token=`` (else ``TENSORKV_TLS_CA``,
     ``TENSORKV_TLS_CERT``, ``TENSORKV_TLS_KEY``, ``TENSORKV_TOKEN``) are the credentials, as
     for :func:`create`.
+
+    This needs running servers, so the example is not run:
+
+    >>> tensorkv.reset('127.0.0.1:50051,127.0.0.1:50052')   # doctest: +SKIP
+    3
     """
     from .dist import reset as reset_servers
     return reset_servers(servers, **options)

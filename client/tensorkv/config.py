@@ -13,10 +13,14 @@ Traceback (most recent call last):
 ...
 tensorkv.errors.InvalidArgumentError: unknown transport 'udp'; use one of 'auto', 'tcp', 'grpc'
 """
+from __future__ import annotations
+
 import dataclasses
 import ipaddress
 import os
 import re
+from collections.abc import Iterable
+from typing import Any
 
 from . import env
 from .errors import InvalidArgumentError
@@ -87,56 +91,56 @@ class ClientConfig:
 
     # servers is the list of servers, 'host:port' (or '[IPv6]:port'), as a list or one
     # comma-separated string. Required.
-    servers: list = _setting("TENSORKV_SERVERS", None, _servers)
+    servers: list[str] | str | None = _setting("TENSORKV_SERVERS", None, _servers)
     # rank is this worker's rank; None: the server assigns the lowest free one.
-    rank: int = _setting("TENSORKV_RANK", None, _whole(0))
+    rank: int | None = _setting("TENSORKV_RANK", None, _whole(0))
     # num_workers is checked against the servers' --num-workers; None: taken from them.
-    num_workers: int = _setting("TENSORKV_NUM_WORKERS", None, _whole(1))
+    num_workers: int | None = _setting("TENSORKV_NUM_WORKERS", None, _whole(1))
     # timeout is the seconds any call may take, reconnecting included (default 120).
-    timeout: float = _setting("TENSORKV_TIMEOUT", 120.0, _seconds)
+    timeout: float | None = _setting("TENSORKV_TIMEOUT", 120.0, _seconds)
     # connect_timeout is the seconds each server gets to answer at start (default 10).
-    connect_timeout: float = _setting("TENSORKV_CONNECT_TIMEOUT", 10.0, _seconds)
+    connect_timeout: float | None = _setting("TENSORKV_CONNECT_TIMEOUT", 10.0, _seconds)
     # transport is how values travel: 'auto' (shared memory on the server's host, else the
     # data channel), 'tcp' (the data channel only) or 'grpc' (in the gRPC messages).
-    transport: str = _setting("TENSORKV_TRANSPORT", "auto", _choice(TRANSPORTS))
+    transport: str | None = _setting("TENSORKV_TRANSPORT", "auto", _choice(TRANSPORTS))
     # session is whether small calls go on one Session stream per server (default True;
     # TENSORKV_NO_SESSION=1 turns it off).
-    session: bool = _setting("TENSORKV_NO_SESSION", True, _switch)
+    session: bool | None = _setting("TENSORKV_NO_SESSION", True, _switch)
     # tls_ca is the PEM file of the CA that signs the servers' certificates; None: no TLS.
-    tls_ca: str = _setting("TENSORKV_TLS_CA", None, _text)
+    tls_ca: str | os.PathLike[str] | None = _setting("TENSORKV_TLS_CA", None, _text)
     # tls_cert and tls_key are this client's PEM certificate and key, for mutual TLS.
-    tls_cert: str = _setting("TENSORKV_TLS_CERT", None, _text)
-    tls_key: str = _setting("TENSORKV_TLS_KEY", None, _text)
+    tls_cert: str | os.PathLike[str] | None = _setting("TENSORKV_TLS_CERT", None, _text)
+    tls_key: str | os.PathLike[str] | None = _setting("TENSORKV_TLS_KEY", None, _text)
     # token is the bearer token sent with every call; None: none.
-    token: str = _setting("TENSORKV_TOKEN", None, _text, secret=True)
+    token: str | None = _setting("TENSORKV_TOKEN", None, _text, secret=True)
     # job names the job this worker belongs to ('' : none; tensorkv-launch sets it).
-    job: str = _setting("TENSORKV_JOB", "", _text)
+    job: str | None = _setting("TENSORKV_JOB", "", _text)
     # if_exists is what a new run does with the keys an earlier run left: 'fail', 'resume'
     # or 'replace'.
-    if_exists: str = _setting("TENSORKV_IF_EXISTS", "fail", _choice(IF_EXISTS))
+    if_exists: str | None = _setting("TENSORKV_IF_EXISTS", "fail", _choice(IF_EXISTS))
     # bigarray_bound is the number of elements above which a value is sliced over the servers.
-    bigarray_bound: int = _setting("TENSORKV_BIGARRAY_BOUND", 1_000_000, _whole(1))
+    bigarray_bound: int | None = _setting("TENSORKV_BIGARRAY_BOUND", 1_000_000, _whole(1))
     # chunk_bytes is the most data bytes of one message the client sends (1 MiB); calls on a
     # Session stream move at most this many bytes in its messages.
-    chunk_bytes: int = _setting("TENSORKV_CHUNK_BYTES", 1 << 20, _whole(1))
+    chunk_bytes: int | None = _setting("TENSORKV_CHUNK_BYTES", 1 << 20, _whole(1))
     # shm_min_bytes: values of at least this many bytes travel through shared memory (16 KiB).
-    shm_min_bytes: int = _setting("TENSORKV_SHM_MIN_BYTES", 16 << 10, _whole(0))
+    shm_min_bytes: int | None = _setting("TENSORKV_SHM_MIN_BYTES", 16 << 10, _whole(0))
     # datachan_min_bytes: values of at least this many bytes travel on the data channel (64 KiB).
-    datachan_min_bytes: int = _setting("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10, _whole(0))
+    datachan_min_bytes: int | None = _setting("TENSORKV_DATACHAN_MIN_BYTES", 64 << 10, _whole(0))
     # pack_min_values: a list call of at least this many small values for one server moves
     # them packed in one buffer (16).
-    pack_min_values: int = _setting("TENSORKV_PACK_MIN_VALUES", 16, _whole(0))
+    pack_min_values: int | None = _setting("TENSORKV_PACK_MIN_VALUES", 16, _whole(0))
     # malloc_tuning is whether a store raises glibc's mmap threshold in this process (default
     # True; TENSORKV_NO_MALLOC_TUNING=1 or the user's GLIBC_TUNABLES turn it off).
-    malloc_tuning: bool = _setting("TENSORKV_NO_MALLOC_TUNING", True, _malloc_tuning)
+    malloc_tuning: bool | None = _setting("TENSORKV_NO_MALLOC_TUNING", True, _malloc_tuning)
 
-    def resolved(self, names=None):
+    def resolved(self, names: Iterable[str] | None = None) -> ClientConfig:
         """A copy with each field (of ``names``, default all) checked and, where None, filled
         from its variable or its default; InvalidArgumentError naming the argument or variable."""
         names = [field.name for field in dataclasses.fields(self)] if names is None else names
         return dataclasses.replace(self, **{name: resolve(name, getattr(self, name)) for name in names})
 
-    def merged(self, **given):
+    def merged(self, **given: Any) -> ClientConfig:
         """A copy with the arguments of ``given`` that are not None in place of its fields."""
         return dataclasses.replace(self, **{name: value for name, value in given.items() if value is not None})
 

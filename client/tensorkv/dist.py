@@ -5,9 +5,12 @@ Keys are spread over the servers by a stable hash of the key; a value of more th
 back together on pull. A call over a list of keys makes one RPC per server involved, to
 all of them at once, each with a deadline.
 """
+from __future__ import annotations
+
 import functools
 import math
 import zlib
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -23,7 +26,7 @@ from .errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, ServerUnavailableError,
     ShapeMismatchError, key_repr,
 )
-from .kvstore import KVStore
+from .kvstore import Keys, KVStore, Values
 from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
 from .lease import Heartbeat
 from .security import Security
@@ -60,8 +63,9 @@ def _merge_engine(arrays):
     return engine
 
 
-def reset(servers=None, timeout=DEFAULT_CONNECT_TIMEOUT, force=False, tls_ca=None, tls_cert=None, tls_key=None,
-          token=None):
+def reset(servers: str | list[str] | None = None, timeout: float = DEFAULT_CONNECT_TIMEOUT, force: bool = False,
+          tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+          token: str | None = None) -> int:
     """Reset each server, one after the other, reached with the credentials of
     :class:`~tensorkv.security.Security`: see :func:`tensorkv.reset`."""
     given = ClientConfig(servers=servers, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
@@ -119,9 +123,12 @@ class DistStore(KVStore):
 
     _compressor = None  # compression.Compressor once set_gradient_compression was called
 
-    def __init__(self, name, servers=None, rank=None, num_workers=None, timeout=None,
-                 connect_timeout=None, bigarray_bound=None, session=None, transport=None,
-                 if_exists=None, job=None, tls_ca=None, tls_cert=None, tls_key=None, token=None, config=None):
+    def __init__(self, name: str, servers: str | list[str] | None = None, rank: int | None = None,
+                 num_workers: int | None = None, timeout: float | None = None, connect_timeout: float | None = None,
+                 bigarray_bound: int | None = None, session: bool | None = None, transport: str | None = None,
+                 if_exists: str | None = None, job: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, token: str | None = None,
+                 config: ClientConfig | None = None) -> None:
         super().__init__(name)
         if config is not None and not isinstance(config, ClientConfig):
             raise InvalidArgumentError(f"config={config!r} is not a tensorkv.ClientConfig")
@@ -147,11 +154,11 @@ class DistStore(KVStore):
             raise
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self._rank
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         return self._num_workers
 
     # What tests and tools look at, by server index.
@@ -352,7 +359,7 @@ class DistStore(KVStore):
 
     # A list of keys pushed or pulled before, with plain NumPy arrays, is checked as a whole
     # and moves as one buffer per server (tensorkv.fusion); the docstrings are KVStore's.
-    def push(self, key, value, priority=0):
+    def push(self, key: Keys, value: Values, priority: int = 0) -> None:
         fused = self._lists.get(key)
         if fused is None or self._compressor is not None or not fused.matches(value):
             super().push(key, value, priority)
@@ -362,7 +369,7 @@ class DistStore(KVStore):
         self._fanout(ServerConn.push_packed, {index: (layout, layout.pack(arrays))
                                               for index, (layout, arrays) in fused.split(value).items()})
 
-    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+    def pull(self, key: Keys, out: Values | None = None, priority: int = 0, ignore_sparse: bool = True) -> Any:
         fused = self._lists.get(key) if out is not None else None
         if fused is None or not fused.matches(out, writable=True):
             values = super().pull(key, out, priority, ignore_sparse)
@@ -604,7 +611,7 @@ class DistStore(KVStore):
         self._fanout(ServerConn.settle, {index: () for index in range(len(self._conns))})
         self._conns[0].barrier()
 
-    def close(self):
+    def close(self) -> None:
         if not self._closed:
             if self._heartbeat is not None:
                 self._heartbeat.close()

@@ -3,7 +3,16 @@
 This module turns the many call forms of MXNet's API (one key or a list, one array or a
 list per key, ``out`` or a return value) into lists of (key, [arrays]) pairs; the store
 types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
+
+Every example below makes the store it uses; those of a dist store need running servers
+and are marked ``# doctest: +SKIP``.
 """
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from os import PathLike
+from typing import Any, Union
+
 import numpy as np
 
 from .backend import is_array, shape_dtype, to_host, to_namespace, write_into
@@ -11,9 +20,20 @@ from .codec import Item, check_key
 from .errors import (
     DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, KeyExistsError, ShapeMismatchError, key_repr,
 )
-from .optimizer import check as check_optimizer
+from .optimizer import Optimizer, check as check_optimizer
 from .rowsparse import RowSparse, check_row_ids
 from .words import plural
+
+# A value: a NumPy, CuPy or torch array, or anything with ``__array__`` / ``__dlpack__``
+# (typed loosely so that tensorkv imports neither CuPy nor torch).
+ArrayLike = Any
+# A key, or a list of keys (int and str keys are not mixed in one store).
+Key = Union[int, str]
+Keys = Union[Key, Sequence[Key]]
+# One array per key, or a list of arrays (one per device) per key; a list of those for a list of keys.
+Values = Union[ArrayLike, Sequence[ArrayLike], Sequence[Sequence[ArrayLike]]]
+# ``updater(key, input, stored)``, which updates ``stored`` in place.
+UpdaterFunction = Callable[[Key, ArrayLike, ArrayLike], None]
 
 
 def _as_list(keys, values, what):
@@ -80,39 +100,72 @@ class KVStore:
     # The capability of :meth:`is_capable` that MXNet names (its KVStoreBase.OPTIMIZER).
     OPTIMIZER = "optimizer"
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         self._type = name
         self._closed = False
 
     # ---- properties -------------------------------------------------------------------
 
     @property
-    def type(self):
-        """The type this store was created with: 'local', 'device', 'dist_sync' or 'dist_async'."""
+    def type(self) -> str:
+        """The type this store was created with: 'local', 'device', 'dist_sync' or 'dist_async'
+        (or the MXNet name given, ``tensorkv.ALIASES``).
+
+        >>> import tensorkv
+        >>> tensorkv.create('local_allreduce_cpu').type
+        'local_allreduce_cpu'
+        """
         return self._type
 
     @property
-    def rank(self):
-        """This worker's rank, 0 <= rank < num_workers."""
+    def rank(self) -> int:
+        """This worker's rank, 0 <= rank < num_workers.
+
+        >>> import tensorkv
+        >>> tensorkv.create('local').rank
+        0
+        """
         return 0
 
     @property
-    def num_workers(self):
-        """The number of workers."""
+    def num_workers(self) -> int:
+        """The number of workers.
+
+        >>> import tensorkv
+        >>> tensorkv.create('local').num_workers
+        1
+        """
         return 1
 
     # ---- data -------------------------------------------------------------------------
 
-    def init(self, key, value):
+    def init(self, key: Keys, value: Values) -> None:
         """Initialize one key or a list of keys, once each.
 
+        Parameters
+        ----------
+        key : str, int, or sequence of str or int
+            The key or keys; a store holds int keys or str keys, not both.
+        value : array, or sequence of arrays
+            One array per key: its shape and dtype are the key's from now on.
+
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> # init a single key-value pair
         >>> kv.init('w', np.zeros(4, dtype=np.float32))
-        >>> kv.init([5, 7], [np.ones(2), np.ones(2)])
+        >>> # init a list of key-value pairs
+        >>> kv.init(['a', 'b'], [np.ones(2), np.full(2, 3.0)])
+        >>> print(kv.pull('b'))
+        [3. 3.]
+        >>> kv.init('w', np.zeros(4, dtype=np.float32))
+        Traceback (most recent call last):
+        ...
+        tensorkv.errors.KeyExistsError: key 'w' is already initialized
         """
         self._check_open()
         self._init(self._init_items(key, value))
 
-    def push(self, key, value, priority=0):
+    def push(self, key: Keys, value: Values, priority: int = 0) -> None:
         """Push values into one key or a list of keys.
 
         A list of arrays for one key (one per device) is summed first; the sum then goes
@@ -123,8 +176,33 @@ class KVStore:
         queued; an error only the server can see (a round aborted, a lease lost, a limit) is
         then raised by the next call to that server, naming the push, which changed nothing.
 
+        Parameters
+        ----------
+        key : str, int, or sequence of str or int
+            The key or keys.
+        value : array, sequence of arrays, or sequence of those
+            For one key, an array or a list of arrays (one per device) of the key's shape
+            and dtype; for a list of keys, one of those per key. Row-sparse values
+            (:func:`tensorkv.row_sparse`) go in a call of their own.
+        priority : int
+            Accepted for MXNet's API; calls are not reordered.
+
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init('w', np.zeros(4, dtype=np.float32))
+        >>> # push a single key-value pair: without an updater the value is assigned
         >>> kv.push('w', np.ones(4, dtype=np.float32) * 8)
-        >>> kv.push('w', [np.ones(4, dtype=np.float32)] * 4)   # stored value becomes 4
+        >>> print(kv.pull('w'))
+        [8. 8. 8. 8.]
+        >>> # aggregate the values of four devices, then push
+        >>> kv.push('w', [np.ones(4, dtype=np.float32)] * 4)
+        >>> print(kv.pull('w'))
+        [4. 4. 4. 4.]
+        >>> # push a list of keys
+        >>> kv.init(['a', 'b'], [np.zeros(2), np.zeros(2)])
+        >>> kv.push(['a', 'b'], [np.ones(2), [np.ones(2), np.ones(2)]])
+        >>> print(kv.pull('b'))
+        [2. 2.]
         """
         self._check_open()
         pairs = self._push_pairs(key, value)
@@ -137,7 +215,8 @@ class KVStore:
             raise InvalidArgumentError("push: row-sparse and dense values cannot be mixed in one call; "
                                        "push them in separate calls")
 
-    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+    def row_sparse_pull(self, key: Keys, out: Values | None = None, priority: int = 0,
+                        row_ids: Any = None) -> Any:
         """Pull only the rows ``row_ids`` (along the first axis) of one key or a list of keys.
 
         ``row_ids`` may repeat and be in any order. Each ``out`` array has shape
@@ -149,11 +228,20 @@ class KVStore:
         rows asked for travel; a row id out of range raises InvalidArgumentError naming the
         key and the id, before any ``out`` is written.
 
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
         >>> kv.init('emb', np.arange(12, dtype=np.float32).reshape(6, 2))
         >>> kv.row_sparse_pull('emb', row_ids=[4, 0, 4])
         array([[8., 9.],
                [0., 1.],
                [8., 9.]], dtype=float32)
+        >>> # rows into an out array of the whole shape: the others are left as they are
+        >>> whole = np.full((6, 2), -1, dtype=np.float32)
+        >>> kv.row_sparse_pull('emb', out=whole, row_ids=[1])
+        >>> print(whole[:3])
+        [[-1. -1.]
+         [ 2.  3.]
+         [-1. -1.]]
         """
         self._check_open()
         requests, deliveries = self._row_sparse_targets(key, out, row_ids)
@@ -185,32 +273,68 @@ class KVStore:
                 _write_rows(target, ids, rows)
         return None
 
-    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+    def pull(self, key: Keys, out: Values | None = None, priority: int = 0, ignore_sparse: bool = True) -> Any:
         """Pull values of one key or a list of keys.
 
         With ``out`` (an array, or a list of arrays that each get the value) the values are
-        written in place; with ``out=None`` new NumPy arrays are returned.
+        written in place and None is returned; with ``out=None`` new NumPy arrays are
+        returned (a list of them for a list of keys).
 
+        Parameters
+        ----------
+        key : str, int, or sequence of str or int
+            The key or keys.
+        out : array, sequence of arrays, or sequence of those, optional
+            Where the values go, each of the key's shape and dtype: checked before any is
+            written.
+        priority : int
+            Accepted for MXNet's API.
+        ignore_sparse : bool
+            Accepted for MXNet's API: every stored value is dense.
+
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init('w', np.full(4, 4, dtype=np.float32))
+        >>> # pull a single key into an array
         >>> a = np.zeros(4, dtype=np.float32)
         >>> kv.pull('w', out=a)
         >>> print(a)
         [4. 4. 4. 4.]
+        >>> # pull into several arrays (one per device)
+        >>> b = [np.zeros(4, dtype=np.float32) for _ in range(2)]
+        >>> kv.pull('w', out=b)
+        >>> print(b[1])
+        [4. 4. 4. 4.]
+        >>> # return the value
         >>> kv.pull('w')
         array([4., 4., 4., 4.], dtype=float32)
+        >>> # a list of keys
+        >>> kv.init('v', np.arange(2))
+        >>> kv.pull(['w', 'v'])
+        [array([4., 4., 4., 4.], dtype=float32), array([0, 1])]
         """
         self._check_open()
         keys, outs = self._pull_targets(key, out)
         values = self._pull(keys, fresh=outs is None, outs=outs)
         return self._deliver(key, keys, outs, values)
 
-    def pushpull(self, key, value, out=None, priority=0):
+    def pushpull(self, key: Keys, value: Values, out: Values | None = None, priority: int = 0) -> None:
         """Push, then pull the same keys, in one call (one round trip on a server).
 
         As in MXNet, ``out=None`` pulls the result back into ``value`` itself.
 
-        >>> g = np.ones(4, dtype=np.float32)
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init('w', np.zeros(4, dtype=np.float32))
+        >>> # push the sum of two devices' values, pull it back into both
+        >>> g = [np.ones(4, dtype=np.float32), np.full(4, 2, dtype=np.float32)]
         >>> kv.pushpull('w', g)
-        >>> print(g)
+        >>> print(g[0], g[1])
+        [3. 3. 3. 3.] [3. 3. 3. 3.]
+        >>> # or into ``out``
+        >>> out = np.zeros(4, dtype=np.float32)
+        >>> kv.pushpull('w', np.ones(4, dtype=np.float32), out=out)
+        >>> print(out)
         [1. 1. 1. 1.]
         """
         self._check_open()
@@ -225,11 +349,17 @@ class KVStore:
         values = self._pushpull(pairs, fresh=False, outs=outs)
         self._deliver(key, keys, outs, values)
 
-    def broadcast(self, key, value, out=None, priority=0):
+    def broadcast(self, key: Keys, value: Values, out: Values | None = None, priority: int = 0) -> Any:
         """Initialize keys with ``value``, then pull them into ``out`` (or return them).
 
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
         >>> kv.broadcast('b', np.full(2, 7, dtype=np.int32))
         array([7, 7], dtype=int32)
+        >>> out = [np.zeros(3), np.zeros(3)]
+        >>> kv.broadcast('c', np.ones(3), out=out)
+        >>> print(out[1])
+        [1. 1. 1.]
         """
         self._check_open()
         items = self._init_items(key, value)
@@ -243,17 +373,23 @@ class KVStore:
 
     # ---- updaters -----------------------------------------------------------------------
 
-    def set_updater(self, updater):
+    def set_updater(self, updater: UpdaterFunction) -> None:
         """Set ``updater(key, input, stored)``, which updates ``stored`` in place on push.
 
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init(3, np.ones(2))
         >>> def update(key, input, stored):
         ...     stored += input * 2
         >>> kv.set_updater(update)
+        >>> kv.push(3, np.ones(2))
+        >>> print(kv.pull(3))
+        [3. 3.]
         """
         self._check_open()
         self._set_updater(updater)
 
-    def set_optimizer(self, optimizer):
+    def set_optimizer(self, optimizer: Optimizer) -> None:
         """Apply ``optimizer`` (see :mod:`tensorkv.optimizer`) to every push from now on.
 
         As in MXNet, this starts afresh: every key's optimizer states (momentum, Adam's
@@ -262,12 +398,18 @@ class KVStore:
         job sends, keeps it as it is). To change only the learning rate, keeping states and
         counts, use :meth:`set_learning_rate`.
 
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init('w', np.ones(2, dtype=np.float32))
         >>> kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        >>> kv.push('w', np.ones(2, dtype=np.float32))
+        >>> print(kv.pull('w'))
+        [0.9 0.9]
         """
         self._check_open()
         self._set_optimizer(check_optimizer(optimizer, "set_optimizer"))
 
-    def set_learning_rate(self, lr):
+    def set_learning_rate(self, lr: float) -> None:
         """Make ``lr`` the learning rate of the optimizer's updates from now on (on every
         server of a dist store); its states and update counts stay.
 
@@ -275,25 +417,57 @@ class KVStore:
         ``lr_scheduler`` (as MXNet's ``Optimizer.set_learning_rate``). In ``dist_sync`` call it
         at the same point on every worker (or between rounds on one).
 
-        >>> kv.set_learning_rate(0.01)
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init('w', np.ones(2, dtype=np.float32))
+        >>> kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1))
+        >>> kv.set_learning_rate(0.5)
+        >>> kv.push('w', np.ones(2, dtype=np.float32))
+        >>> print(kv.pull('w'))
+        [0.5 0.5]
         """
         self._check_open()
         self._set_learning_rate(lr)
 
-    def save_optimizer_states(self, fname, dump_optimizer=False):
+    def save_optimizer_states(self, fname: str | PathLike[str], dump_optimizer: bool = False) -> None:
         """Save the optimizer's per-key states to ``fname``, with the optimizer itself (its name
-        and hyper-parameters) whatever ``dump_optimizer`` says: a NumPy archive, no pickle."""
+        and hyper-parameters) whatever ``dump_optimizer`` says: a NumPy archive, no pickle.
+
+        >>> import os, tempfile, numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init('w', np.ones(2, dtype=np.float32))
+        >>> kv.set_optimizer(tensorkv.optimizer.Adam(learning_rate=0.01))
+        >>> kv.push('w', np.ones(2, dtype=np.float32))
+        >>> fname = os.path.join(tempfile.mkdtemp(), 'states')
+        >>> kv.save_optimizer_states(fname)
+        >>> other = tensorkv.create('local')
+        >>> other.init('w', kv.pull('w'))
+        >>> other.load_optimizer_states(fname)   # Adam with its moments, as saved
+        """
         self._check_open()
         self._save_optimizer_states(fname)
 
-    def load_optimizer_states(self, fname):
+    def load_optimizer_states(self, fname: str | PathLike[str]) -> None:
         """Install the optimizer and the per-key states saved by :meth:`save_optimizer_states`
         (as MXNet does for states saved with their optimizer). Every key of the file must be
-        initialized here with the shape it had; nothing changes when one is not."""
+        initialized here with the shape it had; nothing changes when one is not.
+
+        >>> import os, tempfile, numpy as np, tensorkv
+        >>> kv = tensorkv.create('local')
+        >>> kv.init('w', np.ones(2, dtype=np.float32))
+        >>> kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        >>> kv.push('w', np.ones(2, dtype=np.float32))
+        >>> fname = os.path.join(tempfile.mkdtemp(), 'states')
+        >>> kv.save_optimizer_states(fname)
+        >>> tensorkv.create('local').load_optimizer_states(fname)   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        tensorkv.errors.KeyNotFoundError: ... holds states of key 'w', which has not been initialized
+        """
         self._check_open()
         self._load_optimizer_states(fname)
 
-    def set_gradient_compression(self, compression_params):
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
         """Compress every later push as MXNet's '2bit' gradient compression does:
         ``compression_params`` is ``{'type': '2bit', 'threshold': t}`` (``t`` > 0; 0.5 when
         left out).
@@ -308,17 +482,24 @@ class KVStore:
         type, a threshold <= 0 or another parameter raise InvalidArgumentError. See
         docs/reference.md.
 
+        >>> import numpy as np, tensorkv
+        >>> kv = tensorkv.create('device')
+        >>> kv.init(0, np.zeros(4, dtype=np.float32))
         >>> kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+        >>> kv.push(0, np.array([0.7, -0.6, 0.2, 0], dtype=np.float32))
+        >>> print(kv.pull(0))
+        [ 0.5 -0.5  0.   0. ]
         """
         self._check_open()
         self._set_gradient_compression(compression_params)
 
-    def is_capable(self, capability):
+    def is_capable(self, capability: str) -> bool:
         """Whether this store has ``capability``, as MXNet's ``is_capable``: the one capability
         MXNet names is ``KVStore.OPTIMIZER`` ('optimizer', any case), which every tensorkv
         store has. Any other name raises InvalidArgumentError (a ValueError, as MXNet's).
 
-        >>> kv.is_capable(tensorkv.KVStore.OPTIMIZER)
+        >>> import tensorkv
+        >>> tensorkv.create('local').is_capable(tensorkv.KVStore.OPTIMIZER)
         True
         """
         if str(capability).lower() == self.OPTIMIZER:
@@ -326,21 +507,35 @@ class KVStore:
         raise InvalidArgumentError(f"Unknown capability: {capability!r}; the capability MXNet names is "
                                    f"{self.OPTIMIZER!r} (KVStore.OPTIMIZER)")
 
-    def barrier(self):
-        """Return once every worker has called barrier()."""
+    def barrier(self) -> None:
+        """Return once every worker has called barrier().
+
+        >>> import tensorkv
+        >>> kv = tensorkv.create('dist_sync', servers='127.0.0.1:50051')   # doctest: +SKIP
+        >>> kv.barrier()   # every worker waits here for the others  # doctest: +SKIP
+        """
         self._check_open()
         self._barrier()
 
     # ---- life cycle -------------------------------------------------------------------
 
-    def close(self):
-        """Release the store's resources; further calls raise FailedPreconditionError."""
+    def close(self) -> None:
+        """Release the store's resources; further calls raise FailedPreconditionError.
+
+        >>> import numpy as np, tensorkv
+        >>> with tensorkv.create('local') as kv:
+        ...     kv.init(1, np.zeros(2))
+        >>> kv.pull(1)
+        Traceback (most recent call last):
+        ...
+        tensorkv.errors.FailedPreconditionError: this 'local' KVStore is closed
+        """
         self._closed = True
 
-    def __enter__(self):
+    def __enter__(self) -> KVStore:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _check_open(self):

@@ -12,7 +12,10 @@ when CuPy sees one, else behaves as 'local'.
 ...     print(kv.pull('w'))
 [-1. -1. -1.]
 """
+from __future__ import annotations
+
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +33,7 @@ class LocalStore(KVStore):
     Calls are serialized by a lock, so threads may share one store.
     """
 
-    def __init__(self, name, **kwargs):
+    def __init__(self, name: str, **kwargs: Any) -> None:
         if kwargs:
             raise InvalidArgumentError(f"a {name!r} KVStore takes no options, got {', '.join(sorted(kwargs))}")
         super().__init__(name)
@@ -143,7 +146,7 @@ class LocalStore(KVStore):
     def _barrier(self):
         """One worker: nothing to wait for."""
 
-    def close(self):
+    def close(self) -> None:
         with self._lock:
             self._engine = Engine(self._engine.xp)
             super().close()

@@ -32,8 +32,11 @@ schedule rebuilt from ``params`` under the same optimizer is the same. Without a
 >>> create(sched.name, **sched.params) == sched
 True
 """
+from __future__ import annotations
+
 import inspect
 import math
+from typing import Any
 
 from .errors import InvalidArgumentError
 
@@ -68,9 +71,10 @@ class LRScheduler:
         Rise from ``warmup_begin_lr`` to ``base_lr`` in equal steps, or stay at ``warmup_begin_lr``.
     """
 
-    name = None
+    name: str | None = None
 
-    def __init__(self, base_lr=0.01, warmup_steps=0, warmup_begin_lr=0.0, warmup_mode="linear"):
+    def __init__(self, base_lr: float = 0.01, warmup_steps: int = 0, warmup_begin_lr: float = 0.0,
+                 warmup_mode: str = "linear") -> None:
         self.base_lr = _finite("base_lr", base_lr)
         self.warmup_final_lr = self.base_lr  # base_lr as given; an optimizer may replace base_lr
         self.warmup_steps = _count("warmup_steps", warmup_steps, 0)
@@ -83,7 +87,7 @@ class LRScheduler:
         self.warmup_mode = warmup_mode
 
     @property
-    def params(self):
+    def params(self) -> dict[str, Any]:
         """Every constructor argument by name, as given: numbers, MultiFactor's ``step`` list,
         ``warmup_mode``; ``base_lr`` is the one the schedule was made with (``warmup_final_lr``)."""
         names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
@@ -100,11 +104,11 @@ class LRScheduler:
             args["warmup_final_lr"] = self.warmup_final_lr
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
 
-    def __call__(self, num_update):
+    def __call__(self, num_update: int) -> float:
         """The learning rate of the update that makes ``num_update`` (see the module's docstring)."""
         return self.at(num_update, self.base_lr)
 
-    def at(self, num_update, base_lr):
+    def at(self, num_update: int, base_lr: float) -> float:
         """The learning rate at ``num_update`` when ``base_lr`` (an optimizer's learning_rate)
         replaced this schedule's, as MXNet's optimizer does."""
         if num_update < self.warmup_steps:
@@ -127,8 +131,8 @@ class FactorScheduler(LRScheduler):
 
     name = "factor"
 
-    def __init__(self, step, factor=1.0, stop_factor_lr=1e-8, base_lr=0.01, warmup_steps=0, warmup_begin_lr=0.0,
-                 warmup_mode="linear"):
+    def __init__(self, step: int, factor: float = 1.0, stop_factor_lr: float = 1e-8, base_lr: float = 0.01,
+                 warmup_steps: int = 0, warmup_begin_lr: float = 0.0, warmup_mode: str = "linear") -> None:
         super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
         self.step = _count("step", step, 1)
         self.factor = _finite("factor", factor)
@@ -164,7 +168,8 @@ class MultiFactorScheduler(LRScheduler):
 
     name = "multifactor"
 
-    def __init__(self, step, factor=1.0, base_lr=0.01, warmup_steps=0, warmup_begin_lr=0.0, warmup_mode="linear"):
+    def __init__(self, step: list[int], factor: float = 1.0, base_lr: float = 0.01, warmup_steps: int = 0,
+                 warmup_begin_lr: float = 0.0, warmup_mode: str = "linear") -> None:
         super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
         if not isinstance(step, (list, tuple)) or not step:
             raise InvalidArgumentError(f"lr_scheduler step={step!r} must be a non-empty list of update counts")
@@ -187,7 +192,8 @@ class MultiFactorScheduler(LRScheduler):
 class _ToMaxUpdate(LRScheduler):
     """A decay from ``base_lr`` at the end of warmup to ``final_lr`` at ``max_update``."""
 
-    def __init__(self, max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr, warmup_mode):
+    def __init__(self, max_update: int, base_lr: float, final_lr: float, warmup_steps: int, warmup_begin_lr: float,
+                 warmup_mode: str) -> None:
         super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
         self.max_update = _count("max_update", max_update, 1)
         if self.max_update <= self.warmup_steps:
@@ -213,8 +219,8 @@ class PolyScheduler(_ToMaxUpdate):
 
     name = "poly"
 
-    def __init__(self, max_update, base_lr=0.01, pwr=2, final_lr=0.0, warmup_steps=0, warmup_begin_lr=0.0,
-                 warmup_mode="linear"):
+    def __init__(self, max_update: int, base_lr: float = 0.01, pwr: float = 2, final_lr: float = 0.0,
+                 warmup_steps: int = 0, warmup_begin_lr: float = 0.0, warmup_mode: str = "linear") -> None:
         super().__init__(max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr, warmup_mode)
         self.pwr = _finite("pwr", pwr)
 
@@ -232,8 +238,8 @@ class CosineScheduler(_ToMaxUpdate):
 
     name = "cosine"
 
-    def __init__(self, max_update, base_lr=0.01, final_lr=0.0, warmup_steps=0, warmup_begin_lr=0.0,
-                 warmup_mode="linear"):
+    def __init__(self, max_update: int, base_lr: float = 0.01, final_lr: float = 0.0, warmup_steps: int = 0,
+                 warmup_begin_lr: float = 0.0, warmup_mode: str = "linear") -> None:
         super().__init__(max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr, warmup_mode)
 
     def _rate(self, done, total):
@@ -243,7 +249,7 @@ class CosineScheduler(_ToMaxUpdate):
 SCHEDULERS = {cls.name: cls for cls in (FactorScheduler, MultiFactorScheduler, PolyScheduler, CosineScheduler)}
 
 
-def create(name, **params):
+def create(name: str, **params: Any) -> LRScheduler:
     """The schedule called ``name`` with arguments ``params``: how a server rebuilds one.
 
     >>> create('poly', max_update=10, base_lr=0.1)

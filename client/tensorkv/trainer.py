@@ -28,17 +28,21 @@ array(...)
 >>> print(gluon.optimizer.name, gluon.optimizer.num_update, grads['b'])
 sgd 1 [5. 5.]
 """
+from __future__ import annotations
+
 import inspect
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from os import PathLike
+from typing import Any
 
 import numpy as np
 
 from . import states_file
 from .backend import DeviceBFloat16, is_array, on_gpu, to_namespace, write_into
 from .errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError
-from .kvstore import KVStore
+from .kvstore import ArrayLike, KVStore
 from .optimizer import Optimizer, check, create, get_updater
 
 
@@ -197,7 +201,7 @@ class Trainer:
     the first gradients are still those each worker computed with its own values).
     """
 
-    def __init__(self, params, *args, **kwargs):
+    def __init__(self, params: Mapping[str, ArrayLike] | Iterable[Any], *args: Any, **kwargs: Any) -> None:
         arguments = _arguments(params, args, kwargs)
         optimizer = _optimizer(arguments["optimizer"], arguments["optimizer_params"])
         update_on_kvstore = arguments["update_on_kvstore"] is None or bool(arguments["update_on_kvstore"])
@@ -225,12 +229,12 @@ class Trainer:
             kv.set_optimizer(optimizer)
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> Optimizer | None:
         """The optimizer given, or read by :meth:`load_states`; None when the store's own does the updates."""
         return self._optimizer
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> float:
         """The learning rate given to the optimizer (a schedule's base rate) or to
         :meth:`set_learning_rate` last."""
         if self._learning_rate is None:
@@ -239,7 +243,7 @@ class Trainer:
                 "has not been called")
         return self._learning_rate
 
-    def set_learning_rate(self, lr):
+    def set_learning_rate(self, lr: float) -> None:
         """Make ``lr`` the learning rate from now on, keeping the optimizer's states (momentum)
         and counts: ``kv.set_learning_rate``, on every server of a dist store (with
         ``update_on_kvstore=False``, this worker's optimizer). In ``dist_sync`` call it at the
@@ -251,7 +255,8 @@ class Trainer:
             self._optimizer = self._updater.optimizer
         self._learning_rate = float(lr)
 
-    def step(self, batch_size=1, grads=None, ignore_stale_grad=False):
+    def step(self, batch_size: float = 1, grads: Mapping[str, ArrayLike] | None = None,
+             ignore_stale_grad: bool = False) -> None:
         """One training step: push every gradient, each scaled by ``1 / batch_size``, in one
         list push (the store's optimizer updates the weights), then pull every weight back
         into its array in one list pull. With ``update_on_kvstore=False``:
@@ -286,7 +291,7 @@ class Trainer:
         if pulled:
             self._kv.pull(pulled, out=[self._params[name] for name in pulled])
 
-    def allreduce_grads(self, grads=None):
+    def allreduce_grads(self, grads: Mapping[str, ArrayLike] | None = None) -> None:
         """Sum every gradient over the workers in place (gluon's): one list push and one list
         pull into the gradients, ``grads`` (``{name: gradient}``) or the torch ``.grad``. Then
         transform them (clip them, say) and call :meth:`update`. Only with
@@ -296,7 +301,8 @@ class Trainer:
         self._init_params()
         self._allreduce(names, gradients)
 
-    def update(self, batch_size=1, grads=None, ignore_stale_grad=False):
+    def update(self, batch_size: float = 1, grads: Mapping[str, ArrayLike] | None = None,
+               ignore_stale_grad: bool = False) -> None:
         """Apply the optimizer here to every parameter with its gradient scaled by
         ``1 / batch_size`` (gluon's), after :meth:`allreduce_grads`; ``grads`` and
         ``ignore_stale_grad`` as in :meth:`step`. Only with ``update_on_kvstore=False``."""
@@ -306,7 +312,7 @@ class Trainer:
         self._init_params()
         self._update_here(names, gradients, scale)
 
-    def save_states(self, fname):
+    def save_states(self, fname: str | PathLike[str]) -> None:
         """Write the optimizer and its states (momentum, counts) to ``fname`` (gluon's): the
         store's (``kv.save_optimizer_states``), or this worker's with ``update_on_kvstore=False``,
         in the same file format, so either kind of Trainer loads it."""
@@ -316,7 +322,7 @@ class Trainer:
         else:
             states_file.save(fname, self._updater.optimizer, self._updater.get_states())
 
-    def load_states(self, fname):
+    def load_states(self, fname: str | PathLike[str]) -> None:
         """Install the optimizer and states :meth:`save_states` wrote (gluon's); the Trainer's
         ``optimizer`` and ``learning_rate`` become the file's. Every key of the file must be a
         parameter of this Trainer, of the shape it had."""

@@ -1,5 +1,8 @@
 """Per-coordinate rates from accumulated squared gradients: AdaGrad and AdaDelta."""
+from __future__ import annotations
+
 from .optimizer import Optimizer, _number, _statements
+from ..lr_scheduler import LRScheduler
 
 
 class AdaGrad(Optimizer):
@@ -16,8 +19,9 @@ class AdaGrad(Optimizer):
     """
     name = "adagrad"
 
-    def __init__(self, learning_rate=None, eps=1e-7, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
-                 multi_precision=False):
+    def __init__(self, learning_rate: float | None = None, eps: float = 1e-7, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.eps = _number("eps", eps)
 
@@ -47,8 +51,9 @@ class AdaDelta(Optimizer):
 
     name = "adadelta"
 
-    def __init__(self, learning_rate=None, rho=0.9, epsilon=1e-5, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = None, rho: float = 0.9, epsilon: float = 1e-5, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.rho = _number("rho", rho)
         self.epsilon = _number("epsilon", epsilon)

@@ -1,5 +1,7 @@
 """The Adam family, steps from moving averages of the gradient and of its square: Adam,
 Adamax, Nadam, FTML and LAMB."""
+from __future__ import annotations
+
 import functools
 import math
 
@@ -9,6 +11,7 @@ from ..backend import empty
 from ..kernels import l2_norm
 from ..errors import InvalidArgumentError
 from .optimizer import Optimizer, _WEIGHT, _bound, _compute_dtype, _flag, _kernel, _number, _on_master, _statements
+from ..lr_scheduler import LRScheduler
 
 
 class Adam(Optimizer):
@@ -28,9 +31,11 @@ class Adam(Optimizer):
     name = "adam"
     _UNSENT = dict(Optimizer._UNSENT, lazy_update=True)
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
-                 rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
-                 multi_precision=False, *, lazy_update=True):  # keyword-only, as SGD's
+    # lazy_update is keyword-only, as SGD's.
+    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, wd: float = 0.0, rescale_grad: float = 1.0, clip_gradient: float | None = None,
+                 lr_scheduler: LRScheduler | None = None, multi_precision: bool = False, *,
+                 lazy_update: bool = True) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.lazy_update = _flag("lazy_update", lazy_update)
         self.beta1 = _number("beta1", beta1)
@@ -63,8 +68,9 @@ class Adamax(Optimizer):
     """
     name = "adamax"
 
-    def __init__(self, learning_rate=0.002, beta1=0.9, beta2=0.999, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = 0.002, beta1: float = 0.9, beta2: float = 0.999, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.beta1 = _number("beta1", beta1)
         self.beta2 = _number("beta2", beta2)
@@ -102,8 +108,10 @@ class Nadam(Optimizer):
 
     name = "nadam"
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, schedule_decay=0.004, wd=0.0,
-                 rescale_grad=1.0, clip_gradient=None, lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, schedule_decay: float = 0.004, wd: float = 0.0, rescale_grad: float = 1.0,
+                 clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.beta1 = _number("beta1", beta1)
         self.beta2 = _number("beta2", beta2)
@@ -165,8 +173,9 @@ class FTML(Optimizer):
 
     name = "ftml"
 
-    def __init__(self, learning_rate=None, beta1=0.6, beta2=0.999, epsilon=1e-8, wd=0.0, rescale_grad=1.0,
-                 clip_gradient=None, lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = None, beta1: float = 0.6, beta2: float = 0.999,
+                 epsilon: float = 1e-8, wd: float = 0.0, rescale_grad: float = 1.0, clip_gradient: float | None = None,
+                 lr_scheduler: LRScheduler | None = None, multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         if self.learning_rate == 0:
             raise InvalidArgumentError("optimizer parameter learning_rate=0 is outside ftml's range: it divides by it")
@@ -226,9 +235,11 @@ class LAMB(Optimizer):
     elementwise = False
     lazy_update = False
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6, lower_bound=None,
-                 upper_bound=None, bias_correction=True, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-6, lower_bound: float | None = None, upper_bound: float | None = None,
+                 bias_correction: bool = True, wd: float = 0.0, rescale_grad: float = 1.0,
+                 clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.beta1 = _number("beta1", beta1)
         self.beta2 = _number("beta2", beta2)

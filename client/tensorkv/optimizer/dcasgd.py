@@ -1,6 +1,9 @@
 """Delay-compensated asynchronous SGD (DCASGD)."""
+from __future__ import annotations
+
 from ..kernels import sum_into
 from .optimizer import Optimizer, _number, _statements
+from ..lr_scheduler import LRScheduler
 
 
 class DCASGD(Optimizer):
@@ -23,8 +26,9 @@ class DCASGD(Optimizer):
     name = "dcasgd"
     lazy_update = False
 
-    def __init__(self, learning_rate=None, momentum=0.0, lamda=0.04, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = None, momentum: float = 0.0, lamda: float = 0.04, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.momentum = _number("momentum", momentum)
         self.lamda = _number("lamda", lamda)

@@ -1,6 +1,9 @@
 """FTRL-Proximal (Ftrl), for sparse linear models."""
+from __future__ import annotations
+
 from ..errors import InvalidArgumentError
 from .optimizer import Optimizer, _number, _statements
+from ..lr_scheduler import LRScheduler
 
 
 class Ftrl(Optimizer):
@@ -16,8 +19,9 @@ class Ftrl(Optimizer):
     """
     name = "ftrl"
 
-    def __init__(self, learning_rate=0.1, lamda1=0.01, beta=1.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = 0.1, lamda1: float = 0.01, beta: float = 1.0, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         if self.learning_rate == 0:
             raise InvalidArgumentError("optimizer parameter learning_rate=0 is outside ftrl's range: it divides by it")

@@ -1,9 +1,12 @@
 """The base of every optimizer: :class:`Optimizer` (the hyper-parameters all share, their
 valid RANGES) and the helpers that turn an update's statements into one fused Kernel."""
+from __future__ import annotations
+
 import functools
 import inspect
 import math
 import re
+from typing import Any
 
 import numpy as np
 
@@ -120,7 +123,7 @@ class Optimizer:
         update runs on the copy and the weight is its rounding (MXNet's, for float16). In
         ``params`` (as 1.0) only when True.
     """
-    name = None
+    name: str | None = None
     # Whether the update is element-wise, so that Updater.update_each may run the values of
     # several keys as one array; False where it reads norms of the whole value (LAMB).
     elementwise = True
@@ -132,8 +135,9 @@ class Optimizer:
     # what they did before the flag existed.
     _UNSENT = {"multi_precision": False}
 
-    def __init__(self, learning_rate, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
-                 multi_precision=False):
+    def __init__(self, learning_rate: float | None, wd: float = 0.0, rescale_grad: float = 1.0,
+                 clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         if lr_scheduler is not None and not isinstance(lr_scheduler, LRScheduler):
             raise InvalidArgumentError(
                 f"lr_scheduler must be a tensorkv.lr_scheduler schedule, got {type(lr_scheduler).__name__}")
@@ -154,12 +158,12 @@ class Optimizer:
         self.num_update = 0
 
     @classmethod
-    def parameter_names(cls):
+    def parameter_names(cls) -> list[str]:
         """The names of the constructor's numeric hyper-parameters (all but ``lr_scheduler``)."""
         return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "lr_scheduler")]
 
     @property
-    def params(self):
+    def params(self) -> dict[str, float]:
         """All hyper-parameters as ``{name: float}``; bounds left at None are omitted, and so are
         ``multi_precision`` when False and SGD's and Adam's ``lazy_update`` when True."""
         values = {name: getattr(self, name) for name in self.parameter_names()}
@@ -177,7 +181,7 @@ class Optimizer:
             args.append(f"lr_scheduler={self.lr_scheduler!r}")
         return f"{type(self).__name__}({', '.join(args)})"
 
-    def set_learning_rate(self, lr):
+    def set_learning_rate(self, lr: float) -> None:
         """Make ``lr`` the learning rate (MXNet's ``Optimizer.set_learning_rate``); refused when
         the optimizer has an ``lr_scheduler``, as in MXNet. An embedded store updates with this
         object, so its next update takes it; a server holds a copy of the optimizer, as MXNet's
@@ -195,7 +199,7 @@ class Optimizer:
                 "and set_learning_rate cannot change it, as in MXNet")
         self.learning_rate = _number("learning_rate", lr)
 
-    def set_lr_mult(self, args_lr_mult):
+    def set_lr_mult(self, args_lr_mult: dict[Any, float]) -> None:
         """Make ``{key: multiplier}`` the keys' learning-rate multipliers (MXNet's
         ``Optimizer.set_lr_mult``; a key not in it keeps the optimizer's rate). A multiplier of
         0 freezes a key; with an lr_scheduler the key's rate is the schedule's times its
@@ -210,7 +214,7 @@ class Optimizer:
         """
         self.lr_mult = _multipliers("lr_mult", args_lr_mult)
 
-    def set_wd_mult(self, args_wd_mult):
+    def set_wd_mult(self, args_wd_mult: dict[Any, float]) -> None:
         """Make ``{key: multiplier}`` the keys' weight-decay multipliers (MXNet's
         ``Optimizer.set_wd_mult``), e.g. 0 for the biases; a key not in it keeps ``wd``.
 
@@ -222,7 +226,7 @@ class Optimizer:
         """
         self.wd_mult = _multipliers("wd_mult", args_wd_mult)
 
-    def learning_rate_at(self, num_update):
+    def learning_rate_at(self, num_update: int) -> float:
         """The learning rate of an update when the largest update count of any key is ``num_update``."""
         if self.lr_scheduler is None:
             return self.learning_rate

@@ -1,8 +1,12 @@
 """The optimizers by name: :data:`OPTIMIZERS`, and :func:`create` (how a server rebuilds
 an optimizer from the wire), :func:`check` and :func:`copy`."""
+from __future__ import annotations
+
 import heapq
+from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..lr_scheduler import LRScheduler
 from .optimizer import Optimizer
 from .sgd import SGD, NAG, Signum, LARS
 from .adam import Adam, Adamax, Nadam, FTML, LAMB
@@ -16,7 +20,8 @@ OPTIMIZERS = {cls.name: cls for cls in (SGD, NAG, Adam, Adamax, Nadam, AdaGrad, 
                                         LAMB, LARS, DCASGD)}
 
 
-def create(name, lr_scheduler=None, lr_mult=None, wd_mult=None, **params):
+def create(name: str, lr_scheduler: LRScheduler | None = None, lr_mult: dict[Any, float] | None = None,
+           wd_mult: dict[Any, float] | None = None, **params: Any) -> Optimizer:
     """The optimizer called ``name`` (case-insensitive) with hyper-parameters ``params`` (and
     the keys' multipliers, as :meth:`Optimizer.set_lr_mult` and :meth:`Optimizer.set_wd_mult`).
 

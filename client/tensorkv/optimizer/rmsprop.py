@@ -1,5 +1,8 @@
 """RMSProp: Tieleman & Hinton's, and Graves's (``centered=True``)."""
+from __future__ import annotations
+
 from .optimizer import Optimizer, _bound, _flag, _number, _statements
+from ..lr_scheduler import LRScheduler
 
 
 class RMSProp(Optimizer):
@@ -21,9 +24,10 @@ class RMSProp(Optimizer):
     """
     name = "rmsprop"
 
-    def __init__(self, learning_rate=0.001, gamma1=0.9, gamma2=0.9, epsilon=1e-8, centered=False,
-                 clip_weights=None, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
-                 multi_precision=False):
+    def __init__(self, learning_rate: float | None = 0.001, gamma1: float = 0.9, gamma2: float = 0.9,
+                 epsilon: float = 1e-8, centered: bool = False, clip_weights: float | None = None, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.gamma1 = _number("gamma1", gamma1)
         self.gamma2 = _number("gamma2", gamma2)

@@ -1,8 +1,11 @@
 """Stochastic gradient descent and the optimizers built on its step: SGD, NAG, Signum
 (signSGD) and LARS."""
+from __future__ import annotations
+
 from ..kernels import l2_norm
 from ..errors import InvalidArgumentError
 from .optimizer import LARS_RANGES, Optimizer, _compute_dtype, _flag, _number, _statements
+from ..lr_scheduler import LRScheduler
 
 
 class SGD(Optimizer):
@@ -28,8 +31,9 @@ class SGD(Optimizer):
     _UNSENT = dict(Optimizer._UNSENT, lazy_update=True)
 
     # lazy_update is keyword-only: added after wd and the rest, it leaves their positions as they were.
-    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False, *, lazy_update=True):
+    def __init__(self, learning_rate: float | None = None, momentum: float = 0.0, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False, *, lazy_update: bool = True) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.momentum = _number("momentum", momentum)
         self.lazy_update = _flag("lazy_update", lazy_update)
@@ -68,8 +72,10 @@ class NAG(SGD):
 
     name = "nag"
 
-    def __init__(self, learning_rate=None, momentum=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):  # MXNet's NAG takes no lazy_update
+    # MXNet's NAG takes no lazy_update.
+    def __init__(self, learning_rate: float | None = None, momentum: float = 0.0, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, momentum, wd=wd, rescale_grad=rescale_grad, clip_gradient=clip_gradient,
                          lr_scheduler=lr_scheduler, multi_precision=multi_precision)
 
@@ -99,8 +105,9 @@ class Signum(Optimizer):
 
     name = "signum"
 
-    def __init__(self, learning_rate=0.01, momentum=0.9, wd_lh=0.0, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, multi_precision=False):
+    def __init__(self, learning_rate: float | None = 0.01, momentum: float = 0.9, wd_lh: float = 0.0, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision)
         self.momentum = _number("momentum", momentum)
         self.wd_lh = _number("wd_lh", wd_lh)
@@ -163,9 +170,10 @@ class LARS(SGD):
     elementwise = False
     _UNSENT = Optimizer._UNSENT  # lazy_update always travels, as it did
 
-    def __init__(self, learning_rate=None, momentum=0.0, lazy_update=True, eta=0.001, eps=0.0,
-                 momentum_correction=True, wd=0.0, rescale_grad=1.0, clip_gradient=None, lr_scheduler=None,
-                 multi_precision=False):
+    def __init__(self, learning_rate: float | None = None, momentum: float = 0.0, lazy_update: bool = True,
+                 eta: float = 0.001, eps: float = 0.0, momentum_correction: bool = True, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None, lr_scheduler: LRScheduler | None = None,
+                 multi_precision: bool = False) -> None:
         super().__init__(learning_rate, momentum, wd, rescale_grad, clip_gradient, lr_scheduler, multi_precision,
                          lazy_update=lazy_update)
         self.eta = _number("eta", eta)

@@ -1,16 +1,18 @@
 """The :class:`Updater` (MXNet's ``get_updater``): applies an optimizer to pushed values,
 key by key, and keeps their states and update counts."""
+from __future__ import annotations
+
 import numpy as np
 
 from ..backend import array_module
 from ..errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError, key_repr
 from ..rowsparse import Rows
 from ..words import plural
-from .optimizer import _updatable
+from .optimizer import Optimizer, _updatable
 from .registry import check, copy
 
 
-def get_updater(optimizer):
+def get_updater(optimizer: Optimizer) -> Updater:
     """An :class:`Updater` applying ``optimizer`` (MXNet's ``mx.optimizer.get_updater``):
     ``updater(key, grad, weight)``, or lists of each, updates the weights in place and counts
     the updates in ``optimizer.num_update``.
@@ -69,7 +71,7 @@ class Updater:
     >>> print(w, updater.get_states()['w'][0])
     [0.5 0.5] 1
     """
-    def __init__(self, optimizer):
+    def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = check(optimizer, "an Updater")
         self._states = {}
         self._num_updates = {}
