@@ -2,6 +2,7 @@
 processes on 127.0.0.1: values equal those of plain gRPC, errors, negotiation and fallback,
 and failures of either side."""
 import asyncio
+import contextlib
 import errno
 import os
 import signal
@@ -445,25 +446,35 @@ def test_a_call_on_the_stream_gives_back_nothing_of_what_its_channel_holds(tmp_p
         def inflight():
             return scrape(metrics_port)[1][("tensorkv_inflight_bytes", ())]
 
-        session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, data_port=port)
-        try:
-            def build_open(call_id, timeout_ms, region, channel):
-                return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
-                                                  calls_on_channel=True).SerializeToString(), ()
-            token = kvstore_pb2.SessionResponse.FromString(session.call(build_open, WAIT)[1]).data_token
-            with socket.create_connection(("127.0.0.1", port), WAIT) as sock:
-                sock.sendall(token)
-                assert sock.recv(1) == datachan.ACK
-                sock.sendall(announced.to_bytes(datachan.FRAME_HEADER, "little") + b"\x08")  # 1 byte of them
-                wait_until(lambda: inflight() >= announced, "the channel's call reserving its bytes")
+        with stalled_channel_call(address, port, announced) as session:
+            wait_until(lambda: inflight() >= announced, "the channel's call reserving its bytes")
 
-                def build_pull(call_id, timeout_ms, region, channel):  # on the stream: refused, no matter
-                    return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_PULL,
-                                                      keys=[tensor_pb2.Key(str_key="nothing")]).SerializeToString(), ()
-                session.call(build_pull, WAIT)
-                assert inflight() >= announced
-        finally:
-            session.close()
+            def build_pull(call_id, timeout_ms, region, channel):  # on the stream: refused, no matter
+                return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_PULL,
+                                                  keys=[tensor_pb2.Key(str_key="nothing")]).SerializeToString(), ()
+            session.call(build_pull, WAIT)
+            assert inflight() >= announced
+
+
+@contextlib.contextmanager
+def stalled_channel_call(address, port, announced):
+    """A raw Session stream to the server at ``address`` whose data channel (on ``port``) has
+    sent a call framed as ``announced`` bytes long and 1 byte of them: the server holds the
+    budget's bytes for it (reserved before they are read) while the context lasts. Yields the
+    Session."""
+    session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, data_port=port)
+    try:
+        def build_open(call_id, timeout_ms, region, channel):
+            return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
+                                              calls_on_channel=True).SerializeToString(), ()
+        token = kvstore_pb2.SessionResponse.FromString(session.call(build_open, WAIT)[1]).data_token
+        with socket.create_connection(("127.0.0.1", port), WAIT) as sock:
+            sock.sendall(token)
+            assert sock.recv(1) == datachan.ACK
+            sock.sendall(announced.to_bytes(datachan.FRAME_HEADER, "little") + b"\x08")  # 1 byte of them
+            yield session
+    finally:
+        session.close()
 
 
 class _FakeDataPort:

@@ -22,6 +22,7 @@ from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES
 
 from cluster import STOP_TIMEOUT, Cluster, check_workers, rss
+from test_datachan import stalled_channel_call
 
 TIMEOUT = 20.0  # seconds for one call
 
@@ -663,34 +664,17 @@ def test_the_budget_grants_in_turn_refuses_after_its_wait_and_takes_back_what_a_
     asyncio.run(scenario())
 
 
-
 def test_a_push_pull_whose_push_was_applied_is_answered_past_the_budget(tmp_path):
     """A raw data-channel call announces 3.5 MiB and sends 1 byte: it holds them of a 4 MiB
     budget. A push-pull of 1 MiB over gRPC then has room for its push, which is merged, but
-    not for its answer: it waited the budget's 30 s and failed
-    RESOURCE_EXHAUSTED ("try again") after the value had changed, so a worker that tried again
-    pushed twice. The answer of a push that was applied is counted past the budget: answered."""
-    from tensorkv import datachan
-    from cluster import WAIT, wait_until
+    not for its answer: it waited the budget's 30 s and failed RESOURCE_EXHAUSTED ("try
+    again") after the value had changed, so a worker that tried again pushed twice. The answer of a push that was applied is counted past the budget: answered."""
     with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", str(4 * MIB)]) as cluster:
-        address = cluster.addresses[0]
         with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
             port = kv._sessions[0].data_port
-        session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, data_port=port)
-        try:
-            def build_open(call_id, timeout_ms, region, channel):
-                return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
-                                                  calls_on_channel=True).SerializeToString(), ()
-            token = kvstore_pb2.SessionResponse.FromString(session.call(build_open, WAIT)[1]).data_token
-            with socket.create_connection(("127.0.0.1", port), WAIT) as sock:
-                sock.sendall(token)
-                assert sock.recv(1) == datachan.ACK
-                sock.sendall((7 * MIB // 2).to_bytes(datachan.FRAME_HEADER, "little") + b"\x08")  # 1 byte of them
-                with tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc",
-                                     if_exists="replace") as kv:
-                    kv.init("w", np.zeros(MIB // 4, np.float32))
-                    out = np.empty(MIB // 4, np.float32)
-                    kv.pushpull("w", _floats(MIB // 4), out=out)
-                    np.testing.assert_array_equal(out, _floats(MIB // 4))
-        finally:
-            session.close()
+        with stalled_channel_call(cluster.addresses[0], port, 7 * MIB // 2):
+            with tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc", if_exists="replace") as kv:
+                kv.init("w", np.zeros(MIB // 4, np.float32))
+                out = np.empty(MIB // 4, np.float32)
+                kv.pushpull("w", _floats(MIB // 4), out=out)
+                np.testing.assert_array_equal(out, _floats(MIB // 4))
