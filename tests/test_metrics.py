@@ -1,6 +1,5 @@
 """--metrics-port: a real server's Prometheus text after real workers' calls, with exact
 counts of the gRPC and tensorkv_ metrics."""
-import os
 import signal
 import socket
 import subprocess
@@ -255,9 +254,15 @@ def test_idle_connections_to_the_metrics_port_take_no_threads(tmp_path):
                 sock.close()
 
 
-def _sockets(pid):
-    return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
-               if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+def _accept_queue(port):
+    """Connections to 127.0.0.1:``port`` that the kernel holds for its listener, not yet
+    accepted (the rx_queue of the listening row of /proc/net/tcp)."""
+    with open("/proc/net/tcp") as table:
+        for row in table.read().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":
+                return int(fields[4].split(":")[1], 16)
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 def test_a_connection_closed_to_make_room_while_its_bytes_wait_is_not_read(tmp_path):
@@ -269,13 +274,12 @@ def test_a_connection_closed_to_make_room_while_its_bytes_wait_is_not_read(tmp_p
     with Cluster(tmp_path=tmp_path, server_args=("--metrics-port", str(port))) as cluster:
         process = cluster.processes[0]
         assert _healthz(port) == (200, "serving\n")
-        before = _sockets(process.pid)
         idle = []
         try:
             for _ in range(HttpPort.CONNECTIONS):
                 idle.append(socket.create_connection(("127.0.0.1", port), WAIT))
-            wait_until(lambda: _sockets(process.pid) >= before + HttpPort.CONNECTIONS,
-                       "the metrics port accepting every connection")
+            # Counted as the listener's queue, not as the server's sockets: those come and go.
+            wait_until(lambda: _accept_queue(port) == 0, "the metrics port accepting every connection", 120)
             process.send_signal(signal.SIGSTOP)
             try:
                 idle.append(socket.create_connection(("127.0.0.1", port), WAIT))  # in the listen backlog
