@@ -14,7 +14,7 @@ COPY client client
 COPY server server
 RUN pip install --no-cache-dir . && cd / && rm -rf /src
 
-# The server tunes glibc's malloc for tensor streams itself (tensorkv/allocator.py); a
+# The server tunes glibc's malloc for tensor streams itself (tensorkv/wire/allocator.py); a
 # GLIBC_TUNABLES given with `podman run -e` replaces that tuning.
 ENV PYTHONUNBUFFERED=1
 # Snapshots of the server's state (--state-dir): mount a volume here to keep them across containers.

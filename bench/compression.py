@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 import tensorkv
-from tensorkv import compression
+from tensorkv.update import compression
 
 import common
 from paced_proxy import PacedProxy

@@ -400,7 +400,7 @@ def _path_options(path):
     **kwargs passes the option through (an unknown one then fails loudly)."""
     import inspect
 
-    from tensorkv.dist import DistStore
+    from tensorkv.stores.dist import DistStore
     params = inspect.signature(DistStore.__init__).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     options, notes = {}, []
@@ -415,7 +415,7 @@ def _path_options(path):
 
 def dist_available():
     return (importlib.util.find_spec("tensorkv_server") is not None
-            and importlib.util.find_spec("tensorkv.dist") is not None)
+            and importlib.util.find_spec("tensorkv.stores.dist") is not None)
 
 
 # ---- the run -------------------------------------------------------------------------
@@ -461,7 +461,7 @@ class Run:
         steps.append(("local 4 MiB", self.local))
         if not dist_available():
             self.notes.append("dist rows not measured: tensorkv_server or "
-                              "tensorkv.dist is not installed in this tree")
+                              "tensorkv.stores.dist is not installed in this tree")
             return steps
         for path in PATHS:
             steps.append((f"{path}: start server",

@@ -18,13 +18,13 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import tensorkv
-from tensorkv.launch import ended
-from tensorkv.security import Security
+from tensorkv.tools.launch import ended
+from tensorkv.transport.security import Security
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 # Seconds a server gets to start serving: generous, as a loaded machine needs (it imports
-# NumPy and gRPC twice: tensorkv.allocator re-execs it), and bounded.
+# NumPy and gRPC twice: tensorkv.wire.allocator re-execs it), and bounded.
 START_TIMEOUT = 120.0
 PROBE_TIMEOUT = 5.0  # seconds a health probe of a starting server gets (a refused one fails at once)
 STOP_TIMEOUT = 15.0  # seconds a process gets to exit after SIGTERM
@@ -44,7 +44,7 @@ def wait_until(condition, what, timeout=WAIT):
 
 
 def _ended_alone(returncode):
-    """How a process that no test stopped ended, in words (tensorkv.launch.ended)."""
+    """How a process that no test stopped ended, in words (tensorkv.tools.launch.ended)."""
     if returncode == -signal.SIGKILL:
         return "was killed by SIGKILL (not by this test: by another process, or the kernel's OOM killer)"
     return ended(returncode)

@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from tensorkv import allocator
+from tensorkv.wire import allocator
 
 PROBE = """
 import ctypes, sys
 import numpy as np
-from tensorkv import allocator
+from tensorkv.wire import allocator
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

@@ -3,8 +3,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tensorkv import codec
-from tensorkv.codec import FrameDecoder, Item, encode_frames
+from tensorkv.wire import codec
+from tensorkv.wire.codec import FrameDecoder, Item, encode_frames
 from tensorkv.errors import InvalidTensorError, KeyTypeError, ResourceExhaustedError
 from tensorkv.v1 import tensor_pb2
 

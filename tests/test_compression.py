@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import compression
-from tensorkv.codec import set_key
-from tensorkv.rpc import Stub
+from tensorkv.update import compression
+from tensorkv.wire.codec import set_key
+from tensorkv.transport.rpc import Stub
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import Cluster, check_workers

@@ -123,7 +123,7 @@ def test_the_token_stays_out_of_the_repr():
 def test_importing_tensorkv_reads_no_variable():
     """Every variable bad: the import still succeeds (each was read at import by some module)."""
     bad = {config.variable(name): BAD[name][2] for name in FIELD_NAMES if BAD[name][2] is not None}
-    done = subprocess.run([sys.executable, "-c", "import tensorkv, tensorkv.dist, tensorkv.routes, tensorkv.ctl"],
+    done = subprocess.run([sys.executable, "-c", "import tensorkv, tensorkv.stores.dist, tensorkv.transport.routes, tensorkv.tools.ctl"],
                           env={**_environment(), **bad}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
@@ -185,7 +185,7 @@ def test_chunk_bytes_bounds_the_optimizer_states_a_worker_sends(cluster):
     frames of 4096 data bytes at most (and a header), and the server installs them (before, the
     states went in one 1 MiB frame whatever the setting: states_wire used codec's default). The
     messages are read on their way through the worker's stub; the server is real."""
-    from tensorkv.codec import Item
+    from tensorkv.wire.codec import Item
     from tensorkv.optimizer import SGD
     states = {"w": (3, [Item("w", np.arange(10_000, dtype=np.float32))])}
     settings = ClientConfig(chunk_bytes=4096, if_exists="replace")

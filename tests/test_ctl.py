@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.security import Security
+from tensorkv.transport.security import Security
 
 from cluster import WORKER_TIMEOUT, Cluster, check_workers, wait_until
 from test_security import READ_ONLY_TOKEN, TOKEN, Pki
@@ -23,7 +23,7 @@ BIAS = np.array([-1.5, 0.0, 2.0, 4.0]) * 2 + np.array([-1.5, 0.0, 2.0, 4.0]) * 3
 
 def ctl(*args, servers, env=None):
     """(exit status, stdout, stderr) of ``tensorkv --servers SERVERS args...``."""
-    done = subprocess.run([sys.executable, "-m", "tensorkv.ctl", "--servers", ",".join(servers), *args],
+    done = subprocess.run([sys.executable, "-m", "tensorkv.tools.ctl", "--servers", ",".join(servers), *args],
                           capture_output=True, text=True, timeout=60, env=env)
     return done.returncode, done.stdout, done.stderr
 
@@ -115,7 +115,7 @@ def test_get_values_only_when_asked(job):
 def test_options_go_before_or_after_the_command(job):
     cluster, _, _ = job
     servers = ",".join(cluster.addresses)
-    after = subprocess.run([sys.executable, "-m", "tensorkv.ctl", "get", "bias", "--values", "--servers", servers,
+    after = subprocess.run([sys.executable, "-m", "tensorkv.tools.ctl", "get", "bias", "--values", "--servers", servers,
                             "-o", "json"], capture_output=True, text=True, timeout=60)
     assert after.returncode == 0, after.stderr
     assert json.loads(after.stdout) == ctl_json("get", "bias", "--values", servers=cluster.addresses)
@@ -177,7 +177,7 @@ def test_a_killed_server_is_named_and_the_other_still_reported(job):
 
 def test_usage_errors_exit_2(monkeypatch):
     monkeypatch.delenv("TENSORKV_SERVERS", raising=False)
-    done = subprocess.run([sys.executable, "-m", "tensorkv.ctl", "status"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "tensorkv.tools.ctl", "status"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no servers: pass --servers HOST:PORT,... or set TENSORKV_SERVERS" in done.stderr
     code, _, err = ctl("frobnicate", servers=["127.0.0.1:1"])
     assert code == 2 and "invalid choice: 'frobnicate'" in err
@@ -196,7 +196,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
         with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
             keys = [f"layer_{i:04d}_" + "w" * 100 for i in range(2000)]
             kv.init(keys, [np.zeros(1, np.float32)] * len(keys))
-        done = subprocess.run(f"{sys.executable} -m tensorkv.ctl --servers {cluster.addresses[0]} keys | head -c 1",
+        done = subprocess.run(f"{sys.executable} -m tensorkv.tools.ctl --servers {cluster.addresses[0]} keys | head -c 1",
                               shell=True, capture_output=True, text=True, timeout=60)
     assert done.stdout == "s" and done.stderr == ""  # the first letter of the header, "server"
 

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import allocator, datachan
-from tensorkv.codec import Item, encode_stream, following
+from tensorkv.wire import allocator
+from tensorkv.transport import datachan
+from tensorkv.wire.codec import Item, encode_stream, following
 from tensorkv.errors import DeadlineExceededError, ServerUnavailableError
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.rpc import Stub
-from tensorkv.session import RawSession as Session
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.rpc import Stub
+from tensorkv.transport.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 from tensorkv_server.datachan import TOKEN_BYTES, _io_error
 

@@ -4,7 +4,10 @@ import doctest
 import pytest
 
 import tensorkv
-from tensorkv import compression, config, engine, env, kernels, kvstore, local, lr_scheduler, optimizer, rowsparse, states_file, trainer
+from tensorkv.update import compression, engine, kernels, rowsparse
+from tensorkv import config, env, lr_scheduler, optimizer
+from tensorkv.stores import kvstore, local, trainer
+from tensorkv.wire import states_file
 from tensorkv.optimizer import adagrad, adam, dcasgd, ftrl, registry, rmsprop, sgd, updater
 from tensorkv.optimizer import optimizer as optimizer_base
 

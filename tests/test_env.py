@@ -4,7 +4,7 @@ an InvalidArgumentError naming the variable and the value, read when a store is 
 import pytest
 
 import tensorkv
-from tensorkv import allocator
+from tensorkv.wire import allocator
 
 from cluster import Cluster
 

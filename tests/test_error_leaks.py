@@ -15,10 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tensorkv import shm
-from tensorkv.codec import Item, encode_stream
-from tensorkv.status import status_code
-from tensorkv.security import Security
+from tensorkv.transport import shm
+from tensorkv.wire.codec import Item, encode_stream
+from tensorkv.wire.status import status_code
+from tensorkv.transport.security import Security
 from tensorkv.v1 import kvstore_pb2, maintenance_pb2, tensor_pb2
 from tensorkv_server import datachan
 

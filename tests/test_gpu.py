@@ -239,7 +239,7 @@ def test_torch_bfloat16_cuda_tensors_in_the_embedded_stores(store):
 @pytest.mark.gpu
 @requires_gpu
 def test_dist_clients_sum_lists_of_gpu_arrays_on_the_gpu():
-    from tensorkv import dist
+    from tensorkv.stores import dist
     torch = _torch_cuda()
     arrays = [cupy.ones(4, cupy.float32), torch.ones(4, device="cuda")]
     engine = dist._merge_engine(arrays)

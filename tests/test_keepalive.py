@@ -11,10 +11,10 @@ import sys
 import grpc
 import pytest
 
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.rpc import Stub
-from tensorkv.session import RawSession as Session
-from tensorkv.status import status_code
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.rpc import Stub
+from tensorkv.transport.session import RawSession as Session
+from tensorkv.wire.status import status_code
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import CALL, WORKERS, Cluster, check_workers, free_port, stop

@@ -15,8 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tensorkv import kernels, optimizer
-from tensorkv.kernels import PREAMBLE, Kernel
+from tensorkv.update import kernels
+from tensorkv import optimizer
+from tensorkv.update.kernels import PREAMBLE, Kernel
 from tensorkv.optimizer.optimizer import _compute_dtype
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

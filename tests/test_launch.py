@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorkv import launch
+from tensorkv.tools import launch
 
 from cluster import WORKERS, free_port, stop, wait_until
 from test_security import TOKEN, Pki

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import shm
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.session import RawSession as Session
+from tensorkv.transport import shm
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import lr_scheduler, states_file, states_wire
+from tensorkv import lr_scheduler
+from tensorkv.wire import states_file, states_wire
 from tensorkv.optimizer import SGD, Adam, Updater
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.session import RawSession as Session
-from tensorkv.status import status_code
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.session import RawSession as Session
+from tensorkv.wire.status import status_code
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
 from cluster import CALL, Cluster, wait_until
@@ -148,7 +148,7 @@ def test_after_a_server_restart_an_old_workers_push_is_refused(tmp_path):
                     raise AssertionError("the old worker's push was accepted")
                 wait_until(old_push_refused, "the old worker's push refused")
                 # from the push itself, or from a heartbeat that reached the new server before kv0 registered
-                # or from registering again after seeing the server restart (tensorkv.server_conn)
+                # or from registering again after seeing the server restart (tensorkv.transport.server_conn)
                 assert f"rank 0 is held by incarnation {kv0._registered[0]}" in refusals[0] \
                     or "rank 0 is not registered on this server (it restarted" in refusals[0] \
                     or "registering rank 0 again (it restarted) was refused: rank 0 is already taken" in refusals[0], \
@@ -163,7 +163,7 @@ def test_after_a_server_restart_an_old_workers_push_is_refused(tmp_path):
 
 def test_a_register_sent_again_with_its_request_id_gets_the_same_registration(tmp_path):
     """A Register whose answer a reset lost is sent again with the same request_id (as
-    tensorkv.server_conn does): the server answers the registration it made, not "rank taken",
+    tensorkv.transport.server_conn does): the server answers the registration it made, not "rank taken",
     and a rank it assigned is not assigned twice; another request_id is refused as before."""
     with Cluster(num_workers=2, tmp_path=tmp_path) as cluster, \
             grpc.insecure_channel(cluster.addresses[0], options=CHANNEL_OPTIONS) as channel:

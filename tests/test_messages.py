@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import states_file
+from tensorkv.wire import states_file
 
 from cluster import Cluster
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import optimizer, states_file, states_wire
-from tensorkv.ctl import Server
+from tensorkv import optimizer
+from tensorkv.wire import states_file, states_wire
+from tensorkv.tools.ctl import Server
 from tensorkv.optimizer import SGD, Adam, Updater
-from tensorkv.security import Security
+from tensorkv.transport.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from cluster import Cluster, one_worker_store

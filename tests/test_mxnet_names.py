@@ -6,7 +6,7 @@ import pytest
 
 import tensorkv
 from tensorkv import optimizer
-from tensorkv.rowsparse import RowSparse
+from tensorkv.update.rowsparse import RowSparse
 
 from cluster import Cluster, one_worker_store
 

@@ -15,7 +15,7 @@ from tensorkv.optimizer import (
 from tensorkv.lr_scheduler import FactorScheduler
 from tensorkv.optimizer import adam as adam_module, sgd as sgd_module
 from tensorkv.optimizer.adam import _momentum_schedule
-from tensorkv.rowsparse import RowSparse
+from tensorkv.update.rowsparse import RowSparse
 
 WEIGHT = [0.5, -1.0, 2.0, 0.0]
 GRADS = [[0.1, -0.3, 2.5, 0.0], [-1.2, 0.4, 0.05, 3.0], [0.7, 0.7, -2.2, -0.1]]
@@ -487,7 +487,7 @@ def test_lamb_lars_and_dcasgd_through_a_server_are_the_embedded_stores(tmp_path)
 def test_lamb_updates_the_whole_value_on_a_row_sparse_push():
     """MXNet's LAMB has no lazy update: a row-sparse push is its dense gradient (the norms
     are the whole value's); DCASGD's too. SGD updates the pushed rows only."""
-    from tensorkv.rowsparse import RowSparse
+    from tensorkv.update.rowsparse import RowSparse
 
     rows = RowSparse(np.ones((1, 3), np.float32), np.array([1]), (2, 3))
     dense = np.array([[0, 0, 0], [1, 1, 1]], np.float32)
@@ -804,9 +804,9 @@ def test_an_engine_applies_a_push_in_order_when_some_values_go_to_the_optimizer_
     """Engine.apply_each with a value the optimizer takes together with others and a row-sparse
     one it applies on its own: the learning rate a schedule gives the second reads the first's
     count, as with one apply per key."""
-    from tensorkv.codec import Item
-    from tensorkv.engine import Engine
-    from tensorkv.rowsparse import RowSparse
+    from tensorkv.wire.codec import Item
+    from tensorkv.update.engine import Engine
+    from tensorkv.update.rowsparse import RowSparse
 
     engines = []
     for _ in range(2):

@@ -1,4 +1,4 @@
-"""Lists of keys moved packed in one buffer (tensorkv.packed, SessionRequest.layout_id): real
+"""Lists of keys moved packed in one buffer (tensorkv.wire.packed, SessionRequest.layout_id): real
 servers and workers on 127.0.0.1; exact values across workers and servers, the errors of a
 packed call, a packed push whose answer was lost, and the wire rules of layouts."""
 import grpc
@@ -8,9 +8,11 @@ import pytest
 
 import tensorkv
 from cluster import Cluster, check_workers, wait_until
-from tensorkv import config, fusion, packed
-from tensorkv.codec import set_key
-from tensorkv.server_conn import ServerConn
+from tensorkv import config
+from tensorkv.stores import fusion
+from tensorkv.wire import packed
+from tensorkv.wire.codec import set_key
+from tensorkv.transport.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from test_channel_calls import _pushes, proxied_data_port
 
@@ -154,7 +156,7 @@ def test_a_layout_the_server_refuses_leaves_its_calls_to_entries(tmp_path):
 
 def test_a_list_called_again_is_fused_and_checked_as_a_whole(tmp_path, monkeypatch):
     """After a list's first push and pull, its calls move one buffer per server without the
-    per-key work (tensorkv.fusion). A call that does not fit it (a shape, a dtype, a key's
+    per-key work (tensorkv.stores.fusion). A call that does not fit it (a shape, a dtype, a key's
     type, arrays per device, arrays that are not contiguous, an out of another shape) goes the
     general way: the same errors, and nothing changes."""
     keys = list(range(40))  # spread over both servers

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.codec import Item, encode_stream, get_key
-from tensorkv.ctl import Server
-from tensorkv.security import Security
+from tensorkv.wire.codec import Item, encode_stream, get_key
+from tensorkv.tools.ctl import Server
+from tensorkv.transport.security import Security
 from tensorkv.v1 import kvstore_pb2
 
 from cluster import Cluster, check_workers, free_port, stop, wait_until

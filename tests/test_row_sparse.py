@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.codec import Item, StreamDecoder, encode_stream
-from tensorkv.rowsparse_wire import set_row_ids, set_value
-from tensorkv.rpc import Stub
+from tensorkv.wire.codec import Item, StreamDecoder, encode_stream
+from tensorkv.wire.rowsparse_wire import set_row_ids, set_value
+from tensorkv.transport.rpc import Stub
 from tensorkv.v1 import kvstore_pb2
 from cluster import Cluster, check_workers
 from workers import row_sparse_rounds

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.ctl import Server
-from tensorkv.security import Security
+from tensorkv.tools.ctl import Server
+from tensorkv.transport.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from cluster import CALL, STOP_TIMEOUT, Cluster, check_workers, rank_1_after_a_round

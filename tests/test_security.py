@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorkv
-from tensorkv import datachan
-from tensorkv.security import Security
+from tensorkv.transport import datachan
+from tensorkv.transport.security import Security
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING, TOKEN_BYTES
 from tensorkv_server.security import RefusalLog
 from tensorkv_server.server import MAX_CONCURRENT_STREAMS
@@ -134,7 +134,7 @@ def test_values_over_a_tls_data_channel(pki, tmp_path):
                 fused = np.empty(size, np.float32)
                 kv.pushpull(size, value * 3, out=fused)
                 assert np.array_equal(out, value * 2) and np.array_equal(fused, value * 3)
-            keys = [1000 + i for i in range(20)]  # packed; fused from the second push (tensorkv.fusion)
+            keys = [1000 + i for i in range(20)]  # packed; fused from the second push (tensorkv.stores.fusion)
             kv.init(keys, [np.zeros(i + 1, np.float32) for i in range(20)])
             outs = [np.empty(i + 1, np.float32) for i in range(20)]
             for step in range(3):

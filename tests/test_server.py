@@ -15,16 +15,16 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorkv
-from tensorkv import states_file
-from tensorkv.engine import Engine
-from tensorkv.server_conn import ServerConn
+from tensorkv.wire import states_file
+from tensorkv.update.engine import Engine
+from tensorkv.transport.server_conn import ServerConn
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
 from cluster import (
     CALL, ROOT, STOP_TIMEOUT, WORKER_TIMEOUT, Cluster, check_workers, free_port, health, rank_1_after_a_round, stop,
     wait_until,
 )
-from tensorkv.allocator import SERVER_TUNABLES
+from tensorkv.wire.allocator import SERVER_TUNABLES
 from tensorkv_server.rounds import Coordinator
 
 SERVICE = "tensorkv.v1.KVStoreService"

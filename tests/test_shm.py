@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import shm
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.rpc import Stub
-from tensorkv.session import RawSession as Session
+from tensorkv.transport import shm
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.rpc import Stub
+from tensorkv.transport.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import CALL, WAIT, WORKERS, Cluster, stop, wait_until
@@ -165,7 +165,7 @@ def test_refused_region_falls_back_to_tcp_and_leaves_nothing(tmp_path, monkeypat
         monkeypatch.setattr(shm, "available", lambda: True)
         monkeypatch.setattr(shm, "SEALS", 0)
     monkeypatch.setattr(_Recorded, "made", [])
-    caplog.set_level("INFO", logger="tensorkv.session")
+    caplog.set_level("INFO", logger="tensorkv.transport.session")
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses) as kv:
             assert np.array_equal(_push_pull(kv), np.arange(100_000) * 3.0)
@@ -423,8 +423,8 @@ NOBODY = 65534  # the uid and gid of the caller of another user
 # 0700 directory), and the server sees a caller of another user.
 _FOREIGN_REGISTER = """
 import os, sys, grpc
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.session import RawSession as Session
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2
 pid, fd, address, nobody = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, shm_allowed=True)  # not connected

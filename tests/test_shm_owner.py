@@ -11,7 +11,7 @@ import sys
 import grpc
 import pytest
 
-from tensorkv import shm
+from tensorkv.transport import shm
 from tensorkv_server import shm as server_shm
 
 from cluster import Cluster, stop
@@ -100,8 +100,8 @@ def become(uid):
 _BORROWED_PORT = _BECOME + """
 import socket, threading, time
 import grpc
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.session import RawSession as Session
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2
 
 uid, pid, fd, address = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -197,7 +197,7 @@ for front, channel, session in relays:
 # first bytes are zeros; prints its pid and descriptor, and holds it until its stdin closes.
 _VICTIM = _BECOME + """
 import fcntl
-from tensorkv import shm
+from tensorkv.transport import shm
 if int(sys.argv[1]):
     become(int(sys.argv[1]))
 fd = os.memfd_create("not-a-tensorkv-region", os.MFD_ALLOW_SEALING)

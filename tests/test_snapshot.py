@@ -311,8 +311,8 @@ def test_snapshots_take_turns_and_a_cancelled_one_finishes_its_file_first(tmp_pa
     import asyncio
     import threading
 
-    from tensorkv.codec import Item
-    from tensorkv.engine import Engine
+    from tensorkv.wire.codec import Item
+    from tensorkv.update.engine import Engine
     from tensorkv_server import snapshot
     from tensorkv_server.rounds import Coordinator
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.codec import Item, encode_stream
-from tensorkv.rpc import Stub
-from tensorkv.status import status_code
+from tensorkv.wire.codec import Item, encode_stream
+from tensorkv.transport.rpc import Stub
+from tensorkv.wire.status import status_code
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import CALL, Cluster

@@ -26,9 +26,9 @@ from .errors import (
     KVStoreError, PermissionDeniedError, ResourceExhaustedError, RoundAbortedError, ServerUnavailableError,
     ShapeMismatchError, UnauthenticatedError,
 )
-from .kvstore import KVStore
-from .rowsparse import row_sparse
-from .trainer import Trainer
+from .stores.kvstore import KVStore
+from .update.rowsparse import row_sparse
+from .stores.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -79,10 +79,10 @@ def create(name: str = "local", **kwargs: _Any) -> KVStore:
     """
     kind = ALIASES.get(name, name)
     if kind in EMBEDDED_TYPES:
-        from .local import LocalStore
+        from .stores.local import LocalStore
         store: KVStore = LocalStore(kind, **kwargs)
     elif kind in DIST_TYPES:
-        from .dist import DistStore
+        from .stores.dist import DistStore
         store = DistStore(kind, **kwargs)
     else:
         raise InvalidArgumentError(
@@ -109,7 +109,7 @@ def reset(servers: str | list[str] | None = None, **options: _Any) -> int:
     >>> tensorkv.reset('127.0.0.1:50051,127.0.0.1:50052')   # doctest: +SKIP
     3
     """
-    from .dist import reset as reset_servers
+    from .stores.dist import reset as reset_servers
     return reset_servers(servers, **options)
 
 

@@ -13,7 +13,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 class DeviceBFloat16:
     """A bfloat16 array on the GPU. CuPy has no bfloat16, so ``bits``, a CuPy uint16 array,
-    holds the bit patterns; :mod:`tensorkv.kernels` converts them to float32 to compute."""
+    holds the bit patterns; :mod:`tensorkv.update.kernels` converts them to float32 to compute."""
 
     __slots__ = ("bits",)
     dtype = BFLOAT16

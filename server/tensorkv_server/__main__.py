@@ -13,9 +13,10 @@ if "GRPC_VERBOSITY" not in os.environ:
     _JSON = "--log-format=json" in sys.argv or ("--log-format", "json") in zip(sys.argv, sys.argv[1:])
     os.environ["GRPC_VERBOSITY"] = "NONE" if _JSON else "ERROR"
 
-from tensorkv import __version__, allocator, codec, env
+from tensorkv import __version__, env
+from tensorkv.wire import allocator, codec
 from tensorkv.backend import select
-from tensorkv.engine import Engine
+from tensorkv.update.engine import Engine
 
 from . import limits, logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator

@@ -24,8 +24,8 @@ import numpy as np
 from tensorkv.errors import (
     DeadlineExceededError, FailedPreconditionError, KVStoreError, ResourceExhaustedError, ServerUnavailableError,
 )
-from tensorkv.datachan import ACK, FRAME_HEADER
-from tensorkv.status import error_status
+from tensorkv.transport.datachan import ACK, FRAME_HEADER
+from tensorkv.wire.status import error_status
 from tensorkv.v1 import kvstore_pb2
 
 from . import datalink, metrics

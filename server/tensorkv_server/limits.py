@@ -8,7 +8,7 @@ whole, with a message naming the limit, its value and its flag.
 import dataclasses
 import os
 
-from tensorkv.allocator import SERVER_TRIM_THRESHOLD
+from tensorkv.wire.allocator import SERVER_TRIM_THRESHOLD
 from tensorkv.words import plural, size
 
 from .budget import WAIT as BUDGET_WAIT

@@ -1,6 +1,6 @@
 """The MaintenanceService handlers, for operators' tools (``tensorkv keys``, ``tensorkv get``):
 they need no rank and change nothing, so they never disturb a job's membership or rounds."""
-from tensorkv import codec
+from tensorkv.wire import codec
 from tensorkv.v1 import maintenance_pb2, maintenance_pb2_grpc, tensor_pb2
 
 # Keys per ListKeysResponse: a page stays far below gRPC's message limit even with long keys.

@@ -32,12 +32,12 @@ import time
 
 import numpy as np
 
-from tensorkv import compression
+from tensorkv.update import compression
 from tensorkv import optimizer as optimizers
 from tensorkv.backend import to_host
-from tensorkv.codec import Item
-from tensorkv.engine import layout_mismatch
-from tensorkv.rowsparse import check_row_ids
+from tensorkv.wire.codec import Item
+from tensorkv.update.engine import layout_mismatch
+from tensorkv.update.rowsparse import check_row_ids
 from tensorkv.errors import (
     FailedPreconditionError, InvalidArgumentError, KeyExistsError, KeyTypeError, ResourceExhaustedError,
     RoundAbortedError, ServerUnavailableError, ShapeMismatchError, key_repr, keys_repr,

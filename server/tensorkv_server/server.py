@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tensorkv.grpc_options import SERVER_OPTIONS
+from tensorkv.wire.grpc_options import SERVER_OPTIONS
 from tensorkv.v1 import kvstore_pb2, maintenance_pb2
 from tensorkv.words import plural
 

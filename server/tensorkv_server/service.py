@@ -15,15 +15,16 @@ import grpc
 import numpy as np
 from google.protobuf.message_factory import GetMessageClass
 
-from tensorkv import __version__, allocator, codec, packed, rowsparse_wire, states_wire
+from tensorkv import __version__
+from tensorkv.wire import allocator, codec, packed, rowsparse_wire, states_wire
 from tensorkv.backend import on_gpu
-from tensorkv.engine import dtype_mismatch
+from tensorkv.update.engine import dtype_mismatch
 from tensorkv.errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
     ResourceExhaustedError, ShapeMismatchError, key_repr,
 )
-from tensorkv.rowsparse import RowSparse
-from tensorkv.status import error_status, translate_errors
+from tensorkv.update.rowsparse import RowSparse
+from tensorkv.wire.status import error_status, translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv.words import plural, size
 

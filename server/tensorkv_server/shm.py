@@ -40,8 +40,8 @@ import sys
 
 import numpy as np
 
-from tensorkv import shm
-from tensorkv.codec import Placement, check_ref
+from tensorkv.transport import shm
+from tensorkv.wire.codec import Placement, check_ref
 from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, InvalidTensorError
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ import zipfile
 
 import numpy as np
 
-from tensorkv import states_file
+from tensorkv.wire import states_file
 from tensorkv.backend import BFLOAT16, to_host
-from tensorkv.codec import Item, check_key
+from tensorkv.wire.codec import Item, check_key
 from tensorkv.errors import KVStoreError, ResourceExhaustedError
 from tensorkv.words import plural, size
 

@@ -14,7 +14,7 @@ Only a server whose values live on a GPU uses this (``tensorkv-server --device c
 import numpy as np
 
 from tensorkv.backend import BFLOAT16, DeviceBFloat16
-from tensorkv import codec
+from tensorkv.wire import codec
 
 # Pinned chunk buffers in the ring: a chunk waits for the copy of the one ``SLOTS`` before it.
 SLOTS = 4

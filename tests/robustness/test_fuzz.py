@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 import tensorkv
-from tensorkv.codec import Item, encode_stream
+from tensorkv.wire.codec import Item, encode_stream
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 
 from cluster import Cluster

@@ -12,9 +12,9 @@ import random
 import signal
 import time
 
-from tensorkv.codec import get_key
-from tensorkv.ctl import Server
-from tensorkv.security import Security
+from tensorkv.wire.codec import get_key
+from tensorkv.tools.ctl import Server
+from tensorkv.transport.security import Security
 
 from cluster import WAIT, Cluster, DrivenWorker, check_workers, rss, stop, wait_until
 from faultproxy import FaultProxy

@@ -7,9 +7,9 @@ import time
 import grpc
 import numpy as np
 
-from tensorkv.codec import Item, encode_stream, following
-from tensorkv.grpc_options import CHANNEL_OPTIONS
-from tensorkv.session import RawSession as Session
+from tensorkv.wire.codec import Item, encode_stream, following
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2
 
 address, port, key, size = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])

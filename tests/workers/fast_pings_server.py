@@ -1,9 +1,9 @@
 """``python -m tensorkv_server`` (same arguments) with tensorkv's keepalive policy sped up
-SPEEDUP times: the option lists of tensorkv.grpc_options as they are (names, strikes, timeouts), their
+SPEEDUP times: the option lists of tensorkv.wire.grpc_options as they are (names, strikes, timeouts), their
 ping periods divided, so that a test sees in seconds what a worker sees in minutes."""
 import sys
 
-from tensorkv import grpc_options
+from tensorkv.wire import grpc_options
 
 SPEEDUP = 30
 PING_PERIODS = ("grpc.keepalive_time_ms", "grpc.http2.min_ping_interval_without_data_ms")

@@ -1,8 +1,8 @@
 """A dist_sync worker: ROUNDS rounds of a list of COUNT small keys (1-D and 2-D, float32)
 pushed in one call and pulled in one call (or one pushpull), which move packed in one buffer
-(tensorkv.packed) on TRANSPORT; SGD with momentum on the servers. Every value is checked
+(tensorkv.wire.packed) on TRANSPORT; SGD with momentum on the servers. Every value is checked
 against MXNet's SGD formula, exactly (the numbers are dyadic: float32 holds them exactly);
-prints whether the list was fused (tensorkv.fusion: push then pull) and the number of packed
+prints whether the list was fused (tensorkv.stores.fusion: push then pull) and the number of packed
 layouts each server's session holds."""
 import sys
 

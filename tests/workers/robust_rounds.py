@@ -1,7 +1,7 @@
 """A dist_sync worker of the robustness suite: SGD with learning rate 1 on the servers over
 KEYS (the last one larger than bigarray_bound, so sliced over every server), every element
 starting at 1000; each round pushes a gradient of 1 everywhere, the small keys in one list
-call (packed: tensorkv.packed, from 4 values per server; fused from round 2: tensorkv.fusion)
+call (packed: tensorkv.wire.packed, from 4 values per server; fused from round 2: tensorkv.stores.fusion)
 and the large one in another, and pulls them all (in even rounds the small ones in one call
 into arrays of their own, fused). After each round it
 checks the pulled values against 1000 - num_workers x round (exit 3 on a mismatch: an update
@@ -30,7 +30,7 @@ with tensorkv.create("dist_sync", bigarray_bound=8, timeout=60) as kv:
         kv.push("big", np.ones(KEYS["big"], np.float32))
         if t % 2:
             weights = kv.pull(list(KEYS))
-        else:  # the small keys into arrays of their own: fused after round 1 (tensorkv.fusion)
+        else:  # the small keys into arrays of their own: fused after round 1 (tensorkv.stores.fusion)
             outs = [np.empty(KEYS[key], np.float32) for key in SMALL]
             kv.pull(SMALL, out=outs)
             weights = outs + [kv.pull("big")]

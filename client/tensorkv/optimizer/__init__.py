@@ -2,7 +2,7 @@
 
 An optimizer is data, a name and numbers (``opt.name``, ``opt.params``), so it can
 travel to a server and be rebuilt there with :func:`create`. Its update is one
-:class:`tensorkv.kernels.Kernel`: a single fused pass over weight, gradient and states on
+:class:`tensorkv.update.kernels.Kernel`: a single fused pass over weight, gradient and states on
 a GPU (CuPy), the same statements as NumPy ufuncs on the host, so an embedded store and a
 GPU server run the same formula (LAMB's is two, with the norms of the whole value between
 them: :meth:`LAMB.update`; LARS reads its norms before its kernel: :meth:`LARS.adapted_rate`).

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..backend import empty
-from ..kernels import l2_norm
+from ..update.kernels import l2_norm
 from ..errors import InvalidArgumentError
 from .optimizer import Optimizer, _WEIGHT, _bound, _compute_dtype, _flag, _kernel, _number, _on_master, _statements
 from ..lr_scheduler import LRScheduler
@@ -219,7 +219,7 @@ class LAMB(Optimizer):
         weight = weight - lr * (r1 / r2) * direction     (lr alone where r1 or r2 is 0)
 
     The norms are L2 norms of the whole value, a reduction between two element-wise passes
-    (:func:`tensorkv.kernels.l2_norm`, with the squares summed in float64: MXNet's CPU sums
+    (:func:`tensorkv.update.kernels.l2_norm`, with the squares summed in float64: MXNet's CPU sums
     them in float32, which can differ in the norm's last bit). With ``multi_precision``,
     ``r1`` is the norm of the float16 weight, as in MXNet. So a key is updated on its own, and a
     row-sparse push updates all of the value, as MXNet's dense-only LAMB does. With several

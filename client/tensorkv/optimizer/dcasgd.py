@@ -1,7 +1,7 @@
 """Delay-compensated asynchronous SGD (DCASGD)."""
 from __future__ import annotations
 
-from ..kernels import sum_into
+from ..update.kernels import sum_into
 from .optimizer import Optimizer, _number, _statements
 from ..lr_scheduler import LRScheduler
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from ..backend import empty
-from ..codec import check_key
-from ..kernels import Kernel, sum_into
+from ..wire.codec import check_key
+from ..update.kernels import Kernel, sum_into
 from ..errors import FailedPreconditionError, InvalidArgumentError, key_repr
 from ..lr_scheduler import LRScheduler
 
@@ -275,7 +275,7 @@ class Optimizer:
         learning rate ``lr`` and weight decay ``wd`` (see :meth:`learning_rate_of`, :meth:`wd_of`).
 
         The statements read ``grad``, ``weight``, the states and the scalars, and assign
-        ``weight`` and every state (see :class:`tensorkv.kernels.Kernel`).
+        ``weight`` and every state (see :class:`tensorkv.update.kernels.Kernel`).
         """
         raise NotImplementedError
 

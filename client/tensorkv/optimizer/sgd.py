@@ -2,7 +2,7 @@
 (signSGD) and LARS."""
 from __future__ import annotations
 
-from ..kernels import l2_norm
+from ..update.kernels import l2_norm
 from ..errors import InvalidArgumentError
 from .optimizer import LARS_RANGES, Optimizer, _compute_dtype, _flag, _number, _statements
 from ..lr_scheduler import LRScheduler
@@ -141,7 +141,7 @@ class LARS(SGD):
         then SGD's update at that lr and momentum
 
     The norms are of the whole value and of the raw pushed gradient, read before the update
-    (:meth:`adapted_rate`, with :func:`tensorkv.kernels.l2_norm`: squares summed in float64,
+    (:meth:`adapted_rate`, with :func:`tensorkv.update.kernels.l2_norm`: squares summed in float64,
     where MXNet's CPU sums them in float32, which can differ in the norm's last bit), and the
     rate is computed in float32 as MXNet's ``multi_lars`` does (float64 for float64 weights).
     With ``multi_precision``, the norms are of the float16 weight, as in MXNet. With

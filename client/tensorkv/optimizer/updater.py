@@ -6,7 +6,7 @@ import numpy as np
 
 from ..backend import array_module
 from ..errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError, key_repr
-from ..rowsparse import Rows
+from ..update.rowsparse import Rows
 from ..words import plural
 from .optimizer import Optimizer, _updatable
 from .registry import check, copy

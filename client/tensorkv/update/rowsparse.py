@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from .backend import array_module, shape_dtype, to_host
-from .errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError, key_repr
+from ..backend import array_module, shape_dtype, to_host
+from ..errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError, key_repr
 from .kernels import accumulator_dtype
 
 

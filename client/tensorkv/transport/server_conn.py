@@ -1,6 +1,6 @@
 """One tensorkv server as a worker's store sees it: :class:`ServerConn`, its channel and
 stub, this worker's registration there, reconnecting after a broken connection or a restart,
-and one thin method per call: on the Session stream by the route tensorkv.routes chooses
+and one thin method per call: on the Session stream by the route tensorkv.transport.routes chooses
 (the values in shared memory, on the data channel, packed or in the messages) when the call
 fits it, else a plain RPC.
 
@@ -21,19 +21,20 @@ import grpc
 import numpy as np
 from google.protobuf import message
 
-from . import packed, routes, rowsparse_wire, shm, states_wire
-from .codec import Item, encode_stream, set_key
-from .errors import (
+from ..wire import packed, rowsparse_wire, states_wire
+from . import routes, shm
+from ..wire.codec import Item, encode_stream, set_key
+from ..errors import (
     DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError, key_repr,
 )
-from .grpc_options import CHANNEL_OPTIONS
+from ..wire.grpc_options import CHANNEL_OPTIONS
 from .replay import PushLog, pushed_items
 from .routes import Call, Thresholds, receivable  # noqa: F401 (receivable: dist)
 from .rpc import Stub
 from .session import Session
-from .status import connection_lost, error_from_rpc
-from .v1 import kvstore_pb2
+from ..wire.status import connection_lost, error_from_rpc
+from ..v1 import kvstore_pb2
 
 # Earlier incarnations a registration names (RegisterRequest.earlier_incarnations): as many as a server reads.
 MAX_EARLIER_INCARNATIONS = 16
@@ -123,7 +124,7 @@ class ServerConn:
     def offer(self, info, transport):
         """Let calls use what the server offers (``info``) and ``transport`` allows: shared
         memory, then the data channel, tried lazily by the first call that moves enough bytes
-        (the proof of the same host happens then: tensorkv.shm)."""
+        (the proof of the same host happens then: tensorkv.transport.shm)."""
         self._transport = transport
         self._session_barrier = True  # until the server says it has no SESSION_OP_BARRIER
         # A copy of each push is kept for a restart only where one can restore rounds to line up.
@@ -358,7 +359,7 @@ class ServerConn:
 
     def push_packed(self, layout, values):
         """Push the values of ``layout``, packed in ``values`` (bytes), of keys the caller knows
-        (a fused list, tensorkv.fusion): sent without waiting as :meth:`push` is, when it has
+        (a fused list, tensorkv.stores.fusion): sent without waiting as :meth:`push` is, when it has
         DEFER_MAX_BYTES at most."""
         call = Call("push", values=values, sequence=self._next_sequence())
         if layout.nbytes <= DEFER_MAX_BYTES:
@@ -374,7 +375,7 @@ class ServerConn:
 
     def pull_packed(self, layout, targets):
         """Pull the values of ``layout`` into ``targets``, writable C-contiguous NumPy arrays of its
-        shapes and dtype, in its order (a fused list, tensorkv.fusion)."""
+        shapes and dtype, in its order (a fused list, tensorkv.stores.fusion)."""
         call = Call("pull", targets=targets, pull_sequence=next(self._pull_sequences))
         self._pull_call(layout.keys, "pull", self._pull_packed_once, layout, call)
 

@@ -14,11 +14,11 @@ from google.protobuf import empty_pb2, json_format
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tensorkv import codec
-from tensorkv.dist import parse_servers
+from tensorkv.wire import codec
+from tensorkv.stores.dist import parse_servers
 from tensorkv.errors import InvalidArgumentError, KVStoreError
-from tensorkv.status import error_from_rpc
-from tensorkv.security import Security
+from tensorkv.wire.status import error_from_rpc
+from tensorkv.transport.security import Security
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintenance_pb2_grpc
 
 OK, FAILED, USAGE = 0, 1, 2

@@ -15,7 +15,7 @@ import socket
 import ssl
 import time
 
-from .errors import DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError
+from ..errors import DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError
 
 ACK = b"\x01"
 FRAME_HEADER = 4  # bytes of the little-endian length before each call and answer framed on the channel

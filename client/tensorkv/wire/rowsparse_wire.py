@@ -6,8 +6,8 @@ channel), else in these messages."""
 import numpy as np
 
 from . import codec
-from .backend import to_host
-from .errors import InvalidTensorError, key_repr
+from ..backend import to_host
+from ..errors import InvalidTensorError, key_repr
 
 
 def set_value(message, key, shape, row_ids, rows):

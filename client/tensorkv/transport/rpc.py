@@ -1,11 +1,11 @@
 """The stub: KVStoreService's generated stub, plus the tensor streams with serialized
 messages in and out."""
-from .v1 import kvstore_pb2, kvstore_pb2_grpc
+from ..v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
 class Stub(kvstore_pb2_grpc.KVStoreServiceStub):
     """The generated stub, plus the tensor streams with bytes in and out (encoded and decoded
-    by :mod:`tensorkv.codec`): ``init``, ``push`` and ``pushpull`` take the list of serialized
+    by :mod:`tensorkv.wire.codec`): ``init``, ``push`` and ``pushpull`` take the list of serialized
     request messages and make a unary call when there is only one, which is the same on the
     wire as a stream of one message and saves the thread that feeds a request stream."""
 

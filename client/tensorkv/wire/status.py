@@ -11,7 +11,7 @@ import logging
 
 import grpc
 
-from .errors import (
+from ..errors import (
     ERROR_METADATA_KEY, DeadlineExceededError, InternalError, KVStoreError, ResourceExhaustedError,
     ServerUnavailableError, error_from_status,
 )

@@ -1,4 +1,4 @@
-"""The embedded stores 'local' and 'device': an :class:`~tensorkv.engine.Engine` in this
+"""The embedded stores 'local' and 'device': an :class:`~tensorkv.update.engine.Engine` in this
 process, no server, no network.
 
 'local' keeps values in host memory (NumPy); 'device' keeps them on the GPU through CuPy
@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from . import compression, states_file
-from .backend import host_copy, select, to_namespace
-from .engine import Engine
-from .errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError, key_repr
+from ..update import compression
+from ..wire import states_file
+from ..backend import host_copy, select, to_namespace
+from ..update.engine import Engine
+from ..errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError, key_repr
 from .kvstore import KVStore
-from .optimizer import Updater
+from ..optimizer import Updater
 
 
 class LocalStore(KVStore):

@@ -3,7 +3,7 @@ namespace (NumPy, or CuPy on a GPU).
 
 The embedded stores and the server both keep their values in an :class:`Engine`, so the
 CPU tests run the same code as a GPU server: sums, assignments and optimizer steps are
-:mod:`tensorkv.kernels` (one fused CUDA kernel each on CuPy, NumPy ufuncs on the host).
+:mod:`tensorkv.update.kernels` (one fused CUDA kernel each on CuPy, NumPy ufuncs on the host).
 Every method that changes state validates all of its input first: a call that raises
 leaves every value as it was.
 """
@@ -12,14 +12,14 @@ import contextlib
 import numpy as np
 
 from . import kernels
-from .backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
-from .codec import check_key, wire_dtype
-from .errors import (
+from ..backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
+from ..wire.codec import check_key, wire_dtype
+from ..errors import (
     DtypeMismatchError, InvalidArgumentError, KeyExistsError, KeyNotFoundError, KeyTypeError,
     ShapeMismatchError, key_repr, keys_repr, no_memory,
 )
 from .kernels import accumulator_dtype
-from .optimizer import Updater, keeps_master, state_array_bytes
+from ..optimizer import Updater, keeps_master, state_array_bytes
 from .rowsparse import RowSparse, Rows, canonical, check_like, check_row_ids, merge as merge_rows
 
 
@@ -62,7 +62,7 @@ class Engine:
     updater with a ``check(key, stored)`` method (:class:`tensorkv.optimizer.Updater`) has it
     called for every key of a push before any value changes.
 
-    >>> from tensorkv.codec import Item
+    >>> from tensorkv.wire.codec import Item
     >>> engine = Engine()
     >>> engine.init([Item('w', np.zeros(2))])
     >>> engine.push([('w', [np.ones(2), np.ones(2)])])

@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 
-from . import env
+from .. import env
 
 MMAP_THRESHOLD = 32 << 20
 REUSE_MIN_BYTES = MMAP_THRESHOLD  # Buffers keeps those of this size or more

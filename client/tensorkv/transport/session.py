@@ -10,12 +10,13 @@ import time
 
 import grpc
 
-from .errors import DeadlineExceededError, KVStoreError, ServerUnavailableError
-from . import datachan, packed, shm
+from ..errors import DeadlineExceededError, KVStoreError, ServerUnavailableError
+from . import datachan, shm
+from ..wire import packed
 from .routes import Call, Thresholds
 from .rpc import Stub
-from .status import READ_ONLY_CALLS, error_from_rpc, transport_error
-from .v1 import kvstore_pb2
+from ..wire.status import READ_ONLY_CALLS, error_from_rpc, transport_error
+from ..v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class Session:
     that does not answer at all): DeadlineExceededError.
 
     Shared memory: when :attr:`shm_allowed` (the server is willing, the transport is
-    'auto'), a call whose route asks for ``shm_bytes`` gets a :class:`tensorkv.shm.Region` of at
+    'auto'), a call whose route asks for ``shm_bytes`` gets a :class:`tensorkv.transport.shm.Region` of at
     least that size registered on the stream (created, proved and grown here, under the
     call's lock). A server that cannot attach it (another host, shared memory off) turns
     shared memory off for this session: calls then carry their bytes in the messages. The
@@ -44,13 +45,13 @@ class Session:
     its side when the stream ends.
 
     Data channel: when :attr:`data_port` is set (the server offers one, the transport allows
-    it), a call whose route asks for it gets a :class:`tensorkv.datachan.Channel` bound to the
+    it), a call whose route asks for it gets a :class:`tensorkv.transport.datachan.Channel` bound to the
     stream (negotiated here, under the call's lock). A failed negotiation turns the channel
     off for this session. A channel that broke, or that a failed call used (the server
     closes it then), is dropped; the next call negotiates a new one. It lives no longer
     than the stream. ``data_tls``: the ssl.SSLContext of the data channel of a TLS server.
 
-    Packed layouts (tensorkv.packed): a call whose route has a ``layout``, on a channel that takes
+    Packed layouts (tensorkv.wire.packed): a call whose route has a ``layout``, on a channel that takes
     calls has the layout registered on the stream first, once per stream (its id is then
     ``layout_ids[layout]``, keyed by the object: its ServerConn hands out one per list). A
     layout the server refuses is not asked for again on this stream; its calls go as entries.
@@ -80,7 +81,7 @@ class Session:
         self.refused_layouts = set()  # of this stream
 
     def call(self, route, call, timeout):
-        """What ``route`` (tensorkv.routes) reads in the answer to the request it builds for
+        """What ``route`` (tensorkv.transport.routes) reads in the answer to the request it builds for
         ``call`` (a routes.Call), both under the session's lock: the region is set up first
         for a route with ``shm_bytes`` > 0, the data channel for one with ``data_channel``.
         ``call.kind`` names it in errors ('push', 'pull', ...). None when the session is busy

@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from .backend import BFLOAT16
+from ..backend import BFLOAT16
 
 # NumPy dtype -> (C type of the element the kernel sees, CuPy's name for it, kind).
 # float16 and bfloat16 travel as uint16 bits; the kind says how to convert them.

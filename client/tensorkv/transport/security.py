@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from .config import SECURITY_FIELDS, ClientConfig
-from .errors import InvalidArgumentError, UnauthenticatedError
+from ..config import SECURITY_FIELDS, ClientConfig
+from ..errors import InvalidArgumentError, UnauthenticatedError
 
 CONNECT_POLL = 0.2  # seconds between looks at a channel that does not connect
 PROBE_TIMEOUT = 5.0  # seconds the diagnosis of a failed handshake takes at most

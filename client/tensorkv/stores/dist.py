@@ -16,26 +16,27 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from . import allocator, compression, states_file
-from .backend import on_gpu, shape_dtype, to_host
-from .codec import Item
-from .config import SECURITY_FIELDS, ClientConfig, parse_servers  # noqa: F401 (parse_servers: ctl)
-from .engine import Engine, dtype_mismatch
+from ..wire import allocator, states_file
+from ..update import compression
+from ..backend import on_gpu, shape_dtype, to_host
+from ..wire.codec import Item
+from ..config import SECURITY_FIELDS, ClientConfig, parse_servers  # noqa: F401 (parse_servers: ctl)
+from ..update.engine import Engine, dtype_mismatch
 from .fusion import FusedList, FusedLists
-from .errors import (
+from ..errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, ServerUnavailableError,
     ShapeMismatchError, key_repr,
 )
 from .kvstore import Keys, KVStore, Values
-from .rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
-from .lease import Heartbeat
-from .security import Security
-from .grpc_options import CHANNEL_OPTIONS
-from .rpc import Stub
-from .status import error_from_rpc
-from .server_conn import ServerConn, receivable
-from .v1 import kvstore_pb2
-from .words import plural
+from ..update.rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
+from ..transport.lease import Heartbeat
+from ..transport.security import Security
+from ..wire.grpc_options import CHANNEL_OPTIONS
+from ..transport.rpc import Stub
+from ..wire.status import error_from_rpc
+from ..transport.server_conn import ServerConn, receivable
+from ..v1 import kvstore_pb2
+from ..words import plural
 
 DEFAULT_CONNECT_TIMEOUT = 10.0  # of reset()
 UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for the servers to take the rank back
@@ -67,7 +68,7 @@ def reset(servers: str | list[str] | None = None, timeout: float = DEFAULT_CONNE
           tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
           token: str | None = None) -> int:
     """Reset each server, one after the other, reached with the credentials of
-    :class:`~tensorkv.security.Security`: see :func:`tensorkv.reset`."""
+    :class:`~tensorkv.transport.security.Security`: see :func:`tensorkv.reset`."""
     given = ClientConfig(servers=servers, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
     config = given.resolved(("servers", *SECURITY_FIELDS))
     security = Security.from_config(config)
@@ -116,7 +117,7 @@ class DistStore(KVStore):
     then keeps one job's workers together, and a worker process of the job restarted with a
     server rejoins the run the server restored whatever its ``if_exists``.
     ``tls_ca``, ``tls_cert``, ``tls_key`` and ``token`` are the credentials
-    (:class:`tensorkv.security.Security`). Each setting is a field of
+    (:class:`tensorkv.transport.security.Security`). Each setting is a field of
     :class:`tensorkv.ClientConfig`: an argument given wins over ``config``'s field, which wins
     over the field's ``TENSORKV_*`` variable, all read here (never at import).
     """
@@ -145,7 +146,7 @@ class DistStore(KVStore):
         self._conns = [ServerConn(address, config, self._security) for address in config.servers]
         self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
-        self._lists = FusedLists(config.pack_min_values)  # of the lists of keys pushed and pulled (tensorkv.fusion)
+        self._lists = FusedLists(config.pack_min_values)  # of the lists of keys pushed and pulled (tensorkv.stores.fusion)
         self._heartbeat = None  # renews the registrations' leases
         try:
             self._register(config.rank, config.num_workers, config.connect_timeout, IF_EXISTS[config.if_exists])
@@ -358,7 +359,7 @@ class DistStore(KVStore):
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
 
     # A list of keys pushed or pulled before, with plain NumPy arrays, is checked as a whole
-    # and moves as one buffer per server (tensorkv.fusion); the docstrings are KVStore's.
+    # and moves as one buffer per server (tensorkv.stores.fusion); the docstrings are KVStore's.
     def push(self, key: Keys, value: Values, priority: int = 0) -> None:
         fused = self._lists.get(key)
         if fused is None or self._compressor is not None or not fused.matches(value):

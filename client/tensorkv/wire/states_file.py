@@ -23,12 +23,12 @@ import json
 
 import numpy as np
 
-from .backend import to_host
+from ..backend import to_host
 from .codec import check_key
-from .errors import InvalidArgumentError
-from . import lr_scheduler
-from .optimizer import create
-from .words import plural
+from ..errors import InvalidArgumentError
+from .. import lr_scheduler
+from ..optimizer import create
+from ..words import plural
 
 FORMAT = "tensorkv-optimizer-states"
 VERSION = 2

@@ -19,8 +19,8 @@ import weakref
 
 import numpy as np
 
-from .codec import SHM_ALIGN, check_ref
-from .errors import InvalidTensorError
+from ..wire.codec import SHM_ALIGN, check_ref
+from ..errors import InvalidTensorError
 
 # The name a region's file shows in /proc/PID/maps and /proc/PID/fd (for people and tests:
 # nothing opens it by name).

@@ -15,14 +15,14 @@ from typing import Any, Union
 
 import numpy as np
 
-from .backend import is_array, shape_dtype, to_host, to_namespace, write_into
-from .codec import Item, check_key
-from .errors import (
+from ..backend import is_array, shape_dtype, to_host, to_namespace, write_into
+from ..wire.codec import Item, check_key
+from ..errors import (
     DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, KeyExistsError, ShapeMismatchError, key_repr,
 )
-from .optimizer import Optimizer, check as check_optimizer
-from .rowsparse import RowSparse, check_row_ids
-from .words import plural
+from ..optimizer import Optimizer, check as check_optimizer
+from ..update.rowsparse import RowSparse, check_row_ids
+from ..words import plural
 
 # A value: a NumPy, CuPy or torch array, or anything with ``__array__`` / ``__dlpack__``
 # (typed loosely so that tensorkv imports neither CuPy nor torch).

@@ -2,12 +2,13 @@
 
 States are ``{key: (num_update, [codec.Item])}``. The first message names the optimizer (and
 its lr_scheduler) and lists the keys with their number of states and updates; the state
-tensors follow as frames, key after key. (Files of states are :mod:`tensorkv.states_file`.)
+tensors follow as frames, key after key. (Files of states are :mod:`tensorkv.wire.states_file`.)
 """
-from . import codec, lr_scheduler, optimizer as optimizers
-from .errors import InvalidArgumentError, InvalidTensorError, key_repr
-from .v1 import tensor_pb2
-from .words import plural
+from . import codec
+from .. import lr_scheduler, optimizer as optimizers
+from ..errors import InvalidArgumentError, InvalidTensorError, key_repr
+from ..v1 import tensor_pb2
+from ..words import plural
 
 
 def to_messages(message_type, optimizer, states, chunk_bytes=None):

@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from .v1 import kvstore_pb2
+from ..v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 data channel (:class:`DataChannel`), or packed in one buffer (:class:`Packed`);
 :func:`choose` picks one for a :class:`Call`, by the thresholds beside it.
 
-A route is what :meth:`tensorkv.session.Session.call` needs of a call: ``shm_bytes`` (the
+A route is what :meth:`tensorkv.transport.session.Session.call` needs of a call: ``shm_bytes`` (the
 size of the region it needs, 0: none), ``data_channel`` (whether its bytes use the data
 channel), ``layout`` (the packed.Layout to register on the stream, or None), ``answer_bytes``
 (the longest answer it can have), the request it builds (:meth:`request`), the answer it
@@ -21,11 +21,12 @@ import math
 
 import numpy as np
 
-from . import config, datachan, shm
-from .codec import Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields
-from .errors import InternalError
-from .status import error_from_code, status_code
-from .v1 import kvstore_pb2, tensor_pb2
+from .. import config
+from . import datachan, shm
+from ..wire.codec import Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields
+from ..errors import InternalError
+from ..wire.status import error_from_code, status_code
+from ..v1 import kvstore_pb2, tensor_pb2
 
 PACKED_KINDS = ("push", "pull", "pushpull")
 _ONE_MESSAGE = 1 << 62
@@ -244,7 +245,7 @@ class DataChannel(Inline):
 
 
 class Packed:
-    """The values of ``layout`` (a list the stream registered: tensorkv.packed) in one buffer
+    """The values of ``layout`` (a list the stream registered: tensorkv.wire.packed) in one buffer
     on the session's data channel: a push sends their bytes after the request; a pull receives
     each value straight into its array of ``targets``. Only where calls go on the channel."""
 

@@ -19,7 +19,7 @@ host; each remote command ``cd``s to this directory and runs with the variables 
 
 Servers given TLS or tokens in ``--server-args`` are health-checked with the credentials the
 workers get, ``TENSORKV_TLS_CA``, ``TENSORKV_TLS_CERT``, ``TENSORKV_TLS_KEY`` and
-``TENSORKV_TOKEN`` (:class:`tensorkv.security.Security`).
+``TENSORKV_TOKEN`` (:class:`tensorkv.transport.security.Security`).
 """
 import argparse
 import os
@@ -36,10 +36,10 @@ from collections import namedtuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .errors import KVStoreError
-from .security import Security
-from .v1 import kvstore_pb2
-from .words import plural
+from ..errors import KVStoreError
+from ..transport.security import Security
+from ..v1 import kvstore_pb2
+from ..words import plural
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 POLL = 0.05  # seconds between looks at the processes

@@ -28,14 +28,14 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from .backend import shape_dtype, to_host
-from .errors import (
+from ..backend import shape_dtype, to_host
+from ..errors import (
     InvalidArgumentError, InvalidTensorError, KeyTypeError, ResourceExhaustedError, key_repr, no_memory,
 )
 from google.protobuf.message import DecodeError
 
-from .v1 import tensor_pb2
-from .words import plural
+from ..v1 import tensor_pb2
+from ..words import plural
 
 # One entry per wire dtype: (enum value, little-endian NumPy dtype).
 _WIRE_DTYPES = (
@@ -168,7 +168,7 @@ class Item:
 
     ``shape`` is the key's full shape; ``array`` holds the whole value, or the slice's
     elements as a 1-D array when ``slice`` is set; or, when ``two_bit`` is a threshold, the
-    packed 2-bit codes of those float32 elements (tensorkv.compression).
+    packed 2-bit codes of those float32 elements (tensorkv.update.compression).
     """
 
     __slots__ = ("key", "array", "shape", "slice", "owned", "ref", "follows", "two_bit")

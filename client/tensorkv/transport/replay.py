@@ -5,13 +5,13 @@ Two kinds are kept. A push sent without waiting for its answer (on a Session's d
 is kept from :meth:`PushLog.sent` until :meth:`PushLog.answered` (or :meth:`PushLog.failed`),
 to send again on a new connection when its answer was lost with the old one. Where a worker
 realigns after a server restart (sync mode, several workers, snapshots: see
-:class:`tensorkv.server_conn.ServerConn`), a copy of each push is kept too (:meth:`PushLog.keep`),
+:class:`tensorkv.transport.server_conn.ServerConn`), a copy of each push is kept too (:meth:`PushLog.keep`),
 trimmed as pulls show the rounds of the pushes complete (:meth:`PushLog.seen_complete`).
 """
-from .codec import Item, StreamDecoder
-from .errors import key_repr
-from .words import plural
-from .v1 import kvstore_pb2
+from ..wire.codec import Item, StreamDecoder
+from ..errors import key_repr
+from ..words import plural
+from ..v1 import kvstore_pb2
 
 KEPT_PUSHES = 8  # copies kept per key at most, where a worker realigns (PushLog.keep)
 
