@@ -45,7 +45,7 @@ from tensorkv.errors import (
 from tensorkv.words import plural
 
 from . import budget, metrics
-from .membership import FAIL, REPLACE, Membership
+from .membership import FAIL, REPLACE, Membership, Registration
 from .waits import Barriers, Rounds, fail
 
 log = logging.getLogger(__name__)
@@ -84,17 +84,19 @@ class Coordinator:
 
     # ---- membership -------------------------------------------------------------------
 
-    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job="", earlier=(), bound=0):
-        """(rank, incarnation) of a new registration: see :meth:`Membership.register`; ``bound``
-        is the worker's bigarray bound (:meth:`Membership.check_bound`). The first registration
+    def register(self, rank=None, asked=Registration()):
+        """(rank, incarnation) of a new registration of ``rank`` (None: the lowest free one) by
+        a worker that asks for ``asked`` (a membership.Registration): see
+        :meth:`Membership.register` and :meth:`Membership.check_bound`. The first registration
         of a run with if_exists 'replace' drops what earlier runs left. Refused once the server
         is shutting down: its open streams are still served then, but a new worker would only
         be in its last snapshot."""
         self._check_open()
-        self.members.check_bound(bound)
-        rank, incarnation, started = self.members.register(rank, if_exists, previous, request_id, job, earlier)
-        self.members.run.bigarray_bound = self.members.run.bigarray_bound or bound
-        if started and if_exists == REPLACE:
+        self.members.check_bound(asked.bound)
+        rank, incarnation, started = self.members.register(rank, asked.if_exists, asked.previous, asked.request_id,
+                                                           asked.job, asked.earlier)
+        self.members.run.bigarray_bound = self.members.run.bigarray_bound or asked.bound
+        if started and asked.if_exists == REPLACE:
             log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
                      len(self.engine))
             self._drop_state()

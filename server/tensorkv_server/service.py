@@ -27,7 +27,7 @@ from tensorkv.words import plural, size
 
 from . import budget, logs, metrics, shm
 from .limits import Limits
-from .membership import FAIL, MAX_EARLIER_INCARNATIONS, MAX_JOB_BYTES, REPLACE, RESUME
+from .membership import FAIL, MAX_EARLIER_INCARNATIONS, MAX_JOB_BYTES, REPLACE, RESUME, Registration
 from .security import READ_ONLY_CALL
 from .session import SessionStream
 from .staging import Staging
@@ -197,10 +197,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if len(request.job.encode()) > MAX_JOB_BYTES:
             raise InvalidArgumentError(f"job {request.job[:40]!r}... is {len(request.job.encode())} bytes long; "
                                        f"at most {MAX_JOB_BYTES}")
-        rank, incarnation = self.coordinator.register(
-            request.rank if request.HasField("rank") else None, if_exists,
-            request.previous_incarnation if request.HasField("previous_incarnation") else None, request.request_id,
-            request.job, request.earlier_incarnations[-MAX_EARLIER_INCARNATIONS:], request.bigarray_bound)
+        asked = Registration(
+            if_exists, request.previous_incarnation if request.HasField("previous_incarnation") else None,
+            request.request_id, request.job, tuple(request.earlier_incarnations[-MAX_EARLIER_INCARNATIONS:]),
+            request.bigarray_bound)
+        rank, incarnation = self.coordinator.register(request.rank if request.HasField("rank") else None, asked)
         return kvstore_pb2.RegisterResponse(rank=rank, num_workers=self.coordinator.num_workers,
                                             mode=_MODES[self.coordinator.mode], incarnation=incarnation,
                                             lease_ttl_ms=_ms(self.coordinator.members.lease_timeout))
