@@ -63,13 +63,12 @@ class Coordinator:
     """The state of one server for ``num_workers`` workers in ``mode`` 'sync' or 'async', which
     holds at most ``max_memory`` bytes of values and optimizer states (None: no limit)."""
 
-    def __init__(self, engine, num_workers, mode, round_timeout, device="cpu", lease_timeout=10.0, max_memory=None):
+    def __init__(self, engine, num_workers, mode, round_timeout, lease_timeout=10.0, max_memory=None):
         self.engine = engine
         self.max_memory = max_memory
         self.num_workers = num_workers
         self.mode = mode
         self.round_timeout = round_timeout
-        self.device = device
         self.members = Membership(num_workers, lease_timeout, on_expired=self._lease_expired)
         self._rounds = Rounds(engine, num_workers, round_timeout, self.members.absent)
         self._barriers = Barriers(num_workers, round_timeout, self.members.absent)
@@ -527,7 +526,7 @@ class Coordinator:
         run = self.members.run
         return {
             "mode": self.mode, "num_workers": self.num_workers, "registered_ranks": self.members.ranks,
-            "num_keys": len(self.engine), "device": self.device,
+            "num_keys": len(self.engine),
             "optimizer": self.optimizer.name if self.optimizer else "",
             "run": run.number if run else 0, "if_exists": run.if_exists if run else None,
             "job": run.job if run else "",

@@ -106,8 +106,10 @@ def _parser(method):
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
-    def __init__(self, coordinator, shared_memory=True, data_port=None, limits=Limits(), snapshots=None):
+    def __init__(self, coordinator, shared_memory=True, data_port=None, limits=Limits(), snapshots=None, device="cpu"):
         self.coordinator = coordinator
+        # Where the coordinator's values live (backend.select's name of it), for Info.
+        self.device = device
         # The Session streams, ended by the server's stop (streams.OpenStreams.end).
         self.streams = OpenStreams()
         # The snapshot.Snapshots of --state-dir, or None; and this process's random id.
@@ -220,7 +222,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         workers = [kvstore_pb2.WorkerLease(rank=rank, incarnation=incarnation, ms_since_renewal=_ms(since))
                    for rank, incarnation, since in info.pop("leases")]
         return kvstore_pb2.InfoResponse(
-            mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
+            mode=_MODES[info.pop("mode")], version=__version__, device=self.device, shared_memory=self.shared_memory,
             data_port=self.data_port.advertised if self.data_port else 0,
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, server_id=self.server_id,
