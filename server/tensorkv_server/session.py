@@ -148,15 +148,15 @@ class SessionStream:
             await self._close()
 
     async def _close(self):
-        channel = self.channel
+        channel, streams = self.channel, self.service.streams
         try:
-            if channel is not None and self.service.streams.ending:  # its calls on the channel end at their next boundary
+            if channel is not None and streams.ending:  # its calls on the channel end at their next boundary
                 await channel.calls_ended()
         finally:  # also when gRPC's stop cancels that wait
             if channel is not None:
                 channel.close()
             self.regions.close()
-            self.service.streams.closed()
+            streams.closed()
 
     async def _requests(self, requests):
         """The requests of a stream, until the server stops (OpenStreams.next_call)."""
@@ -174,8 +174,10 @@ class SessionStream:
         is out of step and must close once the response is sent). ``on_channel``: the request
         came framed on the data channel (datachan.StreamChannel.serve_calls)."""
         call = _Call(on_channel)
+        decoder = self.service.decoder(kvstore_pb2.SessionRequest, resolve=metrics.counting_shm(self.regions.resolve),
+                                       with_data=lambda first: not first.wait_only, channel=self.channel is not None)
         try:
-            decoder = self._decode(data, call)
+            self._decode(data, call, decoder)
             if call.request.op in _STREAM_OPS:
                 return self._stream_op(call), None, False
             return await self._values_call(data, call, decoder)
@@ -188,11 +190,8 @@ class SessionStream:
             return kvstore_pb2.SessionResponse(
                 id=call.id, code=code, message=message, error_class=error_class).SerializeToString(), None, close
 
-    def _decode(self, data, call):
-        """Decode ``data`` into ``call`` and check that the call fits the stream; the decoder."""
-        channel = self.channel
-        decoder = self.service.decoder(kvstore_pb2.SessionRequest, resolve=metrics.counting_shm(self.regions.resolve),
-                                       with_data=lambda first: not first.wait_only, channel=channel is not None)
+    def _decode(self, data, call, decoder):
+        """Decode ``data`` into ``call`` with ``decoder``, and check that the call fits the stream."""
         decoder.feed(data)
         call.items = decoder.finish()
         call.request = request = decoder.first
@@ -206,10 +205,10 @@ class SessionStream:
         if request.op in _OPS_WITHOUT_VALUES and call.items:  # bytes it announced would stay unread on the channel
             raise InvalidArgumentError(f"session op {kvstore_pb2.SessionOp.Name(request.op)} takes no values; the "
                                        f"request carries {plural(len(call.items), 'value')}")
+        channel = self.channel
         if call.uses_channel and not call.on_channel and channel is not None and channel.takes_calls:
             raise FailedPreconditionError("this stream's calls that move bytes on the data channel must come on "
                                           "the channel (SessionResponse.calls_on_channel)")
-        return decoder
 
     def _stream_op(self, call):
         """The serialized answer to a call about the stream itself: regions, the data channel, layouts."""
@@ -237,12 +236,12 @@ class SessionStream:
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         if call.incoming:  # the bytes first, so that the channel stays in step whatever the work does
             await self._receive(len(data), call, timeout)
-        items = call.items
-        if call.layout is not None:
+        items, layout = call.items, call.layout
+        if layout is not None:
             # Not owned: a stored value that became a view of the buffer would keep all of it.
-            items = [codec.Item(key, value) for key, value in zip(call.layout.keys, call.layout.views(call.incoming[0]))] \
+            items = [codec.Item(key, value) for key, value in zip(layout.keys, layout.views(call.incoming[0]))] \
                 if call.incoming else []
-        work = self._work(request, items, call.layout)
+        work = self._work(request, items, layout)
         if timeout is not None:
             try:
                 items = await within(work, timeout)
@@ -257,7 +256,8 @@ class SessionStream:
                 budget.hold(await self.service.answer_room(
                     items, timeout, f"the answer of {plural(len(items), 'value')}",
                     applied=request.op == kvstore_pb2.SESSION_OP_PUSH_PULL))
-        return self._response(call, self.service.on_host(items), output, timeout)
+        response, outgoing = self._response(call, self.service.on_host(items), output, timeout)
+        return response, outgoing, False
 
     async def _receive(self, nbytes, call, timeout):
         """Read the values that follow the request (``nbytes`` long) on the data channel."""
@@ -273,7 +273,7 @@ class SessionStream:
 
     def _response(self, call, items, output, timeout):
         """(the serialized SessionResponse of the host ``items`` that ``call`` answers, the values
-        that follow it on the data channel or None, False)."""
+        that follow it on the data channel or None)."""
         request = call.request
         if output is not None:
             items = output.place(items)
@@ -281,8 +281,7 @@ class SessionStream:
         if call.layout is not None and request.op in _PACKED_PULLS:
             values = call.layout.pack(_packable(call.layout, items))
             outgoing = _Outgoing([np.frombuffer(values, np.uint8)], timeout)
-            return kvstore_pb2.SessionResponse(id=call.id, packed_bytes=len(values)).SerializeToString(), \
-                outgoing, False
+            return kvstore_pb2.SessionResponse(id=call.id, packed_bytes=len(values)).SerializeToString(), outgoing
         outgoing = None
         if request.data_channel_min_bytes:
             items, arrays = codec.following(items, request.data_channel_min_bytes)
@@ -290,7 +289,7 @@ class SessionStream:
                 outgoing = _Lent(self.service.coordinator.engine, arrays, timeout)
         response = codec.encode_stream(kvstore_pb2.SessionResponse, items, {"id": call.id},
                                        chunk_bytes=_ONE_MESSAGE)[0]
-        return response, outgoing, False
+        return response, outgoing
 
     async def _send_after(self, outgoing):
         """Send the values (an _Outgoing) that follow a response; a failure closes the channel (the
