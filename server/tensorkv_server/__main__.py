@@ -20,7 +20,7 @@ from tensorkv.update.engine import Engine
 
 from . import limits, logs, metrics, security
 from .rounds import ASYNC, SYNC, Coordinator
-from .server import ListenError, SnapshotFailed, check_free, serve
+from .server import ListenError, ServerConfig, SnapshotFailed, check_free, serve
 from .snapshot import NoSnapshotLoads, Snapshots, StateDirInUse, WrongServer
 
 # Named, not __name__: under `python -m tensorkv_server` that is "__main__", outside the
@@ -33,6 +33,19 @@ MAX_LEASE_TIMEOUT = 86400.0  # a day: lease_ttl_ms is a uint32 of milliseconds
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="tensorkv-server", description="tensorkv parameter server (MXNet's KVStore over gRPC).")
+    _add_job_arguments(parser)
+    _add_transport_arguments(parser)
+    limits.add_arguments(parser)
+    _add_state_arguments(parser)
+    security.add_arguments(parser)
+    _add_log_arguments(parser)
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    return args
+
+
+def _add_job_arguments(parser):
+    """Where the server listens, for which job, and how long it waits."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (default %(default)s)")
     parser.add_argument("--num-workers", type=int, default=1, help="number of workers (default %(default)s)")
@@ -51,6 +64,10 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto",
                         help="where values live: cpu, cuda, cuda:N or auto, the GPU when CuPy sees one "
                              "(default %(default)s)")
+
+
+def _add_transport_arguments(parser):
+    """How values travel besides the gRPC messages: shared memory, the data channel."""
     parser.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
                         help="refuse shared-memory regions: clients on this host use the plain gRPC path "
                              "(default: shared memory on)")
@@ -64,7 +81,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-data-channel", dest="data_channel", action="store_false",
                         help="no raw-TCP data channel: clients on other hosts send values in the gRPC messages "
                              "(default: data channel on)")
-    limits.add_arguments(parser)
+
+
+def _add_state_arguments(parser):
+    """Snapshots, and the metrics that describe the server's state."""
     parser.add_argument("--state-dir", metavar="DIR",
                         help="directory of snapshots of the server's state (values, rounds, optimizer and states, "
                              "run): the newest whole one is restored at start, and new ones are written there; "
@@ -82,13 +102,19 @@ def parse_args(argv=None):
     parser.add_argument("--metrics-host", metavar="HOST",
                         help="address the metrics port listens on (default: --host's); it answers anyone who "
                              "reaches it, without TLS or a token (counts only, no values)")
-    security.add_arguments(parser)
+
+
+def _add_log_arguments(parser):
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="least severe log messages written to stderr (default %(default)s)")
     parser.add_argument("--log-format", default="text", choices=logs.FORMATS,
                         help="text, or json: one object a line with fixed fields (default %(default)s)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    args = parser.parse_args(argv)
+
+
+def _check(args, parser):
+    """End the process with a usage error (exit status 2) for arguments that do not go together;
+    ``args.security`` becomes the ServerSecurity they describe."""
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
     if args.round_timeout <= 0:
@@ -112,7 +138,6 @@ def parse_args(argv=None):
     if not 0 <= args.metrics_port <= 65535:
         parser.error("--metrics-port must be 0 (off) or a port number up to 65535")
     args.metrics_host = args.metrics_host or args.host
-    return args
 
 
 class StartFailed(Exception):
@@ -180,8 +205,8 @@ def _serve(args, reexec):
     crowded = limits.snapshot_room(args, xp, max_memory)
     if crowded:
         log.warning("%s", crowded)
-    coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, device,
-                              args.lease_timeout, max_memory)
+    coordinator = Coordinator(Engine(xp), args.num_workers, args.mode, args.round_timeout, args.lease_timeout,
+                              max_memory)
     snapshots = None
     if args.state_dir is None:
         log.warning("no --state-dir: nothing survives a restart")
@@ -200,9 +225,11 @@ def _serve(args, reexec):
         interceptors = metrics.start(args.metrics_port, args.metrics_host, coordinator.engine) if args.metrics_port else []
     except OSError as error:
         raise StartFailed(f"--metrics-port {args.metrics_port}: {error}") from None
-    asyncio.run(serve(coordinator, args.host, args.port, args.grace, args.shared_memory,
-                      args.data_port if args.data_channel else None, request_limits, args.security,
-                      interceptors, snapshots, args.snapshot_interval, args.advertise_data_port))
+    config = ServerConfig(host=args.host, port=args.port, grace=args.grace, device=device,
+                          shared_memory=args.shared_memory, data_port=args.data_port if args.data_channel else None,
+                          advertised_data_port=args.advertise_data_port, limits=request_limits,
+                          security=args.security, snapshot_interval=args.snapshot_interval)
+    asyncio.run(serve(coordinator, config, snapshots, interceptors))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ restored), and a worker of another job is refused while the run has ranks regist
 a new run in place of the restored one.
 """
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -63,6 +64,21 @@ SEQUENCE_WINDOW = 256
 # Errors of a rank's failed calls (a round they waited for was aborted) kept for the same
 # call sent again after a broken connection: the last this many.
 FAILURES_KEPT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """What a registering worker asks for besides its rank (RegisterRequest's other fields):
+    ``if_exists``, ``previous``, ``request_id``, ``job`` and ``earlier`` as
+    :meth:`Membership.register` takes them, and its bigarray ``bound`` (0: none said;
+    :meth:`Membership.check_bound`)."""
+
+    if_exists: str = FAIL
+    previous: int | None = None
+    request_id: int = 0
+    job: str = ""
+    earlier: tuple = ()
+    bound: int = 0
 
 
 class Run:
@@ -166,6 +182,33 @@ class Membership:
         registration again (RegisterRequest.request_id). ``earlier``: the incarnations the
         worker held here before ``previous`` (RegisterRequest.earlier_incarnations); on a server
         restored from a snapshot, the numbers it saved for any of them come back to the worker."""
+        again = self._registered_again(rank, previous, request_id)
+        if again is not None:
+            return again
+        held = {previous, *earlier} if previous is not None else set()
+        going = self._joins_run(rank, if_exists, job, held)
+        rank = self._free_rank(rank)
+        if not going:
+            self._start_run(if_exists, job)
+        elif not self.running:
+            log.info("run %d goes on after this server's restart", self.run.number, extra={"event": "run_resumed"})
+        incarnation = self.incarnations[rank] = self._next_incarnation
+        self._next_incarnation += 1
+        self._grant(rank, incarnation)
+        self._request_ids[rank] = request_id
+        restored = self._restored.pop(rank, None)
+        if restored is not None and restored[0] in held:
+            self._applied[rank] = restored[1]  # the same worker, after this server restarted
+        log.info("worker registered with rank %d, incarnation %d (%d of %d)",
+                 rank, incarnation, len(self.incarnations), self.num_workers,
+                 extra={"event": "worker_registered", "rank": rank})
+        return rank, incarnation, not going
+
+    def _registered_again(self, rank, previous, request_id):
+        """(rank, incarnation, False) for a registration that is one already made (the same
+        ``request_id``), or that takes the place of ``previous`` while it holds ``rank``; None
+        for a new one. FailedPreconditionError when ``previous``'s lease expired or a later
+        registration took the rank."""
         if request_id:
             made = next((held for held, made_by in self._request_ids.items() if made_by == request_id), None)
             if made is not None and rank in (None, made):
@@ -176,8 +219,13 @@ class Membership:
                 return rank, self._take_over(rank, previous), False
             if self._expired.get(rank) == previous or previous < self._granted.get(rank, previous):
                 self.check(rank, previous)  # raises: that lease expired, or a later one took the rank
+        return None
+
+    def _joins_run(self, rank, if_exists, job, held):
+        """Whether a new registration of ``rank`` (None: any) by a worker of ``job`` that held the
+        incarnations ``held`` here goes on in the current run (else it starts one);
+        FailedPreconditionError if it may do neither."""
         # A worker of the restored run, back: its if_exists was checked when it first registered.
-        held = {previous, *earlier} if previous is not None else set()
         returning = self._restored_run is not None and self._restored.get(rank, (None,))[0] in held
         same_job = self._same_job(job)
         if self.running and same_job is False:
@@ -200,6 +248,10 @@ class Membership:
                 f"this worker asks for if_exists={if_exists!r}, but run {self.run.number} on this server "
                 f"(ranks {self.ranks} registered) started with if_exists={self.run.if_exists!r}: every worker "
                 "of a run must ask for the same")
+        return going
+
+    def _free_rank(self, rank):
+        """``rank``, or the lowest free rank when None; FailedPreconditionError if it is taken."""
         if rank is None:
             free = [r for r in range(self.num_workers) if r not in self.incarnations]
             if not free:
@@ -215,25 +267,14 @@ class Membership:
                 f"rank {rank} is already taken by another worker (incarnation {self.incarnations[rank]}, last heard "
                 f"from {heard:.1f} s ago): if it is gone, its lease expires {self.lease_timeout:g} s after it was last "
                 "heard from (--lease-timeout), and the rank is free then")
-        if not going:
-            self.run = Run(self.run.number + 1 if self.run else 1, if_exists, job)
-            self._left.clear()  # how workers of earlier runs left: none of this run's waits is theirs
-            self.end_restored_run()
-            log.info("run %d starts (if_exists=%r%s)", self.run.number, if_exists, f", job {job!r}" if job else "",
-                     extra={"event": "run_started"})
-        elif not self.running:
-            log.info("run %d goes on after this server's restart", self.run.number, extra={"event": "run_resumed"})
-        incarnation = self.incarnations[rank] = self._next_incarnation
-        self._next_incarnation += 1
-        self._grant(rank, incarnation)
-        self._request_ids[rank] = request_id
-        restored = self._restored.pop(rank, None)
-        if restored is not None and restored[0] in held:
-            self._applied[rank] = restored[1]  # the same worker, after this server restarted
-        log.info("worker registered with rank %d, incarnation %d (%d of %d)",
-                 rank, incarnation, len(self.incarnations), self.num_workers,
-                 extra={"event": "worker_registered", "rank": rank})
-        return rank, incarnation, not going
+        return rank
+
+    def _start_run(self, if_exists, job):
+        self.run = Run(self.run.number + 1 if self.run else 1, if_exists, job)
+        self._left.clear()  # how workers of earlier runs left: none of this run's waits is theirs
+        self.end_restored_run()
+        log.info("run %d starts (if_exists=%r%s)", self.run.number, if_exists, f", job {job!r}" if job else "",
+                 extra={"event": "run_started"})
 
     def check_bound(self, bound):
         """FailedPreconditionError when ``bound`` (a worker's RegisterRequest.bigarray_bound)

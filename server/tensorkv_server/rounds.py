@@ -1,6 +1,7 @@
 """The server's state: init, sync rounds, barriers and the optimizer, over one
-:class:`tensorkv.engine.Engine`, which stays the only place values change, for the workers
-of a :class:`~.membership.Membership`.
+:class:`tensorkv.update.engine.Engine`, which stays the only place values change, for the workers
+of a :class:`~.membership.Membership`; the rounds and barriers themselves, what workers wait
+on, are :mod:`.waits`'s.
 
 Everything runs on the server's event loop, so there are no locks: each method validates
 its whole input, then changes state without awaiting in between, so a call that fails
@@ -28,7 +29,6 @@ what a broken connection lost.
 """
 import asyncio
 import logging
-import time
 
 import numpy as np
 
@@ -45,7 +45,8 @@ from tensorkv.errors import (
 from tensorkv.words import plural
 
 from . import budget, metrics
-from .membership import FAIL, REPLACE, Membership
+from .membership import FAIL, REPLACE, Membership, Registration
+from .waits import Barriers, Rounds, fail
 
 log = logging.getLogger(__name__)
 _IF_EXISTS_HINT = " (a script that does not pass it: set TENSORKV_IF_EXISTS)"
@@ -53,105 +54,48 @@ _IF_EXISTS_HINT = " (a script that does not pass it: set TENSORKV_IF_EXISTS)"
 SYNC, ASYNC = "sync", "async"
 
 
-class _Wait:
-    """Something workers wait on (one round of one key, or one barrier): the ranks that
-    arrived, a future done when all have, and the timer that aborts it."""
-
-    __slots__ = ("number", "ranks", "sequences", "total", "_done", "timer", "opened", "latest")
-
-    def __init__(self, number):
-        self.number = number
-        self.ranks = set()
-        self.sequences = {}  # a round's rank -> the sequence number of the push it merged
-        self.total = None  # a round's running sum of pushes
-        self._done = None  # created when first needed: most rounds of one worker never wait
-        self.timer = None
-        self.opened = self.latest = None  # time.monotonic() of a round's first and latest push
-
-    @property
-    def done(self):
-        if self._done is None:
-            self._done = asyncio.get_running_loop().create_future()
-        return self._done
-
-
-def _fail(future, error):
-    if not future.done():
-        future.set_exception(error)
-        future.exception()  # retrieved here: waiters, if any, get it from their own await
-
-
 def _host_copy(array):
     """A NumPy copy of a NumPy or CuPy array, which later updates cannot change."""
     return array.copy() if isinstance(array, np.ndarray) else to_host(array)
-
-
-class _SharedTimer:
-    """The one abort timer of the rounds that one push opened (one per key of a list, which
-    would otherwise each arm a timer of their own): cancelled once every one of them has
-    completed or aborted."""
-
-    __slots__ = ("handle", "open")
-
-    def __init__(self, handle, count):
-        self.handle = handle
-        self.open = count
-
-    def cancel(self):
-        """One of the rounds no longer waits."""
-        self.open -= 1
-        if self.open == 0:
-            self.handle.cancel()
-
-
-class _KeyRounds:
-    """The sync rounds of one key: the current round, and the ranks whose pushes an aborted
-    round discarded, with the error their next call on the key reports."""
-
-    __slots__ = ("current", "aborted")
-
-    def __init__(self):
-        self.current = _Wait(1)
-        self.aborted = {}
 
 
 class Coordinator:
     """The state of one server for ``num_workers`` workers in ``mode`` 'sync' or 'async', which
     holds at most ``max_memory`` bytes of values and optimizer states (None: no limit)."""
 
-    def __init__(self, engine, num_workers, mode, round_timeout, device="cpu", lease_timeout=10.0, max_memory=None):
+    def __init__(self, engine, num_workers, mode, round_timeout, lease_timeout=10.0, max_memory=None):
         self.engine = engine
         self.max_memory = max_memory
         self.num_workers = num_workers
         self.mode = mode
         self.round_timeout = round_timeout
-        self.device = device
         self.members = Membership(num_workers, lease_timeout, on_expired=self._lease_expired)
+        self._rounds = Rounds(engine, num_workers, round_timeout, self.members.absent)
+        self._barriers = Barriers(num_workers, round_timeout, self.members.absent)
         self.optimizer = None
         self.optimizer_run = 0  # the number of the run that installed it (0: none was going on)
-        self._rounds = {}  # key -> _KeyRounds
         self._updates = {}  # key -> updates applied to it (sync rounds, async pushes)
         self._initialized_in = {}  # key -> the number of the run that initialized it
         self._initialized = {}  # key -> ranks that have called init on it
         self._init_waiters = {}  # key -> future done when rank 0 has stored it
         self._split_apart = {}  # key -> the error of a worker that splits it otherwise (until the run ends)
-        self._barrier = None
-        self._barriers_done = 0
         self._closing = False
 
     # ---- membership -------------------------------------------------------------------
 
-    def register(self, rank=None, if_exists=FAIL, previous=None, request_id=0, job="", earlier=(), bound=0):
-        """(rank, incarnation) of a new registration: see :meth:`Membership.register`; ``bound``
-        is the worker's bigarray bound (:meth:`Membership.check_bound`). The first registration
+    def register(self, rank=None, asked=Registration()):
+        """(rank, incarnation) of a new registration of ``rank`` (None: the lowest free one) by
+        a worker that asks for ``asked`` (a membership.Registration): see
+        :meth:`Membership.register` and :meth:`Membership.check_bound`. The first registration
         of a run with if_exists 'replace' drops what earlier runs left. Refused once the server
         is shutting down: its open streams are still served then, but a new worker would only
         be in its last snapshot."""
         self._check_open()
-        self.members.check_bound(bound)
-        rank, incarnation, started = self.members.register(rank, if_exists, previous, request_id, job, earlier)
-        self.members.run.bigarray_bound = self.members.run.bigarray_bound or bound
-        if started and if_exists == REPLACE:
+        self.members.check_bound(asked.bound)
+        rank, incarnation, started = self.members.register(rank, asked.if_exists, asked.previous, asked.request_id,
+                                                           asked.job, asked.earlier)
+        self.members.run.bigarray_bound = self.members.run.bigarray_bound or asked.bound
+        if started and asked.if_exists == REPLACE:
             log.info("run %d replaces %d keys, the optimizer and its states", self.members.run.number,
                      len(self.engine))
             self._drop_state()
@@ -175,13 +119,11 @@ class Coordinator:
         metrics.COUNTS.workers = len(self.members.ranks)
         for ranks in self._initialized.values():
             ranks.discard(rank)
-        for rounds in self._rounds.values():
-            rounds.aborted.pop(rank, None)
+        self._rounds.forget_errors(rank)
         if ended:
             self._abort_waits(f"aborted: every rank of run {self.members.run.number} left or lost its lease",
                               RoundAbortedError)
-            for rounds in self._rounds.values():
-                rounds.aborted.clear()  # the errors of ranks that left
+            self._rounds.forget_errors()  # of the ranks that left
             self._split_apart.clear()
         else:
             self._say_who_waits_for(rank, how)
@@ -190,13 +132,12 @@ class Coordinator:
         """Log at once the rounds and the barrier that wait for ``rank``, which just left: they
         abort after --round-timeout unless a worker takes the rank again (when they abort, their
         errors say how it left: Membership.absent)."""
-        keys = [key for key, rounds in self._rounds.items()
-                if rounds.current.ranks and rank not in rounds.current.ranks]
-        barrier = self._barrier is not None and rank not in self._barrier.ranks
+        keys = self._rounds.waiting_for(rank)
+        barrier = self._barriers.waiting_for(rank)
         if not keys and not barrier:
             return
         waits = [f"the rounds of {plural(len(keys), 'key')} {keys_repr(keys)}" if keys else "",
-                 f"barrier {self._barrier.number}" if barrier else ""]
+                 f"barrier {self._barriers.current.number}" if barrier else ""]
         log.warning("rank %d left (%s) while %s waited for it: they abort %g s after they began (--round-timeout) "
                     "unless a worker takes rank %d again and joins them", rank, how, " and ".join(filter(None, waits)),
                     self.round_timeout, rank)
@@ -233,7 +174,7 @@ class Coordinator:
         self._initialized_in.clear()
         self._initialized.clear()
         self._split_apart.clear()
-        self._barriers_done = 0
+        self._barriers.done = 0
 
     # ---- init -------------------------------------------------------------------------
 
@@ -297,9 +238,7 @@ class Coordinator:
         if shape == stored.shape and item.slice != stored.slice:
             error = ShapeMismatchError(layout_mismatch(item.key, "initialized", shape, item.slice, stored.slice))
             self._split_apart[item.key] = error
-            rounds = self._rounds.get(item.key)
-            if rounds is not None and rounds.current.ranks:
-                self._abort_round(item.key, rounds.current, f"aborted: {error}", ShapeMismatchError)
+            self._rounds.abort(item.key, f"aborted: {error}", ShapeMismatchError)
             raise error
         self.engine.check_value(item.key, item.array, item.shape, item.slice, verb="initialized")
 
@@ -374,7 +313,7 @@ class Coordinator:
                 check_updater(item.key, stored.array)
         if self.mode == ASYNC or self.num_workers == 1:
             # Applied at once: in async mode every push is; in sync mode, every round of one worker
-            # is complete with its push, as _add_to_round would find (it never waits, so it is
+            # is complete with its push, as Rounds.add would find (it never waits, so it is
             # never aborted).
             self.members.record(rank, sequence)
             self.engine.apply_each(items)
@@ -391,21 +330,13 @@ class Coordinator:
             return
         self.members.record(rank, sequence)
         metrics.COUNTS.pushes += len(items)
-        completed = []  # (key, round, its total as an Item) of the rounds this push completes
-        opened = [opened for opened in (self._add_to_round(rank, item, sequence, completed) for item in items)
-                  if opened]
-        if opened:
-            handle = asyncio.get_running_loop().call_later(self.round_timeout, self._abort_rounds, opened)
-            timer = _SharedTimer(handle, len(opened))
-            for _, round_ in opened:
-                round_.timer = timer
+        completed = self._rounds.add(rank, items, sequence)
         if completed:
             # Applied together, then completed: should the update fail, the rounds stay open
             # and their abort timers report it to every rank that waits.
             self.engine.apply_each([total for _, _, total in completed])
             self._count_updates(key for key, _, _ in completed)
-            for key, round_, _ in completed:
-                self._complete_round(key, round_)
+            self._rounds.complete(completed)
 
     async def pull(self, rank, incarnation, keys, pull_sequence=0):
         """The values of ``keys`` (:class:`Item` over the stored arrays, not copies: valid
@@ -446,115 +377,27 @@ class Coordinator:
         await self.push(rank, incarnation, items, sequence)
         return await self._pull(rank, incarnation, [item.key for item in items], ("pushpull", sequence))
 
-    def _add_to_round(self, rank, item, sequence, completed):
-        """Add ``item`` to its key's current round; when that makes it complete, (key, round, its
-        total as an Item) goes to ``completed``, for the caller to apply the total and then
-        :meth:`_complete_round`. (key, round) when this push opened the round, for the caller
-        to arm its abort timer."""
-        rounds = self._rounds.setdefault(item.key, _KeyRounds())
-        current = rounds.current
-        current.ranks.add(rank)
-        current.sequences[rank] = sequence
-        complete = len(current.ranks) == self.num_workers
-        now = time.monotonic()
-        if complete and current.total is None:
-            # One worker's push completes the round: applied straight from the received value
-            # (e.g. a view of the client's shared memory), without a copy into a total.
-            total, owned = self.engine.merge([item.array]), item.owned
-        else:
-            current.total = total = self.engine.accumulate(current.total, item.array, item.owned, key=item.key)
-            owned = True  # the receive buffer it took over, or a new array
-        if complete:
-            completed.append((item.key, current, Item(item.key, total, owned=owned)))
-            return None
-        current.latest = now
-        if len(current.ranks) == 1:
-            current.opened = now
-            return item.key, current
-        return None
-
-    def _complete_round(self, key, round_):
-        """End ``key``'s current round ``round_``, whose total was applied: its waiters go on."""
-        metrics.round_completed(round_.opened, round_.latest, time.monotonic())
-        if round_.timer is not None:
-            round_.timer.cancel()
-        self._rounds[key].current = _Wait(round_.number + 1)
-        if round_._done is not None:
-            round_._done.set_result(None)
-
     def open_sequences(self):
         """{rank: the sequence numbers of its pushes in rounds still open}: applied, but in
         no value yet."""
-        numbers = {}
-        for rounds in self._rounds.values():
-            for rank, sequence in rounds.current.sequences.items():
-                numbers.setdefault(rank, set()).add(sequence)
-        return numbers
+        return self._rounds.open_sequences()
 
     def _count_updates(self, keys):
         updates = self._updates
         for key in keys:
             updates[key] = updates.get(key, 0) + 1
 
-    def _abort_rounds(self, opened):
-        """Abort the rounds of ``opened`` [(key, round)] that are still waiting."""
-        for key, round_ in opened:
-            if key in self._rounds and self._rounds[key].current is round_:
-                self._abort_round(key, round_)
-
-    def _abort_round(self, key, round_, why=None, error_class=RoundAbortedError):
-        rounds = self._rounds[key]
-        missing = sorted(set(range(self.num_workers)) - round_.ranks)
-        why = why or f"aborted after {self.round_timeout:g} s"
-        error = error_class(
-            f"key {key_repr(key)}: round {round_.number} {why}; missing ranks {missing} "
-            f"(ranks {sorted(round_.ranks)} pushed; their pushes were discarded){self.members.absent(missing)}"
-        )
-        log.warning("%s", error, extra={"event": "round_aborted", "key": key, "round": round_.number})
-        metrics.COUNTS.rounds_aborted += 1
-        if round_.timer is not None:
-            round_.timer.cancel()
-        rounds.current = _Wait(round_.number)
-        for rank in round_.ranks:
-            rounds.aborted[rank] = error
-        _fail(round_.done, error)
-
     async def _settled(self, rank, keys, call):
-        """:meth:`_settle` for ``rank``'s call ``call`` ((kind, sequence number)): the error
+        """:meth:`Rounds.settle` for ``rank``'s call ``call`` ((kind, sequence number)): the error
         that the call, sent before, failed with is raised again (Membership.failure)."""
         error = self.members.failure(rank, call)
         if error is not None:
             raise type(error)(str(error))
         try:
-            return await self._settle(rank, keys)
+            return await self._rounds.settle(rank, keys, self._before_wait)
         except RoundAbortedError as error:
             self.members.failed(rank, call, error)
             raise
-
-    async def _settle(self, rank, keys):
-        """Report to ``rank`` the aborted rounds of ``keys`` it pushed to, and wait for the
-        current round of each key it has pushed to; True if it waited."""
-        errors, futures = [], {}
-        for key in dict.fromkeys(keys):
-            rounds = self._rounds.get(key)
-            if rounds is None:
-                continue
-            if rank in rounds.aborted:
-                errors.append(rounds.aborted.pop(rank))
-            elif rank in rounds.current.ranks:
-                futures[key] = rounds.current.done
-        if futures and not errors:
-            self._check_open()
-            budget.before_wait()
-            await asyncio.wait(futures.values())
-            for key, future in futures.items():
-                if future.exception() is not None:
-                    errors.append(future.exception())
-                    self._rounds[key].aborted.pop(rank, None)
-        if errors:
-            more = f" (and {plural(len(errors) - 1, 'more key')})" if len(errors) > 1 else ""
-            raise type(errors[0])(f"{errors[0]}{more}")
-        return bool(futures)
 
     def _snapshot(self, key):
         stored = self.engine.get(key)
@@ -573,28 +416,9 @@ class Coordinator:
         """Return once every rank has entered the barrier."""
         self.members.check(rank, incarnation)
         self._check_open()
-        barrier = self._barrier
-        if barrier is None:
-            barrier = self._barrier = _Wait(self._barriers_done + 1)
-            loop = asyncio.get_running_loop()
-            barrier.timer = loop.call_later(self.round_timeout, self._abort_barrier, barrier)
-        barrier.ranks.add(rank)
-        if len(barrier.ranks) == self.num_workers:
-            barrier.timer.cancel()
-            self._barrier = None
-            self._barriers_done += 1
-            barrier.done.set_result(None)
+        done = self._barriers.enter(rank)
         budget.before_wait()
-        await asyncio.shield(barrier.done)
-
-    def _abort_barrier(self, barrier, why=None, error_class=RoundAbortedError):
-        missing = sorted(set(range(self.num_workers)) - barrier.ranks)
-        why = why or f"aborted after {self.round_timeout:g} s"
-        error = error_class(f"barrier {barrier.number} {why}; missing ranks {missing}{self.members.absent(missing)}")
-        log.warning("%s", error, extra={"event": "barrier_aborted", "round": barrier.number})
-        barrier.timer.cancel()
-        self._barrier = None
-        _fail(barrier.done, error)
+        await asyncio.shield(done)
 
     # ---- optimizer --------------------------------------------------------------------
 
@@ -679,9 +503,9 @@ class Coordinator:
         (:meth:`optimizer_states`), as plain numbers: {"barriers_done", "next_incarnation",
         and with ``keys`` "keys": {key: {"round", "updates", "initialized_in"}} of every stored
         key, in the engine's order}."""
-        state = {"barriers_done": self._barriers_done, "next_incarnation": self.members.next_incarnation}
+        state = {"barriers_done": self._barriers.done, "next_incarnation": self.members.next_incarnation}
         if keys:
-            state["keys"] = {key: {"round": self._rounds[key].current.number if key in self._rounds else 1,
+            state["keys"] = {key: {"round": self._rounds.number(key),
                                    "updates": self._updates.get(key, 0),
                                    "initialized_in": self._initialized_in.get(key, 0)} for key in self.engine.keys()}
         return state
@@ -690,11 +514,10 @@ class Coordinator:
         """Take a :meth:`snapshot_state` back, on a server that has just put the keys of
         ``state["keys"]`` into its engine and serves nothing yet."""
         for key, entry in state["keys"].items():
-            self._rounds[key] = rounds = _KeyRounds()
-            rounds.current = _Wait(entry["round"])
+            self._rounds.restore(key, entry["round"])
             self._updates[key] = entry["updates"]
             self._initialized_in[key] = entry["initialized_in"]
-        self._barriers_done = state["barriers_done"]
+        self._barriers.done = state["barriers_done"]
         self.members.restore_next_incarnation(state["next_incarnation"])
 
     # ---- life cycle -------------------------------------------------------------------
@@ -703,7 +526,7 @@ class Coordinator:
         run = self.members.run
         return {
             "mode": self.mode, "num_workers": self.num_workers, "registered_ranks": self.members.ranks,
-            "num_keys": len(self.engine), "device": self.device,
+            "num_keys": len(self.engine),
             "optimizer": self.optimizer.name if self.optimizer else "",
             "run": run.number if run else 0, "if_exists": run.if_exists if run else None,
             "job": run.job if run else "",
@@ -725,6 +548,11 @@ class Coordinator:
         if self._closing:
             raise ServerUnavailableError("the server is shutting down")
 
+    def _before_wait(self):
+        """Before a call waits for other ranks: refused once the server is shutting down."""
+        self._check_open()
+        budget.before_wait()
+
     def shutdown(self):
         """Fail every wait in progress, and every later one, with ServerUnavailableError."""
         self._closing = True
@@ -733,11 +561,9 @@ class Coordinator:
     def _abort_waits(self, why, error_class):
         """Fail every wait in progress with ``error_class`` saying ``why``: the rounds (their
         pushes are discarded), the barrier, the inits waiting for rank 0."""
-        for key, rounds in self._rounds.items():
-            if rounds.current.ranks:
-                self._abort_round(key, rounds.current, why, error_class)
-        if self._barrier is not None:
-            self._abort_barrier(self._barrier, why, error_class)
+        self._rounds.abort_all(why, error_class)
+        if self._barriers.current is not None:
+            self._barriers.abort(self._barriers.current, why, error_class)
         for waiter in self._init_waiters.values():
-            _fail(waiter, error_class(f"init {why}"))
+            fail(waiter, error_class(f"init {why}"))
         self._init_waiters.clear()

@@ -1,6 +1,7 @@
 """Wiring of the grpc.aio server: the KVStoreService, the MaintenanceService, health,
 reflection, and a clean stop on SIGTERM/SIGINT."""
 import asyncio
+import dataclasses
 import errno
 import logging
 import signal
@@ -101,20 +102,65 @@ async def _every(seconds, take):
             pass
 
 
-async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0, limits=Limits(), security=None,
-                interceptors=(), snapshots=None, snapshot_interval=0, advertised_data_port=0):
-    """Serve ``coordinator`` on host:port, and its data channel on host:``data_port`` (0: any
-    free port; None: no data channel), until SIGTERM or SIGINT, then stop: waits in progress
-    fail with UNAVAILABLE, other calls get ``grace`` seconds to finish; the Session streams
-    still open then end with UNAVAILABLE at their next call's boundary (streams.OpenStreams),
-    before gRPC stops. Requests are held to ``limits`` (a limits.Limits). ``security``: a
-    ServerSecurity (default: plaintext, no tokens), for the gRPC port and the data channel; ``interceptors``: more grpc.aio server
-    interceptors, which run before the token check (so that refused calls are counted too).
-    ``snapshots``: a snapshot.Snapshots, taken every ``snapshot_interval`` seconds (0: never)
-    and once more after the calls in flight at stop have finished. ``advertised_data_port``: the
-    data port that Info names, when not the one listened on (0)."""
-    security = security or ServerSecurity()
-    server = grpc.aio.server(options=_options(limits), interceptors=[*interceptors, *security.interceptors()])
+@dataclasses.dataclass
+class ServerConfig:
+    """How :func:`serve` serves: the tensorkv-server flags it takes, each field named after its
+    flag (``python -m tensorkv_server --help``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    grace: float = 5.0  # seconds calls in flight get to finish on SIGTERM/SIGINT
+    device: str = "cpu"  # where values live, as backend.select names it (Info and the log say it)
+    shared_memory: bool = True  # whether Session streams may register shared-memory regions
+    data_port: int | None = 0  # the data channel's port (0: any free one); None: no data channel
+    advertised_data_port: int = 0  # the data port Info names, when not the one listened on (0)
+    limits: Limits = dataclasses.field(default_factory=Limits)  # what one request may carry
+    security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)  # TLS and tokens
+    snapshot_interval: float = 0.0  # seconds between snapshots (0: only at stop and on a Snapshot call)
+
+
+async def serve(coordinator, config, snapshots=None, interceptors=()):
+    """Serve ``coordinator`` as ``config`` (a ServerConfig) says until SIGTERM or SIGINT, then
+    stop: waits in progress fail with UNAVAILABLE, other calls get ``config.grace`` seconds to
+    finish; the Session streams still open then end with UNAVAILABLE at their next call's
+    boundary (streams.OpenStreams), before gRPC stops. The gRPC port and the data channel take
+    ``config.security``; ``interceptors``: more grpc.aio server interceptors, which run before
+    the token check (so that refused calls are counted too). ``snapshots``: a
+    snapshot.Snapshots, taken every ``config.snapshot_interval`` seconds and once more after the
+    calls in flight at stop have finished."""
+    server = grpc.aio.server(options=_options(config.limits),
+                             interceptors=[*interceptors, *config.security.interceptors()])
+    data_port = _listen(server, config)
+    servicer = KVStoreService(coordinator, config.shared_memory, data_port, config.limits, snapshots, config.device)
+    health_servicer = await _start(server, servicer, coordinator, data_port)
+    # before the line that says so: a SIGTERM right after it stops the server cleanly
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    log.info("serving %s on %s:%s: %s, %s mode, values on %s, round timeout %g s, lease timeout %g s, "
+             "shared memory %s, data channel %s, %s", SERVICE_NAME, config.host, config.port,
+             plural(coordinator.num_workers, "worker"), coordinator.mode, config.device, coordinator.round_timeout,
+             coordinator.members.lease_timeout, "on" if servicer.shared_memory else "off",
+             f"on port {data_port.port}" if data_port else "off", config.security.describe(),
+             extra={"event": "server_started"})
+    await _until(stop, snapshots, config.snapshot_interval)
+    log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", config.grace,
+             extra={"event": "server_stopping"})
+    await health_servicer.enter_graceful_shutdown()
+    coordinator.shutdown()
+    if data_port is not None:
+        data_port.close()  # no new channels; the streams' own close as they end
+    stopping_since = loop.time()
+    await servicer.streams.end(config.grace)
+    await server.stop(max(0.0, config.grace - (loop.time() - stopping_since)))
+    await _last_snapshot(snapshots)
+
+
+def _listen(server, config):
+    """Make ``server`` listen on config's host and port, and open its data port: the
+    datachan.DataPort, or None without a data channel."""
+    host, port, security = config.host, config.port, config.security
     address = f"{host}:{port}"
     try:
         bound = security.add_port(server, address)
@@ -123,14 +169,19 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     if bound == 0:
         check_free(host, port, "--port")  # says why (e.g. taken since it last looked), where it can
         raise ListenError(f"--port {port}: cannot listen on {address}")
-    if data_port is not None:  # after the gRPC port: a data port 0 must not take --port
-        try:
-            data_port = DataPort(host, data_port, security.data_channel_context, advertised_data_port)
-        except OSError as error:
-            raise _listen_error("--data-port", host, data_port, error) from None
-    servicer = KVStoreService(coordinator, shared_memory, data_port, limits, snapshots)
+    if config.data_port is None:
+        return None
+    try:  # after the gRPC port: a data port 0 must not take --port
+        return DataPort(host, config.data_port, security.data_channel_context, config.advertised_data_port)
+    except OSError as error:
+        raise _listen_error("--data-port", host, config.data_port, error) from None
+
+
+async def _start(server, servicer, coordinator, data_port):
+    """Add the services to ``server``, start it and ``data_port`` (or None), and say SERVING:
+    the health servicer."""
     add_to_server(servicer, server)
-    add_to_server(MaintenanceService(coordinator, limits.max_key_bytes), server, MAINTENANCE)
+    add_to_server(MaintenanceService(coordinator, servicer.limits.max_key_bytes), server, MAINTENANCE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -140,17 +191,12 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
         data_port.start()
     for service in ("", SERVICE_NAME, MAINTENANCE.full_name):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    # before the line that says so: a SIGTERM right after it stops the server cleanly
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    log.info("serving %s on %s: %s, %s mode, values on %s, round timeout %g s, lease timeout %g s, "
-             "shared memory %s, data channel %s, %s", SERVICE_NAME, address, plural(coordinator.num_workers, "worker"),
-             coordinator.mode, coordinator.device, coordinator.round_timeout, coordinator.members.lease_timeout,
-             "on" if servicer.shared_memory else "off", f"on port {data_port.port}" if data_port else "off",
-             security.describe(), extra={"event": "server_started"})
+    return health_servicer
 
+
+async def _until(stop, snapshots, snapshot_interval):
+    """Serve until ``stop`` is set: snapshots every ``snapshot_interval`` seconds (0: none), and
+    the liveness ticks."""
     periodic = asyncio.create_task(_every(snapshot_interval, snapshots.take)) \
         if snapshots and snapshot_interval > 0 else None
     metrics.LIVENESS.state = "serving"
@@ -160,15 +206,11 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
     ticking.cancel()
     if periodic is not None:
         periodic.cancel()
-    log.info("stopping: waits in progress fail with UNAVAILABLE, other calls have %g s to finish", grace,
-             extra={"event": "server_stopping"})
-    await health_servicer.enter_graceful_shutdown()
-    coordinator.shutdown()
-    if data_port is not None:
-        data_port.close()  # no new channels; the streams' own close as they end
-    stopping_since = loop.time()
-    await servicer.streams.end(grace)
-    await server.stop(max(0.0, grace - (loop.time() - stopping_since)))
+
+
+async def _last_snapshot(snapshots):
+    """Take the snapshot at stop (``snapshots``: None, none) and say the server stopped;
+    SnapshotFailed if it could not be written."""
     failed = None
     if snapshots is not None:
         try:
