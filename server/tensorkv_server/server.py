@@ -130,7 +130,7 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
             raise _listen_error("--data-port", host, data_port, error) from None
     servicer = KVStoreService(coordinator, shared_memory, data_port, limits, snapshots)
     add_to_server(servicer, server)
-    add_to_server(MaintenanceService(coordinator, limits.max_key_bytes), server, MAINTENANCE)
+    add_to_server(MaintenanceService(coordinator, limits.max_key_bytes, snapshots), server, MAINTENANCE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
