@@ -344,6 +344,7 @@ class _Move:
             raise FailedPreconditionError(
                 f"the run's servers have --mode {old_mode} --num-workers {old_workers}, the --to servers --mode "
                 f"{new_mode} --num-workers {new_workers}: start the new servers as the old ones")
+        reshard_plan.check_layout(headers, self.names)
         bound = self.bound
         if bound is None:
             bound = reshard_plan.recorded_bound(headers) or ClientConfig().resolved(("bigarray_bound",)).bigarray_bound

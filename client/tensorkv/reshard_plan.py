@@ -167,6 +167,27 @@ def recorded_bound(headers):
     return bounds.pop() if bounds else 0
 
 
+def check_layout(headers, names):
+    """FailedPreconditionError unless each old server ``names[i]`` holds, of each key in
+    ``headers[i]``, what the workers' rule for ``len(names)`` servers puts there, whatever the
+    bound: a server of the job left out of --from, or the servers in another order, would
+    otherwise go unnoticed where no key is sliced."""
+    count = len(names)
+    for index, header in enumerate(headers):
+        for entry in header["keys"]:
+            key, size = check_key(entry["key"]), math.prod(entry["shape"])
+            held = tuple(entry["slice"]) if entry["slice"] else None
+            rule = placement(key, size, count, 0 if held else size)  # a bound that slices it as it is sliced
+            if (index, held) not in rule:
+                where = "the whole value" if held is None else f"elements [{held[0]}, {held[1]})"
+                expected = "; ".join(f"{'the whole value' if part is None else f'elements [{part[0]}, {part[1]})'} "
+                                     f"on {names[server]}" for server, part in rule)
+                raise FailedPreconditionError(
+                    f"key {key_repr(key)}: {names[index]} holds {where}, where the workers' rule for "
+                    f"{plural(count, 'server')} puts {expected}: give --from every server of the job, in the order of "
+                    "its workers' TENSORKV_SERVERS")
+
+
 def check_bound(headers, bound):
     """FailedPreconditionError when ``bound`` cannot be the one the old servers' keys were
     split by (a key sliced though it has no more elements, or whole on several servers though
