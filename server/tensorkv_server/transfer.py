@@ -293,7 +293,9 @@ def mark(coordinator, role, servers, done, force):
         # A source whose move is done may have workers on the targets; a target not committed
         # holds part of a run: either, unmarked, would serve workers a state they must not see.
         if move is not None and not force and move.done == (move.role == SOURCE):
-            raise FailedPreconditionError(f"this server's run is {move.words()}: its mark stays, unless forced")
+            why = "its workers may go on on those servers" if move.done else "this server holds part of it"
+            raise FailedPreconditionError(f"this server's run is {move.words()} and {why}: its mark stays; a reset "
+                                          "(`tensorkv reset --force`) drops it with the run here")
         coordinator.move = None
     elif role == SOURCE and not done:
         if coordinator.members.running:
