@@ -7,9 +7,11 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from cluster import Cluster, stop
 
 BOUND = 16  # elements: values of more are sliced over the servers
 STEPS = 3  # rounds per phase of training
+PAUSE = 2.0  # seconds a server is stopped (SIGSTOP) for: well within the tool's default --timeout, 10 s
 
 
 def run_tool(*args):
@@ -231,7 +234,7 @@ def test_an_interrupted_move_is_completed_by_running_it_again(tmp_path, monkeypa
 
 
 def test_the_command_as_a_process_and_2_bit_residuals(tmp_path):
-    """2-bit residuals live on the workers, never on the servers: a worker started again (for the
+    """A new server paused for a while (within the tool's --timeout) is waited for. 2-bit residuals live on the workers, never on the servers: a worker started again (for the
     new servers, or for the same ones) begins with none, so a moved run and an unmoved one lose the
     same residuals and go on alike."""
     job = Job([3, 4], [np.ones(3, np.float32), np.linspace(0, 1, 20, dtype=np.float32)], sgd,
@@ -239,6 +242,8 @@ def test_the_command_as_a_process_and_2_bit_residuals(tmp_path):
     with Cluster(servers=3, tmp_path=tmp_path) as cluster:
         unmoved, old, new = cluster.addresses[0:1], cluster.addresses[1:2], cluster.addresses[2:3]
         assert_same(job.train(old, 1), job.train(unmoved, 1))
+        os.kill(cluster.processes[2].pid, signal.SIGSTOP)  # a new server that is slow to answer: waited for
+        threading.Timer(PAUSE, os.kill, (cluster.processes[2].pid, signal.SIGCONT)).start()
         done = subprocess.run([sys.executable, "-m", "tensorkv.ctl", "-o", "json", "reshard", "--from", old[0],
                                "--to", new[0]], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
