@@ -93,12 +93,17 @@ def _pieces(flat, first, stop):
 async def read_ranges(coordinator, request, max_key_bytes):
     """The ReadRangesResponse messages of ``request``."""
     found = _ranges(coordinator, request.ranges, max_key_bytes)
-    move = coordinator.move
-    with coordinator.engine.on_device():
-        for flat, first, stop in found:
-            for piece in _pieces(flat, first, stop):
-                _check_frozen(coordinator, move)
-                yield maintenance_pb2.ReadRangesResponse(data=piece.tobytes())
+    move, engine = coordinator.move, coordinator.engine
+    for flat, first, stop in found:
+        pieces = _pieces(flat, first, stop)
+        while True:
+            with engine.on_device():  # not across a yield: other calls set the device meanwhile
+                piece = next(pieces, None)
+                data = None if piece is None else piece.tobytes()
+            if data is None:
+                break
+            _check_frozen(coordinator, move)
+            yield maintenance_pb2.ReadRangesResponse(data=data)
 
 
 async def digest_ranges(coordinator, request, max_key_bytes):
@@ -153,10 +158,11 @@ def begin_import(coordinator, sources, force):
 
 class _Receiver:
     """An ImportRun stream's bytes: the header, then the arrays it announces, one after the
-    other, each written into an array of its own as its bytes come."""
+    other, each written into an array of its own as its bytes come. ``begin(header, nbytes)``
+    is called once the header is whole (``nbytes``: of the arrays it announces)."""
 
-    def __init__(self, header_size, coordinator):
-        self.header_size, self.coordinator = header_size, coordinator
+    def __init__(self, header_size, begin):
+        self.header_size, self.begin = header_size, begin
         self.header_bytes, self.header = bytearray(), None
         self.arrays = {}
         self._layout = None  # iterator of (name, dtype, shape) of the arrays still to come
@@ -187,16 +193,7 @@ class _Receiver:
             layout = list(_layout(header))
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise InvalidArgumentError(f"malformed header ({error!r})") from None
-        coordinator = self.coordinator
-        if (header.get("mode"), header.get("num_workers")) != (coordinator.mode, coordinator.num_workers):
-            raise FailedPreconditionError(
-                f"the run comes from servers with --mode {header.get('mode')} --num-workers "
-                f"{header.get('num_workers')}; this server has --mode {coordinator.mode} --num-workers "
-                f"{coordinator.num_workers}: start the new servers as the old ones")
-        total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in layout)
-        if coordinator.max_memory is not None and total > coordinator.max_memory:
-            raise ResourceExhaustedError(f"the run holds {size(total)} of values and optimizer states; this server's "
-                                         f"--max-memory is {size(coordinator.max_memory)}")
+        self.begin(header, sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in layout))
         self.header, self._layout = header, iter(layout)
 
     def _next(self):
@@ -217,6 +214,19 @@ class _Receiver:
         if self._current is not None or self._next():
             raise InvalidArgumentError("the stream ended before the last array its header announces")
         return self.header, self.arrays
+
+
+def _check_fits(coordinator, header, nbytes):
+    """FailedPreconditionError for a run of another mode or worker count than ``coordinator``'s,
+    ResourceExhaustedError for one of more than its --max-memory (``nbytes`` of arrays)."""
+    if (header.get("mode"), header.get("num_workers")) != (coordinator.mode, coordinator.num_workers):
+        raise FailedPreconditionError(
+            f"the run comes from servers with --mode {header.get('mode')} --num-workers {header.get('num_workers')}; "
+            f"this server has --mode {coordinator.mode} --num-workers {coordinator.num_workers}: start the new "
+            "servers as the old ones")
+    if coordinator.max_memory is not None and nbytes > coordinator.max_memory:
+        raise ResourceExhaustedError(f"the run holds {size(nbytes)} of values and optimizer states; this server's "
+                                     f"--max-memory is {size(coordinator.max_memory)}")
 
 
 def _dtype(name):
@@ -247,20 +257,27 @@ def _layout(header):
 
 
 async def import_run(coordinator, requests):
-    """Import the run of the ImportRunRequest stream ``requests``; the ImportRunResponse."""
+    """Import the run of the ImportRunRequest stream ``requests``; the ImportRunResponse. The
+    server becomes a target once the header is whole and fits, and stays one should the stream
+    end early."""
     first = await anext(requests, None)
     if first is None or not first.sources:
         raise InvalidArgumentError("an ImportRun stream begins with a message naming its sources")
-    begin_import(coordinator, list(first.sources), first.force)
-    move, receiver = coordinator.move, _Receiver(first.header_size, coordinator)
+    moves = []  # the move this import began
+
+    def begin(header, nbytes):
+        _check_fits(coordinator, header, nbytes)
+        begin_import(coordinator, list(first.sources), first.force)
+        moves.append(coordinator.move)
+
+    receiver = _Receiver(first.header_size, begin)
     receiver.feed(first.data)
     async for request in requests:
-        if coordinator.move is not move:
-            raise FailedPreconditionError("another import, or a reset, replaced this one")
+        _check_ours(coordinator, moves)
         receiver.feed(request.data)
     header, arrays = receiver.finish()
-    if coordinator.move is not move:
-        raise FailedPreconditionError("another import, or a reset, replaced this one")
+    _check_ours(coordinator, moves)
+    move = moves[0]
     header["moved"] = move.to_header()  # this import's, whatever the header says
     try:
         snapshot.restore(coordinator, header, arrays)
@@ -272,6 +289,11 @@ async def import_run(coordinator, requests):
     log.info("imported %s (%s) from %s", plural(len(header["keys"]), "key"), size(nbytes), ",".join(move.servers),
              extra={"event": "import_done"})
     return maintenance_pb2.ImportRunResponse(num_keys=len(header["keys"]), num_bytes=nbytes)
+
+
+def _check_ours(coordinator, moves):
+    if moves and coordinator.move is not moves[0]:
+        raise FailedPreconditionError("another import, or a reset, replaced this one")
 
 
 # ---- marks --------------------------------------------------------------------------
