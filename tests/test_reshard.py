@@ -138,10 +138,10 @@ def test_int_keys_with_sgd_momentum_moved_live_and_from_snapshots(tmp_path):
     they are gone, the same run moves again."""
     job = Job([0, 1, 2], [np.arange(30, dtype=np.float32), np.full(4, 2, np.float32), np.ones((2, 3), np.float32)],
               sgd)
-    with Cluster(servers=8, tmp_path=tmp_path,
+    with Cluster(servers=6, tmp_path=tmp_path,
                  server_args=["--state-dir", tmp_path / "state{index}", "--snapshot-interval", "0"]) as cluster:
         unmoved, first, second, third = (cluster.addresses[0:2], cluster.addresses[2:4], cluster.addresses[4:5],
-                                         cluster.addresses[5:8])
+                                         cluster.addresses[5:6])
         before = job.train(first, 1)
         assert_same(before, job.train(unmoved, 1))
         move(first, second)

@@ -228,21 +228,32 @@ def _say(text):
 def run(args):
     """The rows of the move (one per new server) that ``args`` (the command's) asks for;
     KVStoreError for a refusal, whose message says what to do."""
-    targets = [Remote(address, args.security, args.timeout) for address in parse_servers(args.to, "--to")]
-    sources = []
+    opened = []  # every Remote and SnapshotDir, closed at the end
+
+    def open_each(names, make):
+        made = []
+        for name in names:
+            made.append(make(name))
+            opened.append(made[-1])
+        return made
+
     try:
+        targets = open_each(parse_servers(args.to, "--to"), lambda address: Remote(address, args.security, args.timeout))
         if args.from_snapshots:
-            sources = [SnapshotDir(path) for path in args.from_snapshots.split(",") if path]
+            sources = open_each([path for path in args.from_snapshots.split(",") if path], SnapshotDir)
         else:
-            sources = [Remote(address, args.security, args.timeout)
-                       for address in parse_servers(args.sources, "--from")]
+            sources = open_each(parse_servers(args.sources, "--from"),
+                                lambda address: Remote(address, args.security, args.timeout))
         return _Move(args, sources, targets).run()
     finally:
-        for server in [*sources, *targets]:
+        for server in opened:
             server.close()
 
 
 class _Move:
+    """One run of the command: the old servers (``sources``: Remote, or SnapshotDir) and the new
+    ones (``targets``), and the steps of module's docstring, each skipped when done before."""
+
     def __init__(self, args, sources, targets):
         self.sources, self.targets = sources, targets
         self.live = not args.from_snapshots  # the sources are servers, which are frozen and marked
