@@ -234,7 +234,8 @@ def test_an_interrupted_move_is_completed_by_running_it_again(tmp_path, monkeypa
 
 
 def test_the_command_as_a_process_and_2_bit_residuals(tmp_path):
-    """A new server paused for a while (within the tool's --timeout) is waited for. 2-bit residuals live on the workers, never on the servers: a worker started again (for the
+    """A new server paused for a while (within the tool's --timeout) is waited for. 2-bit
+    residuals live on the workers, never on the servers: a worker started again (for the
     new servers, or for the same ones) begins with none, so a moved run and an unmoved one lose the
     same residuals and go on alike."""
     job = Job([3, 4], [np.ones(3, np.float32), np.linspace(0, 1, 20, dtype=np.float32)], sgd,
@@ -247,6 +248,7 @@ def test_the_command_as_a_process_and_2_bit_residuals(tmp_path):
         done = subprocess.run([sys.executable, "-m", "tensorkv.ctl", "-o", "json", "reshard", "--from", old[0],
                                "--to", new[0]], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout) == [{"server": new[0], "keys": 2, "bytes": 2 * 23 * 4, "state": "moved"}]  # values and momenta
+        moved = {"server": new[0], "keys": 2, "bytes": 2 * 23 * 4, "state": "moved"}  # values and momenta
+        assert json.loads(done.stdout) == [moved]
         assert f"start the job's workers with TENSORKV_SERVERS={new[0]} and if_exists='resume'" in done.stderr
         assert_same(job.train(new, 1 + STEPS), job.train(unmoved, 1 + STEPS))

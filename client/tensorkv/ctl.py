@@ -106,7 +106,9 @@ def _read_token(path):
 
 
 def _parser():
-    parser = argparse.ArgumentParser(prog="tensorkv", description="Inspect and operate tensorkv servers.", allow_abbrev=False,
+    # allow_abbrev=False: reshard's --to would be taken for an abbreviation of --token(-file)
+    parser = argparse.ArgumentParser(prog="tensorkv", description="Inspect and operate tensorkv servers.",
+                                     allow_abbrev=False,
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _options(parser, defaults=True)
     options = argparse.ArgumentParser(add_help=False)  # the same options after the command too

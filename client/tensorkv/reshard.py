@@ -59,7 +59,8 @@ def add_arguments(parser):
                              "TENSORKV_BIGARRAY_BOUND (default: the bound the old servers' workers registered with, "
                              "else TENSORKV_BIGARRAY_BOUND, else 1000000)")
     parser.add_argument("--force", action="store_true",
-                        help="drop what the new servers hold (keys, an optimizer, another move's part) and import there")
+                        help="drop what the new servers hold (keys, an optimizer, another move's part) and import "
+                             "there")
     parser.add_argument("--abort", action="store_true",
                         help="give the move up instead: the old servers take workers again (not once it is done)")
 
@@ -238,12 +239,14 @@ def run(args):
         return made
 
     try:
-        targets = open_each(parse_servers(args.to, "--to"), lambda address: Remote(address, args.security, args.timeout))
+        def remote(address):
+            return Remote(address, args.security, args.timeout)
+
+        targets = open_each(parse_servers(args.to, "--to"), remote)
         if args.from_snapshots:
             sources = open_each([path for path in args.from_snapshots.split(",") if path], SnapshotDir)
         else:
-            sources = open_each(parse_servers(args.sources, "--from"),
-                                lambda address: Remote(address, args.security, args.timeout))
+            sources = open_each(parse_servers(args.sources, "--from"), remote)
         return _Move(args, sources, targets).run()
     finally:
         for server in opened:
@@ -280,7 +283,8 @@ class _Move:
             return [{"server": address, "keys": info.num_keys, "state": "moved already"}
                     for address, info in zip(self.to, target_infos)]
         self._check_targets(target_infos)
-        plan = self._plan(_each(self.sources, lambda source: source.describe()))  # every refusal before anything changes
+        # every refusal before anything changes
+        plan = self._plan(_each(self.sources, lambda source: source.describe()))
         if self.live:
             _each([source for source, info in zip(self.sources, source_infos) if not self._ours(info.move, "source")],
                   lambda source: source.mark(kvstore_pb2.MOVE_ROLE_SOURCE, self.to))
@@ -427,7 +431,8 @@ class _Move:
                     raise FailedPreconditionError(
                         f"{target.address}: key {segment.key!r} array {segment.array} elements [{segment.begin}, "
                         f"{segment.end}) differ from those on {self.names[segment.source]}: run this again")
-        _say(f"checked {plural(sum(len(part.segments) for _, part in imported), 'range')}: the same bytes on both sides")
+        ranges = sum(len(part.segments) for _, part in imported)
+        _say(f"checked {plural(ranges, 'range')}: the same bytes on both sides")
 
     def _give_up(self, infos):
         """--abort: drop the freeze of the old servers (refused by them once the move is done)."""

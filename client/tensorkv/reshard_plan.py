@@ -135,8 +135,8 @@ def run_header(headers):
     for header in headers[1:]:
         for field in ("mode", "num_workers"):
             if header[field] != first[field]:
-                raise FailedPreconditionError(f"the old servers differ in {field} ({first[field]} and {header[field]}): "
-                                              "they do not hold one run")
+                raise FailedPreconditionError(f"the old servers differ in {field} ({first[field]} and "
+                                              f"{header[field]}): they do not hold one run")
     key_types = {header["key_type"] for header in headers} - {None}
     optimizers = {repr(header["optimizer"]) for header in headers if header["optimizer"] is not None}
     if len(key_types) > 1:
