@@ -124,6 +124,30 @@ def test_scaling_the_servers_in_the_kustomization_reaches_every_place_that_names
         assert _env(container)["TENSORKV_SERVERS"]["value"] == three, container["name"]
 
 
+def test_next_servers_make_a_second_set_for_a_move(rendered, tmp_path):
+    """deploy/kubernetes/next-servers.sh (docs/operations.md, "On Kubernetes"): three servers
+    beside the first two, under other names and selected apart from them, and a Job whose
+    workers, and their wait, name the new ones and resume the moved run."""
+    subprocess.run(["sh", str(DEPLOY / "next-servers.sh"), "tensorkv-b", "3", str(tmp_path)], check=True, timeout=30)
+    documents = render(tmp_path)
+    for document in documents:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+    by_kind = {doc["kind"]: doc for doc in documents}
+    statefulset, service, job = by_kind["StatefulSet"], by_kind["Service"], by_kind["Job"]
+    assert (statefulset["metadata"]["name"], statefulset["spec"]["serviceName"], service["metadata"]["name"],
+            statefulset["spec"]["replicas"]) == ("tensorkv-b", "tensorkv-b", "tensorkv-b", 3)
+    new_pods = statefulset["spec"]["template"]["metadata"]["labels"]
+    old_pods = rendered["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
+    for selector in (service["spec"]["selector"], statefulset["spec"]["selector"]["matchLabels"],
+                     by_kind["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]):
+        assert selector.items() <= new_pods.items() and not selector.items() <= old_pods.items()
+    servers = ",".join(f"tensorkv-b-{i}.tensorkv-b:50051" for i in range(3))
+    pod = job["spec"]["template"]["spec"]
+    for container in (*pod["initContainers"], *pod["containers"]):
+        assert _env(container)["TENSORKV_SERVERS"]["value"] == servers, container["name"]
+    assert _env(pod["containers"][0])["TENSORKV_IF_EXISTS"]["value"] == "resume"
+
+
 def test_probes_ask_healthz_and_the_last_snapshot_has_time(rendered):
     """A TCP probe passed while the server was frozen; /healthz (metrics.Liveness) does not.
     The default 30 s grace was most of what a snapshot at --max-memory takes to write."""

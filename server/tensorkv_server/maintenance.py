@@ -1,7 +1,10 @@
 """The MaintenanceService handlers, for operators' tools (``tensorkv keys``, ``tensorkv get``):
-they need no rank and change nothing, so they never disturb a job's membership or rounds."""
+they need no rank and change nothing, so they never disturb a job's membership or rounds; and
+those of a move (``tensorkv reshard``), whose work is :mod:`.transfer`'s."""
 from tensorkv.wire import codec
 from tensorkv.v1 import maintenance_pb2, maintenance_pb2_grpc, tensor_pb2
+
+from . import transfer
 
 # Keys per ListKeysResponse: a page stays far below gRPC's message limit even with long keys.
 PAGE_KEYS = 500
@@ -9,9 +12,10 @@ _FRAME_FIELD = maintenance_pb2.ReadKeyResponse.DESCRIPTOR.fields_by_name["frame"
 
 
 class MaintenanceService(maintenance_pb2_grpc.MaintenanceServiceServicer):
-    def __init__(self, coordinator, max_key_bytes):
+    def __init__(self, coordinator, max_key_bytes, snapshots=None):
         self.coordinator = coordinator
         self.max_key_bytes = max_key_bytes
+        self.snapshots = snapshots  # snapshot.Snapshots of --state-dir, which keep a move's marks; or None
 
     async def ListKeys(self, request, context):
         described = [_description(*entry) for entry in self.coordinator.describe_keys()]
@@ -23,6 +27,23 @@ class MaintenanceService(maintenance_pb2_grpc.MaintenanceServiceServicer):
         codec.check_key_bytes(key, self.max_key_bytes)
         for message in codec.encode_messages([self.coordinator.read(key)], _FRAME_FIELD):
             yield message
+
+    async def DescribeRun(self, request, context):
+        for piece in transfer.header_pieces(self.coordinator):
+            yield maintenance_pb2.DescribeRunResponse(header=piece)
+
+    async def ReadRanges(self, request, context):
+        async for message in transfer.read_ranges(self.coordinator, request, self.max_key_bytes):
+            yield message
+
+    async def DigestRanges(self, request, context):
+        return await transfer.digest_ranges(self.coordinator, request, self.max_key_bytes)
+
+    async def ImportRun(self, request_iterator, context):
+        return await transfer.import_run(self.coordinator, request_iterator)
+
+    async def MarkMove(self, request, context):
+        return await transfer.mark_move(self.coordinator, self.snapshots, request)
 
 
 def _description(key, stored, updates):

@@ -80,6 +80,7 @@ class Coordinator:
         self._init_waiters = {}  # key -> future done when rank 0 has stored it
         self._split_apart = {}  # key -> the error of a worker that splits it otherwise (until the run ends)
         self._closing = False
+        self.move = None  # the moves.Move this server's run is part of (tensorkv reshard), or None
 
     # ---- membership -------------------------------------------------------------------
 
@@ -91,6 +92,8 @@ class Coordinator:
         is shutting down: its open streams are still served then, but a new worker would only
         be in its last snapshot."""
         self._check_open()
+        if self.move is not None:
+            self.move.check_register(self.members.run)
         self.members.check_bound(asked.bound)
         rank, incarnation, started = self.members.register(rank, asked.if_exists, asked.previous, asked.request_id,
                                                            asked.job, asked.earlier)
@@ -157,8 +160,13 @@ class Coordinator:
                 f"cannot reset: run {run.number}{job} was going on in the snapshot this server restored, and its "
                 "workers may still register again and go on with its keys, which a reset would drop: reset once "
                 "that job is over, or force it (`tensorkv reset --force`, tensorkv.reset(force=True))")
+        if self.move is not None and not self.move.done and not force:
+            raise FailedPreconditionError(
+                f"cannot reset: the run on this server is {self.move.words()} by `tensorkv reshard`: run that command "
+                "again to complete the move, or force the reset (`tensorkv reset --force`), which drops it here")
         count = len(self.engine)
         self._drop_state()
+        self.move = None
         self.members.end_restored_run()
         log.info("reset: %d keys, the optimizer and its states dropped", count)
         return count

@@ -181,7 +181,7 @@ async def _start(server, servicer, coordinator, data_port):
     """Add the services to ``server``, start it and ``data_port`` (or None), and say SERVING:
     the health servicer."""
     add_to_server(servicer, server)
-    add_to_server(MaintenanceService(coordinator, servicer.limits.max_key_bytes), server, MAINTENANCE)
+    add_to_server(MaintenanceService(coordinator, servicer.limits.max_key_bytes, servicer.snapshots), server, MAINTENANCE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -29,10 +29,12 @@ from tensorkv.words import plural, size
 from . import budget, logs, metrics, shm
 from .limits import Limits
 from .membership import FAIL, MAX_EARLIER_INCARNATIONS, MAX_JOB_BYTES, REPLACE, RESUME, Registration
+from .moves import check_changeable
 from .security import READ_ONLY_CALL
 from .session import SessionStream
 from .staging import Staging
 from .streams import OpenStreams
+from .transfer import move_message
 
 log = logging.getLogger(__name__)
 _MODES = {"sync": kvstore_pb2.MODE_SYNC, "async": kvstore_pb2.MODE_ASYNC}
@@ -227,7 +229,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             data_port=self.data_port.advertised if self.data_port else 0,
             if_exists=_IF_EXISTS.get(info.pop("if_exists"), kvstore_pb2.IF_EXISTS_UNSPECIFIED),
             lease_ttl_ms=_ms(info.pop("lease_timeout")), workers=workers, server_id=self.server_id,
-            snapshots=self.snapshots is not None, **_snapshot_info(self.snapshots), **info)
+            snapshots=self.snapshots is not None, move=move_message(self.coordinator.move),
+            **_snapshot_info(self.snapshots), **info)
 
     async def Init(self, request_iterator, context):
         await self._apply(request_iterator, kvstore_pb2.InitRequest,
@@ -328,6 +331,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 yield response
 
     async def SetUpdater(self, request_iterator, context):
+        check_changeable(self.coordinator.move, "SetUpdater")
         optimizer, key_states = states_wire.from_messages([r async for r in request_iterator])
         if optimizer is None:
             raise InvalidArgumentError("SetUpdater names no optimizer")
@@ -340,6 +344,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             yield message
 
     async def SetLearningRate(self, request, context):
+        check_changeable(self.coordinator.move, "SetLearningRate")
         self.coordinator.set_learning_rate(request.learning_rate)
         return kvstore_pb2.SetLearningRateResponse()
 

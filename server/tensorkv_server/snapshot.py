@@ -31,13 +31,14 @@ import zipfile
 import numpy as np
 
 from tensorkv.wire import states_file
-from tensorkv.backend import BFLOAT16, to_host
+from tensorkv.backend import BFLOAT16, shape_dtype, to_host
 from tensorkv.wire.codec import Item, check_key
 from tensorkv.errors import KVStoreError, ResourceExhaustedError
 from tensorkv.words import plural, size
 
 from . import metrics
 from .membership import Run
+from .moves import Move
 
 log = logging.getLogger(__name__)
 
@@ -64,33 +65,42 @@ class WrongServer(Exception):
     --max-memory: this server refuses to start."""
 
 
-def capture(coordinator, buffers):
-    """(header, {name: NumPy array}) of ``coordinator``'s state, with copies of the arrays:
-    into ``buffers[key]`` where it has the value's shape and dtype."""
-    engine, arrays, keys = coordinator.engine, {}, []
+def describe(coordinator):
+    """(header, [value arrays], [state arrays]) of ``coordinator``'s state: the header of a
+    snapshot of it, and the stored arrays themselves (not copies) that its ``value_i`` and
+    ``state_j`` would hold."""
+    engine, keys, values = coordinator.engine, [], []
     state = coordinator.snapshot_state()
     for key, counters in state["keys"].items():
         stored = engine.get(key)
-        value = _host_copy(stored.array, buffers.get(key))
         keys.append({"key": key, "shape": list(stored.shape), "slice": stored.slice and list(stored.slice),
-                     "dtype": str(value.dtype), **counters})
-        arrays[f"value_{len(keys) - 1}"] = value
-    optimizer, states = coordinator.optimizer_states()
-    state_keys, count = [], 0
-    for key, (num_update, items) in states.items():
-        state_keys.append({"key": key, "num_update": num_update, "num_states": len(items)})
-        for item in items:
-            arrays[f"state_{count}"] = item.array
-            count += 1
-    run = coordinator.members.run
+                     "dtype": str(shape_dtype(stored.array)[1]), **counters})
+        values.append(stored.array)
+    optimizer, state_keys, states = coordinator.optimizer, [], []
+    if optimizer is not None:
+        for key, (num_update, arrays) in engine.updater.get_states().items():
+            state_keys.append({"key": key, "num_update": num_update, "num_states": len(arrays),
+                               "dtypes": [str(shape_dtype(array)[1]) for array in arrays]})
+            states.extend(arrays)
+    run, move = coordinator.members.run, coordinator.move
     header = {"format": FORMAT, "version": VERSION, "mode": coordinator.mode, "num_workers": coordinator.num_workers,
               "key_type": engine.key_type and engine.key_type.__name__, "keys": keys,
               "optimizer": optimizer and states_file.optimizer_header(optimizer), "states": state_keys,
               "run": run and {"number": run.number, "if_exists": run.if_exists, "job": run.job,
-                              "going": coordinator.members.run_going_on},
+                              "going": coordinator.members.run_going_on, "bigarray_bound": run.bigarray_bound},
               "next_incarnation": state["next_incarnation"],
               "sequences": coordinator.members.saved_sequences(coordinator.open_sequences()),
-              "barriers_done": state["barriers_done"]}
+              "barriers_done": state["barriers_done"], "moved": move and move.to_header()}
+    return header, values, states
+
+
+def capture(coordinator, buffers):
+    """(header, {name: NumPy array}) of ``coordinator``'s state, with copies of the arrays:
+    into ``buffers[key]`` where it has the value's shape and dtype."""
+    header, values, states = describe(coordinator)
+    arrays = {f"value_{index}": _host_copy(value, buffers.get(entry["key"]))
+              for index, (entry, value) in enumerate(zip(header["keys"], values))}
+    arrays.update((f"state_{index}", _host_copy(state, None)) for index, state in enumerate(states))
     return header, arrays
 
 
@@ -101,7 +111,7 @@ def _stamp(coordinator):
     run, state = members.run, coordinator.snapshot_state(keys=False)
     return (coordinator.engine.changes, repr(getattr(optimizer, "optimizer", optimizer)),
             run and (run.number, run.if_exists), members.run_going_on, state["next_incarnation"],
-            state["barriers_done"], repr(members.saved_sequences(coordinator.open_sequences())))
+            state["barriers_done"], repr(members.saved_sequences(coordinator.open_sequences())), repr(coordinator.move))
 
 
 def _summary(header):
@@ -171,25 +181,76 @@ def _portable(array):
     return array.view(np.uint16) if array.dtype == BFLOAT16 else array
 
 
-def read(file):
-    """(header, {name: array}) of the snapshot file ``file`` (binary, at its start), each
-    array read straight into memory of its own; BadSnapshot if the file is not whole."""
+def _first_line(file):
+    """(the hex SHA-256 the first line of the snapshot file ``file`` gives, the offset of the payload)."""
     line = file.readline(len(_line("0" * 64)))
     fields = line.rstrip(b"\n").split(b" ")
     if not line.endswith(b"\n") or len(fields) != 3 or fields[:2] != [FORMAT.encode(), str(VERSION).encode()]:
         raise BadSnapshot(f"not a {FORMAT} file of version {VERSION}")
-    try:
-        digest, arrays = _read_payload(file, len(line))
-        header = json.loads(bytes(arrays.pop("header")).decode())
-    except _UNREADABLE as error:
-        if _digest(file, len(line)) != fields[2].decode():
-            raise BadSnapshot("checksum mismatch (truncated or corrupt)") from None
-        raise BadSnapshot(f"unreadable payload ({error!r})") from None
-    if digest != fields[2].decode():
-        raise BadSnapshot("checksum mismatch (truncated or corrupt)")
+    return fields[2].decode(), len(line)
+
+
+def _json_header(data):
+    header = json.loads(bytes(data).decode())
     if not isinstance(header, dict):
         raise BadSnapshot("malformed header (not a JSON object)")
-    return header, arrays
+    return header
+
+
+def read(file):
+    """(header, {name: array}) of the snapshot file ``file`` (binary, at its start), each
+    array read straight into memory of its own; BadSnapshot if the file is not whole."""
+    expected, start = _first_line(file)
+    try:
+        digest, arrays = _read_payload(file, start)
+        header = arrays.pop("header")
+    except _UNREADABLE as error:
+        if _digest(file, start) != expected:
+            raise BadSnapshot("checksum mismatch (truncated or corrupt)") from None
+        raise BadSnapshot(f"unreadable payload ({error!r})") from None
+    if digest != expected:
+        raise BadSnapshot("checksum mismatch (truncated or corrupt)")
+    return _json_header(header), arrays
+
+
+def index(file):
+    """(header, {name: (offset, dtype, shape)}) of the snapshot file ``file`` (binary, at its
+    start): where the bytes of each array lie, for a reader that reads them piece by piece.
+    The checksum is checked first, in one pass of CHUNK bytes at a time; BadSnapshot if the
+    file is not whole."""
+    expected, start = _first_line(file)
+    if _digest(file, start) != expected:
+        raise BadSnapshot("checksum mismatch (truncated or corrupt)")
+    try:
+        members = {name: (offset, dtype, shape) for offset, _, name, shape, dtype, fortran_order in _members(file)
+                   if not fortran_order or len(shape) < 2}
+        offset, _, shape = members.pop("header")
+        file.seek(offset)
+        return _json_header(_read_exactly(file, int(np.prod(shape)))), members
+    except _UNREADABLE as error:
+        raise BadSnapshot(f"unreadable payload ({error!r})") from None
+
+
+def newest(directory):
+    """(open file, header, index) of the newest snapshot in ``directory`` that is whole (see
+    :func:`index`; the caller closes the file); NoSnapshotLoads naming each file that
+    is not, or saying there is none."""
+    failed = []
+    for _, name in files(directory):
+        path = os.path.join(directory, name)
+        file = open(path, "rb")
+        try:
+            return file, *index(file)
+        except (OSError, BadSnapshot) as error:
+            file.close()
+            failed.append(f"{name}: {getattr(error, 'strerror', None) or error}")
+    raise NoSnapshotLoads("; ".join(failed) if failed else f"no snapshot in {directory}")
+
+
+def files(directory):
+    """[(sequence number, file name)] of the snapshots in ``directory``, newest first."""
+    names = (_NAME.fullmatch(name) for name in os.listdir(directory))
+    return sorted(((int(match.group(1)), match.group(0)) for match in names if match), reverse=True)
 
 
 # What a payload that is not a whole archive of .npy files raises while it is read.
@@ -276,6 +337,7 @@ def restore(coordinator, header, arrays):
                           f"not --mode {coordinator.mode} --num-workers {coordinator.num_workers}")
     try:
         items, optimizer, states = _parse(header, arrays)
+        move = Move.from_header(header.get("moved"))
         coordinator.engine.check_new(items)
     except (KeyError, TypeError, ValueError, AttributeError, KVStoreError) as error:
         raise BadSnapshot(f"malformed header ({error!r})") from None
@@ -300,8 +362,10 @@ def restore(coordinator, header, arrays):
         # Snapshots written before "going" was saved: going on if a rank's sequence numbers were saved.
         members.restore_run(Run(run["number"], run["if_exists"], run.get("job", "")),
                             run.get("going", bool(header.get("sequences"))))
+        members.run.bigarray_bound = run.get("bigarray_bound", 0)
         coordinator.optimizer_run = run["number"]  # the last run's, or an earlier one's: not a later run's
     members.restore_sequences(header.get("sequences", []))
+    coordinator.move = move
 
 
 def _parse(header, arrays):
@@ -321,7 +385,7 @@ def _parse(header, arrays):
     for entry in header.get("sequences", []):
         int(entry["rank"]), int(entry["incarnation"]), int(entry["through"]), [int(number) for number in entry["beyond"]]
     if header["run"] is not None:
-        int(header["run"]["number"]), header["run"]["if_exists"]
+        int(header["run"]["number"]), header["run"]["if_exists"], int(header["run"].get("bigarray_bound", 0))
         if not isinstance(header["run"].get("going", False), bool):
             raise ValueError(f"run.going is {header['run']['going']!r}, not true or false")
     if header["optimizer"] is None:
@@ -391,11 +455,6 @@ class Snapshots:
         self._held.write(f"pid {os.getpid()} on {socket.gethostname()}\n")  # pids repeat across containers
         self._held.flush()
 
-    def _files(self):
-        """[(sequence number, file name)] of the snapshots in the directory, newest first."""
-        names = (_NAME.fullmatch(name) for name in os.listdir(self.directory))
-        return sorted(((int(match.group(1)), match.group(0)) for match in names if match), reverse=True)
-
     def load(self):
         """Restore the newest snapshot that is whole, skipping the others with a warning and
         setting aside those newer than it. NoSnapshotLoads when there are snapshots and none
@@ -403,7 +462,7 @@ class Snapshots:
         that stopped while it wrote one) are removed: they would take the room of a copy."""
         self._remove_unfinished()
         failed = []
-        for _, name in self._files():
+        for _, name in files(self.directory):
             path = os.path.join(self.directory, name)
             try:
                 with open(path, "rb") as file:
@@ -467,7 +526,7 @@ class Snapshots:
         """Bytes the directory's volume has for snapshots: its free space and the snapshot
         files that the server replaces in turn."""
         status = os.statvfs(self.directory)
-        rotated = sum(os.stat(os.path.join(self.directory, name)).st_size for _, name in self._files()
+        rotated = sum(os.stat(os.path.join(self.directory, name)).st_size for _, name in files(self.directory)
                       if name not in self._kept)
         return status.f_bavail * status.f_frsize + rotated
 
@@ -580,7 +639,7 @@ class Snapshots:
     def _remove_older(self, keep):
         """Remove the snapshot files other than ``keep`` and those that did not load."""
         try:
-            for _, old in self._files():
+            for _, old in files(self.directory):
                 if old != keep and old not in self._kept:
                     os.remove(os.path.join(self.directory, old))
         except OSError as error:

@@ -92,6 +92,16 @@ def home(key, num_servers):
     return zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
 
 
+def placement(key, size, num_servers, bound):
+    """[(server index, slice or None)] of a value of ``size`` elements of ``key`` on
+    ``num_servers`` servers: the whole value on its :func:`home`, or, past ``bound`` elements
+    on several servers, the contiguous slice (begin, end) of the flattened value on each."""
+    if num_servers == 1 or size <= bound:
+        return [(home(key, num_servers), None)]
+    bounds = [size * i // num_servers for i in range(num_servers + 1)]
+    return [(i, (bounds[i], bounds[i + 1])) for i in range(num_servers)]
+
+
 def _grouped(pairs):
     """{key: every array pushed for it} of the (key, [array]) ``pairs`` of one push (a key may
     repeat); the keys checked."""
@@ -228,11 +238,7 @@ class DistStore(KVStore):
 
     def _placement(self, key, size):
         """[(server index, slice or None)] of a value of ``size`` elements."""
-        count = len(self._conns)
-        if count == 1 or size <= self._bound:
-            return [(home(key, count), None)]
-        bounds = [size * i // count for i in range(count + 1)]
-        return [(i, (bounds[i], bounds[i + 1])) for i in range(count)]
+        return placement(key, size, len(self._conns), self._bound)
 
     def _split(self, key, array, shape=None):
         """[(server index, Item)] that carry ``array`` (a whole value, or its shape with no data)."""

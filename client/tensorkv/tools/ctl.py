@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tensorkv.wire import codec
 from tensorkv.stores.dist import parse_servers
+from tensorkv.tools import reshard as resharding
 from tensorkv.errors import InvalidArgumentError, KVStoreError
 from tensorkv.wire.status import error_from_rpc
 from tensorkv.transport.security import Security
@@ -66,7 +67,7 @@ def main(argv=None):
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's own INFO lines (a failed TLS handshake) on stderr
     parser = _parser()
     args = parser.parse_args(argv)
-    if not args.servers:
+    if not args.servers and args.command != "reshard":
         parser.error("no servers: pass --servers HOST:PORT,... or set TENSORKV_SERVERS")
     if not args.timeout > 0:
         parser.error(f"--timeout must be positive, not {args.timeout:g}")
@@ -74,8 +75,9 @@ def main(argv=None):
         parser.error("--token would show the token to every user of this host (in the process list): put it in a "
                      "file only you can read and pass --token-file FILE, or set TENSORKV_TOKEN")
     try:
-        security = Security.from_options(args.tls_ca, args.tls_cert, args.tls_key, _read_token(args.token_file))
-        servers = [Server(address, security, args.timeout) for address in parse_servers(args.servers)]
+        args.security = Security.from_options(args.tls_ca, args.tls_cert, args.tls_key, _read_token(args.token_file))
+        addresses = parse_servers(args.servers) if args.servers else []  # reshard names its own
+        servers = [Server(address, args.security, args.timeout) for address in addresses]
     except KVStoreError as error:
         parser.error(str(error))
     args.failures = []  # one line for each server that did not answer (see _answers)
@@ -105,7 +107,9 @@ def _read_token(path):
 
 
 def _parser():
+    # allow_abbrev=False: reshard's --to would be taken for an abbreviation of --token(-file)
     parser = argparse.ArgumentParser(prog="tensorkv", description="Inspect and operate tensorkv servers.",
+                                     allow_abbrev=False,
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _options(parser, defaults=True)
     options = argparse.ArgumentParser(add_help=False)  # the same options after the command too
@@ -127,6 +131,7 @@ def _parser():
     command("workers", workers, "the registered ranks of each server")
     command("reset", reset, "drop every key, the optimizer and its states (no run may be registered)").add_argument(
         "--force", action="store_true", help="even while the run of a snapshot the server restored can come back")
+    resharding.add_arguments(command("reshard", reshard, "move the run of some servers (--from) to others (--to)"))
     snapshot = commands.add_parser("snapshot", help="snapshots of the servers' state")
     snapshot.add_subparsers(dest="action", required=True, metavar="ACTION").add_parser(
         "save", help="each server writes its state to its --state-dir", parents=[options]
@@ -165,6 +170,8 @@ def status(args, servers):
                "version": info.version}
         row.update((field, getattr(info, field)) for field in STATUS_EXTRAS if field in info.DESCRIPTOR.fields_by_name)
         row["snapshot"] = _snapshot(info)
+        if info.move.role:
+            row["move"] = resharding.move_words(info.move)
         rows.append(row if args.output == "table" else {"server": server.address, **_fields(info)})
         if info.snapshot_error:
             print(f"tensorkv: server {server.address}: its last snapshot failed: {info.snapshot_error} "
@@ -254,6 +261,15 @@ def reset(args, servers):
 
     rows = [{"server": server.address, "keys_dropped": dropped}
             for server, dropped in _answers(args, servers, drop, "reset")]
+    return _show(args, rows)
+
+
+def reshard(args, servers):
+    try:
+        rows = resharding.run(args)
+    except KVStoreError as error:
+        print(f"tensorkv reshard: {error}", file=sys.stderr)
+        return FAILED
     return _show(args, rows)
 
 
