@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv import reshard
+from tensorkv.tools import reshard
 from tensorkv.tools import ctl
 from tensorkv.wire import states_file
 from tensorkv.stores.dist import home
