@@ -25,13 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from . import codec, reshard_plan
-from .config import ClientConfig, parse_servers
-from .errors import FailedPreconditionError, InvalidArgumentError, KVStoreError
-from .grpc_options import CHANNEL_OPTIONS
-from .status import error_from_rpc
-from .v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintenance_pb2_grpc
-from .words import plural, size
+from tensorkv.config import ClientConfig, parse_servers
+from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, KVStoreError
+from tensorkv.tools import reshard_plan
+from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintenance_pb2_grpc
+from tensorkv.wire import codec
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.wire.status import error_from_rpc
+from tensorkv.words import plural, size
 
 PIECE_BYTES = 1 << 20  # bytes a snapshot directory is read by, and a header is sent in
 # A transfer's deadline allows this rate at the least: a slow server is waited for, a stuck one is not for ever.

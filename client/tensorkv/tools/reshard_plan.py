@@ -10,11 +10,11 @@ import math
 
 import numpy as np
 
-from .backend import BFLOAT16
-from .codec import check_key
-from .dist import placement
-from .errors import FailedPreconditionError, key_repr
-from .words import plural
+from tensorkv.backend import BFLOAT16
+from tensorkv.errors import FailedPreconditionError, key_repr
+from tensorkv.stores.dist import placement
+from tensorkv.wire.codec import check_key
+from tensorkv.words import plural
 
 
 class Segment:
