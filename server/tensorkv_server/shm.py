@@ -40,8 +40,8 @@ import sys
 
 import numpy as np
 
-from tensorkv.transport import shm
-from tensorkv.wire.codec import Placement, check_ref
+from tensorkv.wire import shm
+from tensorkv.wire.shm import Placement, check_ref
 from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, InvalidTensorError
 
 log = logging.getLogger(__name__)

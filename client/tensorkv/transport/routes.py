@@ -23,7 +23,8 @@ import numpy as np
 
 from .. import config
 from . import datachan, shm
-from ..wire.codec import Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields
+from ..wire.codec import Item, StreamDecoder, encode_stream, following, key_fields
+from ..wire.shm import HEADER_BYTES, Placement, aligned
 from ..errors import InternalError
 from ..wire.status import error_from_code, status_code
 from ..v1 import kvstore_pb2, tensor_pb2
@@ -207,13 +208,13 @@ class SharedMemory(Inline):
 
     def _output(self, fields, region, channel):
         if region is not None:
-            fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=shm.HEADER_BYTES,
+            fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=HEADER_BYTES,
                                                          length=region.capacity)
 
     def _offload(self, region, channel):
         if region is None:
             return self.items, ()
-        placement, min_bytes = Placement(region.buffer, region.id, shm.HEADER_BYTES), self.min_bytes
+        placement, min_bytes = Placement(region.buffer, region.id, HEADER_BYTES), self.min_bytes
         return [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in self.items], ()
 
     def kept(self, request):

@@ -12,8 +12,8 @@ not hand-decodable).
 
 Shared memory: an Entry may carry a ``shm`` reference (region id, offset, length) in
 place of its data; the bytes at that place of a registered region are laid out exactly as
-``tensor.data`` would be. :class:`Placement` writes arrays into a region (one copy) and
-returns items that carry such references; the decoders resolve references through a
+``tensor.data`` would be. :class:`tensorkv.wire.shm.Placement` writes arrays into a region (one
+copy) and returns items that carry such references; the decoders resolve references through a
 ``resolve(region_id, offset, length)`` callable that bounds-checks them.
 
 Data channel: an Entry may instead say that its bytes follow on the Session's raw-TCP data
@@ -912,52 +912,6 @@ class _Header:
         """A read-only array of the entry's dtype and shape that takes no memory, for an entry
         without data (Init's wait_only: the shapes and dtypes are checked, nothing is stored)."""
         return np.broadcast_to(np.zeros((), self.dtype), self.data_shape)
-
-
-# ---- shared memory ----------------------------------------------------------------------
-
-# Offsets of values in a region are multiples of this (cache lines; every dtype's alignment).
-SHM_ALIGN = 64
-
-
-def aligned(nbytes):
-    """``nbytes`` rounded up to SHM_ALIGN."""
-    return -(-nbytes // SHM_ALIGN) * SHM_ALIGN
-
-
-def check_ref(size, offset, length, what="reference"):
-    """InvalidTensorError unless [offset, offset + length) lies inside a region of ``size`` bytes."""
-    if offset < 0 or length < 0 or offset + length > size:
-        raise InvalidTensorError(
-            f"shared-memory {what} [{offset}, {offset + length}) is outside its region of {size} bytes")
-
-
-class Placement:
-    """Writes values into [start, end) of a shared-memory region (``buffer``, a uint8 array of
-    the whole region), one after the other at aligned offsets: :meth:`put` returns the item
-    that references them, or None when the value does not fit."""
-
-    def __init__(self, buffer, region_id, start=0, end=None):
-        end = len(buffer) if end is None else end
-        check_ref(len(buffer), start, end - start, "area")
-        self.buffer, self.region_id, self.next, self.end = buffer, region_id, start, end
-
-    def put(self, item):
-        array = item.array
-        nbytes = array.nbytes
-        offset = self.next
-        if offset + nbytes > self.end:
-            return None
-        if type(array) is not np.ndarray:
-            array = to_host(array)
-        dtype = numpy_dtype(wire_dtype(array.dtype, item.key))  # little-endian, as on the wire
-        np.copyto(self.buffer[offset:offset + nbytes].view(dtype).reshape(array.shape), array, casting="equiv")
-        self.next = offset + aligned(nbytes)
-        return Item(item.key, array, item.shape, item.slice, ref=(self.region_id, offset, nbytes), two_bit=item.two_bit)
-
-    def place(self, items):
-        """``items`` with those that fit moved into the region (the others unchanged)."""
-        return [self.put(item) or item for item in items]
 
 
 # ---- data channel -----------------------------------------------------------------------
