@@ -23,7 +23,8 @@ import numpy as np
 
 from .. import config
 from . import datachan, shm
-from ..wire.codec import Item, StreamDecoder, encode_stream, following, key_fields
+from ..wire.codec import Item, StreamDecoder, encode_stream, following
+from ..wire.protobuf import key_fields
 from ..wire.shm import HEADER_BYTES, Placement, aligned
 from ..errors import InternalError
 from ..wire.status import error_from_code, status_code
