@@ -14,8 +14,8 @@ from google.protobuf import empty_pb2, json_format
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tensorkv.config import parse_servers
 from tensorkv.wire import codec
-from tensorkv.stores.dist import parse_servers
 from tensorkv.errors import InvalidArgumentError, KVStoreError
 from tensorkv.wire.status import error_from_rpc
 from tensorkv.transport.security import Security

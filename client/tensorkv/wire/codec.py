@@ -32,7 +32,7 @@ from .decoding import FrameDecoder, StreamDecoder
 from .entries import (
     _TO_WIRE, Item, check_key, check_key_bytes, check_key_count, check_shape, get_key, numpy_dtype, set_key, wire_dtype,
 )
-from .protobuf import _LEN, _MORE_TAG, _VARINT, _entry_prefix, _message, _tag, _varint, parse
+from .protobuf import _MORE_TAG, _VARINT, _entry_prefix, _message, _tag, _varint, parse
 
 # The codec's interface, what both ends use (the names its parts hold are imported from here).
 __all__ = [
