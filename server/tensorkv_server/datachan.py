@@ -1,5 +1,5 @@
 """The data channel on the server: a second TCP port whose connections each carry the bytes
-of large values for one Session stream (the client's half is ``tensorkv.datachan``).
+of large values for one Session stream (the client's half is ``tensorkv.transport.datachan``).
 
 A stream asks for a channel and gets a one-time random token; a connection to the data
 port that sends that token first is bound to that stream, acknowledged with one byte, and

@@ -1,5 +1,5 @@
 """The server's state: init, sync rounds, barriers and the optimizer, over one
-:class:`tensorkv.engine.Engine`, which stays the only place values change, for the workers
+:class:`tensorkv.update.engine.Engine`, which stays the only place values change, for the workers
 of a :class:`~.membership.Membership`.
 
 Everything runs on the server's event loop, so there are no locks: each method validates

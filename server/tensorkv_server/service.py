@@ -1,10 +1,10 @@
 """The KVStoreService handlers: decode the request, call the :class:`~.rounds.Coordinator`,
-encode the answer. Errors become statuses in :func:`tensorkv.status.translate_errors`, which
+encode the answer. Errors become statuses in :func:`tensorkv.wire.status.translate_errors`, which
 :func:`add_to_server` wraps around each handler.
 
 The streams of tensors (Init, Push and PushPull requests, Pull and PushPull responses)
 reach and leave the handlers as serialized bytes, decoded and encoded by
-:mod:`tensorkv.codec` without protobuf objects for the tensor bytes; :func:`add_to_server`
+:mod:`tensorkv.wire.codec` without protobuf objects for the tensor bytes; :func:`add_to_server`
 registers the handlers with those (de)serializers. The wire is the proto's either way.
 """
 import asyncio
@@ -128,7 +128,7 @@ def add_to_server(service, server, descriptor=_SERVICE):
     generated code would, except that every
     request arrives as bytes: the tensor streams (RAW_REQUESTS) reach their handlers so, the
     other requests are parsed here (:func:`_parser`), and the tensor streams of RAW_RESPONSES
-    leave as bytes. Each handler is wrapped in :func:`tensorkv.status.translate_errors`."""
+    leave as bytes. Each handler is wrapped in :func:`tensorkv.wire.status.translate_errors`."""
     factories = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,

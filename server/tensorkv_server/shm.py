@@ -1,11 +1,11 @@
 """Shared-memory regions on the server: the sealed memory files that clients on this host
-registered on their Session streams (the client's half is ``tensorkv.shm``).
+registered on their Session streams (the client's half is ``tensorkv.transport.shm``).
 
 A client names a file by its pid and a descriptor it holds open on it; the server opens
 ``/proc/<pid>/fd/<fd>``, which only works on the same host, as the same user (or root) and in
 the same pid namespace. It maps the file only when
 
-- the file is sealed against shrinking, growing and further sealing (``tensorkv.shm.SEALS``):
+- the file is sealed against shrinking, growing and further sealing (``tensorkv.wire.shm.SEALS``):
   seals can never be removed, so the size checked is the size for good and no access to the
   mapping can fault past the end of the file (SIGBUS), whatever the client does afterwards;
 - it is a memfd of the kernel's shared memory (checked before the file is opened, so that
@@ -279,7 +279,7 @@ class Regions:
         return region.readable[offset:offset + length]
 
     def placement(self, ref):
-        """A codec.Placement over the output area ``ref`` (a SharedMemoryRef message)."""
+        """A tensorkv.wire.shm.Placement over the output area ``ref`` (a SharedMemoryRef message)."""
         region = self._get(ref.region_id)
         check_ref(region.size, ref.offset, ref.length, "output area")
         return Placement(region.writable, ref.region_id, ref.offset, ref.offset + ref.length)
