@@ -15,29 +15,29 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from ..wire import allocator, states_file
-from ..update import compression
 from ..backend import on_gpu, shape_dtype, to_host
-from ..wire.codec import Item
 from ..config import SECURITY_FIELDS, ClientConfig
-from ..update.engine import Engine, dtype_mismatch
-from .fusion import FusedList, FusedLists
 from ..errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, ServerUnavailableError,
     ShapeMismatchError, key_repr,
 )
+from ..transport.lease import Heartbeat
+from ..transport.routes import receivable
+from ..transport.rpc import Stub
+from ..transport.security import Security
+from ..transport.server_conn import ServerConn
+from ..update import compression
+from ..update.engine import Engine, dtype_mismatch
+from ..update.rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
+from ..v1 import kvstore_pb2
+from ..wire import allocator, states_file
+from ..wire.codec import Item
+from ..wire.grpc_options import CHANNEL_OPTIONS
+from ..wire.status import error_from_rpc
+from ..words import plural
+from .fusion import FusedList, FusedLists
 from .kvstore import Keys, KVStore, Values
 from .spread import Spread, assemble
-from ..update.rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
-from ..transport.lease import Heartbeat
-from ..transport.security import Security
-from ..wire.grpc_options import CHANNEL_OPTIONS
-from ..transport.rpc import Stub
-from ..wire.status import error_from_rpc
-from ..transport.routes import receivable
-from ..transport.server_conn import ServerConn
-from ..v1 import kvstore_pb2
-from ..words import plural
 
 DEFAULT_CONNECT_TIMEOUT = 10.0  # of reset()
 UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for the servers to take the rank back

@@ -22,14 +22,14 @@ import math
 import numpy as np
 
 from .. import config
-from . import datachan, shm
+from ..errors import InternalError
+from ..v1 import kvstore_pb2, tensor_pb2
 from ..wire import packed
 from ..wire.codec import Item, StreamDecoder, encode_stream, following
 from ..wire.protobuf import key_fields
 from ..wire.shm import HEADER_BYTES, Placement, aligned
-from ..errors import InternalError
 from ..wire.status import error_from_code, status_code
-from ..v1 import kvstore_pb2, tensor_pb2
+from . import datachan, shm
 
 PACKED_KINDS = ("push", "pull", "pushpull")
 # The layouts a worker keeps per server (Layouts).

@@ -21,20 +21,20 @@ import grpc
 import numpy as np
 from google.protobuf import message
 
-from ..wire import rowsparse_wire, states_wire
-from . import routes, shm
-from ..wire.codec import Item, encode_stream, set_key
 from ..errors import (
     DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError, key_repr,
 )
+from ..v1 import kvstore_pb2
+from ..wire import rowsparse_wire, states_wire
+from ..wire.codec import Item, encode_stream, set_key
 from ..wire.grpc_options import CHANNEL_OPTIONS
+from ..wire.status import connection_lost, error_from_rpc
+from . import routes, shm
 from .replay import PushLog, pushed_items
 from .routes import Call, Thresholds
 from .rpc import Stub
 from .session import Session
-from ..wire.status import connection_lost, error_from_rpc
-from ..v1 import kvstore_pb2
 
 # Earlier incarnations a registration names (RegisterRequest.earlier_incarnations): as many as a server reads.
 MAX_EARLIER_INCARNATIONS = 16
