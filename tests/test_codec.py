@@ -3,7 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tensorkv.wire import codec
+from tensorkv.wire import codec, protobuf
 from tensorkv.wire.codec import FrameDecoder, Item, encode_frames
 from tensorkv.errors import InvalidTensorError, KeyTypeError, ResourceExhaustedError
 from tensorkv.v1 import tensor_pb2
@@ -351,10 +351,10 @@ def test_decoders_learn_entries_only_when_told():
     decoder = codec.StreamDecoder(kvstore_pb2.PushRequest, "frame")
     decoder.feed(message)
     decoder.finish()
-    assert not any(key.encode() in start for start in codec._KNOWN_ENTRIES)
+    assert not any(key.encode() in start for start in protobuf._KNOWN_ENTRIES)
     decoder.remember()
-    assert any(key.encode() in start for start in codec._KNOWN_ENTRIES)
-    cache = codec._Cache(100_000)
+    assert any(key.encode() in start for start in protobuf._KNOWN_ENTRIES)
+    cache = protobuf._Cache(100_000)
     for i in range(1000):
         cache.put(i, b"", 1000)
         assert cache.used <= 100_000 and len(cache) <= 100_000 // (1000 + cache.ENTRY_OVERHEAD)

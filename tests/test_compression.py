@@ -211,7 +211,7 @@ def test_a_push_that_fails_on_one_server_puts_back_only_that_servers_residuals(t
     keys and a slice of 'big': over --max-keys-per-call 4) and server 1 applies its own ('a4',
     the other slice of 'big'): the residuals of server 0's keys and slice are put back, those
     of server 1's move on. Threshold 1: a push of 0.75 on a residual of 0.75 sends 1."""
-    small = ["a0", "a1", "a2", "a3"]  # 4 elements each, on server 0; "a4" on server 1 (dist.home)
+    small = ["a0", "a1", "a2", "a3"]  # 4 elements each, on server 0; "a4" on server 1 (tensorkv.stores.spread.home)
     keys = small + ["a4", "big"]  # "big": 10 elements, sliced 5 and 5 over the servers
     values = {key: np.zeros(10 if key == "big" else 4, np.float32) for key in keys}
 

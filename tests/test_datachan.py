@@ -18,7 +18,8 @@ import pytest
 
 import tensorkv
 from tensorkv.wire import allocator
-from tensorkv.transport import datachan
+from tensorkv.transport.datachan import Channel
+from tensorkv.wire import datachan
 from tensorkv.wire.codec import Item, encode_stream, following
 from tensorkv.errors import DeadlineExceededError, ServerUnavailableError
 from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
@@ -171,12 +172,12 @@ def test_errors_over_the_channel_leave_values_and_the_channel_usable(tmp_path):
 
 
 def test_a_bad_token_is_refused_and_the_call_falls_back(tmp_path, monkeypatch):
-    connect = datachan.Channel.__init__
+    connect = Channel.__init__
 
     def wrong_token(self, address, port, token, timeout, tls=None):
         connect(self, address, port, bytes(len(token)), timeout, tls)
 
-    monkeypatch.setattr(datachan.Channel, "__init__", wrong_token)
+    monkeypatch.setattr(Channel, "__init__", wrong_token)
     with Cluster(tmp_path=tmp_path) as cluster:
         with tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp") as kv:
             value = np.arange(1 << 20, dtype=np.float64)

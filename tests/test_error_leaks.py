@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tensorkv.transport import shm
+from tensorkv.wire import shm
 from tensorkv.wire.codec import Item, encode_stream
 from tensorkv.wire.status import status_code
 from tensorkv.transport.security import Security

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.transport import shm
+from tensorkv.wire import shm
 from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
 from tensorkv.transport.session import RawSession as Session
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2

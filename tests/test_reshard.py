@@ -20,7 +20,7 @@ import tensorkv
 from tensorkv.tools import reshard
 from tensorkv.tools import ctl
 from tensorkv.wire import states_file
-from tensorkv.stores.dist import home
+from tensorkv.stores.spread import home
 from tensorkv.lr_scheduler import FactorScheduler
 
 from cluster import Cluster, stop

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorkv
-from tensorkv.transport import datachan
+from tensorkv.wire import datachan
 from tensorkv.transport.security import Security
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, MAX_PENDING, TOKEN_BYTES
 from tensorkv_server.security import RefusalLog

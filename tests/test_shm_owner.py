@@ -11,7 +11,7 @@ import sys
 import grpc
 import pytest
 
-from tensorkv.transport import shm
+from tensorkv.wire import shm
 from tensorkv_server import shm as server_shm
 
 from cluster import Cluster, stop
@@ -197,7 +197,7 @@ for front, channel, session in relays:
 # first bytes are zeros; prints its pid and descriptor, and holds it until its stdin closes.
 _VICTIM = _BECOME + """
 import fcntl
-from tensorkv.transport import shm
+from tensorkv.wire import shm
 if int(sys.argv[1]):
     become(int(sys.argv[1]))
 fd = os.memfd_create("not-a-tensorkv-region", os.MFD_ALLOW_SEALING)

@@ -27,8 +27,8 @@ from .errors import (
     ShapeMismatchError, UnauthenticatedError,
 )
 from .stores.kvstore import KVStore
-from .update.rowsparse import row_sparse
 from .stores.trainer import Trainer
+from .update.rowsparse import row_sparse
 
 __version__ = "0.1.0"
 

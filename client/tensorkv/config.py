@@ -165,6 +165,12 @@ def variable(name):
     return FIELDS[name].metadata["variable"]
 
 
+def variable_text(name):
+    """The text of the variable of the setting ``name`` as it is set, unchecked (None when it is
+    unset or empty): the default of a command's option (``tensorkv --servers``)."""
+    return os.environ.get(variable(name)) or None
+
+
 def parse_servers(servers, source="servers"):
     """A list of 'host:port' from a comma-separated string or a list, each checked
     (InvalidArgumentError naming ``source`` and the entry) before any connection is tried."""

@@ -24,7 +24,7 @@ import numpy as np
 from tensorkv.errors import (
     DeadlineExceededError, FailedPreconditionError, KVStoreError, ResourceExhaustedError, ServerUnavailableError,
 )
-from tensorkv.transport.datachan import ACK, FRAME_HEADER
+from tensorkv.wire.datachan import ACK, FRAME_HEADER
 from tensorkv.wire.status import error_status
 from tensorkv.v1 import kvstore_pb2
 

@@ -8,7 +8,7 @@ import asyncio
 import socket
 import ssl
 
-from tensorkv.transport.datachan import keep_alive
+from tensorkv.wire.datachan import keep_alive
 
 RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
 # Bytes of a call's request (read_bytes) taken in at most at a time: the memory a request holds

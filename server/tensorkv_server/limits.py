@@ -1,7 +1,7 @@
 """The server's resource limits, their flags and their defaults.
 
 The codec checks each request against them as it decodes it, before it allocates anything
-for a value (:class:`tensorkv.wire.codec.FrameDecoder`); the coordinator checks ``--max-memory``
+for a value (:class:`tensorkv.wire.decoding.FrameDecoder`); the coordinator checks ``--max-memory``
 before it stores a value or installs an optimizer. A request over a limit is refused
 whole, with a message naming the limit, its value and its flag.
 """

@@ -38,7 +38,7 @@ import grpc
 from cryptography import x509
 
 from tensorkv.errors import ERROR_METADATA_KEY, PermissionDeniedError, UnauthenticatedError
-from tensorkv.transport.security import is_loopback
+from tensorkv.wire.addresses import is_loopback
 from tensorkv.v1 import kvstore_pb2, maintenance_pb2
 
 from . import metrics

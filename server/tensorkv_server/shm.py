@@ -5,7 +5,7 @@ A client names a file by its pid and a descriptor it holds open on it; the serve
 ``/proc/<pid>/fd/<fd>``, which only works on the same host, as the same user (or root) and in
 the same pid namespace. It maps the file only when
 
-- the file is sealed against shrinking, growing and further sealing (``tensorkv.transport.shm.SEALS``):
+- the file is sealed against shrinking, growing and further sealing (``tensorkv.wire.shm.SEALS``):
   seals can never be removed, so the size checked is the size for good and no access to the
   mapping can fault past the end of the file (SIGBUS), whatever the client does afterwards;
 - it is a memfd of the kernel's shared memory (checked before the file is opened, so that
@@ -40,8 +40,8 @@ import sys
 
 import numpy as np
 
-from tensorkv.transport import shm
-from tensorkv.wire.codec import Placement, check_ref
+from tensorkv.wire import shm
+from tensorkv.wire.shm import Placement, check_ref
 from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, InvalidTensorError
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ class Regions:
         return region.readable[offset:offset + length]
 
     def placement(self, ref):
-        """A codec.Placement over the output area ``ref`` (a SharedMemoryRef message)."""
+        """A tensorkv.wire.shm.Placement over the output area ``ref`` (a SharedMemoryRef message)."""
         region = self._get(ref.region_id)
         check_ref(region.size, ref.offset, ref.length, "output area")
         return Placement(region.writable, ref.region_id, ref.offset, ref.offset + ref.length)

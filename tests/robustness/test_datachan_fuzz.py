@@ -28,7 +28,8 @@ import time
 import grpc
 import numpy as np
 import tensorkv
-from tensorkv.transport import datachan, shm
+from tensorkv.transport import shm
+from tensorkv.wire import datachan
 from tensorkv.wire.codec import Item, encode_stream, following, numpy_dtype, wire_dtype
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES

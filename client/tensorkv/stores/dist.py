@@ -2,41 +2,42 @@
 
 Keys are spread over the servers by a stable hash of the key; a value of more than
 ``bigarray_bound`` elements is split into contiguous slices, one per server, and put
-back together on pull. A call over a list of keys makes one RPC per server involved, to
+back together on pull (tensorkv.stores.spread). A call over a list of keys makes one RPC per server involved, to
 all of them at once, each with a deadline.
 """
 from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 
-from ..wire import allocator, states_file
-from ..update import compression
 from ..backend import on_gpu, shape_dtype, to_host
-from ..wire.codec import Item
-from ..config import SECURITY_FIELDS, ClientConfig, parse_servers  # noqa: F401 (parse_servers: ctl)
-from ..update.engine import Engine, dtype_mismatch
-from .fusion import FusedList, FusedLists
+from ..config import SECURITY_FIELDS, ClientConfig
 from ..errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, ServerUnavailableError,
     ShapeMismatchError, key_repr,
 )
-from .kvstore import Keys, KVStore, Values
-from ..update.rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
 from ..transport.lease import Heartbeat
-from ..transport.security import Security
-from ..wire.grpc_options import CHANNEL_OPTIONS
+from ..transport.routes import receivable
 from ..transport.rpc import Stub
-from ..wire.status import error_from_rpc
-from ..transport.server_conn import ServerConn, receivable
+from ..transport.security import Security
+from ..transport.server_conn import ServerConn
+from ..update import compression
+from ..update.engine import Engine, dtype_mismatch
+from ..update.rowsparse import RowSparse, check_row_ids, merge as merge_rows, place, touching
 from ..v1 import kvstore_pb2
+from ..wire import allocator, states_file
+from ..wire.codec import Item
+from ..wire.grpc_options import CHANNEL_OPTIONS
+from ..wire.status import error_from_rpc
 from ..words import plural
+from .fusion import FusedList, FusedLists
+from .kvstore import Keys, KVStore, Values
+from .spread import Spread, assemble
 
 DEFAULT_CONNECT_TIMEOUT = 10.0  # of reset()
 UNREGISTER_TIMEOUT = 5.0  # seconds close() waits for the servers to take the rank back
@@ -83,23 +84,6 @@ def reset(servers: str | list[str] | None = None, timeout: float = DEFAULT_CONNE
                     failed = security.diagnose(address) or failed
                 raise failed from None
     return dropped
-
-
-def home(key, num_servers):
-    """The server index of ``key``: a hash that is the same in every process and run."""
-    if num_servers == 1:
-        return 0
-    return zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
-
-
-def placement(key, size, num_servers, bound):
-    """[(server index, slice or None)] of a value of ``size`` elements of ``key`` on
-    ``num_servers`` servers: the whole value on its :func:`home`, or, past ``bound`` elements
-    on several servers, the contiguous slice (begin, end) of the flattened value on each."""
-    if num_servers == 1 or size <= bound:
-        return [(home(key, num_servers), None)]
-    bounds = [size * i // num_servers for i in range(num_servers + 1)]
-    return [(i, (bounds[i], bounds[i + 1])) for i in range(num_servers)]
 
 
 def _grouped(pairs):
@@ -151,10 +135,10 @@ class DistStore(KVStore):
         self.transport = config.transport
         allocator.tune_this_process(config.malloc_tuning)
         self._timeout = config.timeout
-        self._bound = config.bigarray_bound
         self._security = Security.from_config(config)
         self._conns = [ServerConn(address, config, self._security) for address in config.servers]
         self._pool = ThreadPoolExecutor(len(self._conns)) if len(self._conns) > 1 else None
+        self._spread = Spread(len(self._conns), config.bigarray_bound)  # where each value goes
         self._meta = {}  # key -> (full shape, dtype), from init, push and pull
         self._lists = FusedLists(config.pack_min_values)  # of the lists of keys pushed and pulled (tensorkv.stores.fusion)
         self._heartbeat = None  # renews the registrations' leases
@@ -234,19 +218,6 @@ class DistStore(KVStore):
             raise errors[0]
         return {index: f.result() for index, f in futures.items()}
 
-    # ---- layout -----------------------------------------------------------------------
-
-    def _placement(self, key, size):
-        """[(server index, slice or None)] of a value of ``size`` elements."""
-        return placement(key, size, len(self._conns), self._bound)
-
-    def _split(self, key, array, shape=None):
-        """[(server index, Item)] that carry ``array`` (a whole value, or its shape with no data)."""
-        shape = tuple(array.shape) if shape is None else shape
-        flat = array.reshape(-1)
-        return [(index, Item(key, array if where is None else flat[where[0]:where[1]], shape, where))
-                for index, where in self._placement(key, flat.size)]
-
     def _check_known(self, key, shape, dtype, verb):
         """Check against what this worker knows of ``key``, so that a call spread over several
         servers fails before any of them changes."""
@@ -271,36 +242,6 @@ class DistStore(KVStore):
             merged[key] = _merge_engine(arrays).sum(arrays)
         return merged
 
-    def _plan(self, entries):
-        """{server index: [(position, Item)]} that carry each (position, key, array) of
-        ``entries``: a value on its key's server, or in slices over all servers."""
-        if len(self._conns) == 1:
-            return {0: [(position, Item(key, array)) for position, key, array in entries]}
-        plan = {}
-        for position, key, array in entries:
-            for index, item in self._split(key, array):
-                plan.setdefault(index, []).append((position, item))
-        return plan
-
-    def _assemble(self, values, plan, results, outs=None):
-        """Fill ``values`` (by position) from each server's answer, in the order of ``plan``.
-        A value that was decoded straight into its out array (see :func:`server_conn.decode`) is that
-        array."""
-        for index, answered in results.items():
-            for (position, _), item in zip(plan[index], answered):
-                if outs is not None and (item.array is outs[position][0] or (
-                        receivable(outs[position][0], item.array.dtype, item.shape)
-                        and np.may_share_memory(outs[position][0], item.array))):
-                    values[position] = outs[position][0]
-                    continue
-                if item.slice is None:
-                    values[position] = item.array
-                    continue
-                if values[position] is None:
-                    values[position] = np.empty(item.shape, item.array.dtype)
-                values[position].reshape(-1)[item.slice[0]:item.slice[1]] = item.array
-        return values
-
     @staticmethod
     def _owned(values, fresh):
         """With ``fresh``, values the caller may write to (decoded ones are read-only views)."""
@@ -311,12 +252,12 @@ class DistStore(KVStore):
     def _init(self, items):
         _MERGE.check_keys([item.key for item in items])
         wait_only = self._rank != 0
-        plan = self._plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
+        plan = self._spread.plan((position, item.key, to_host(item.array)) for position, item in enumerate(items))
         if wait_only:
             # Values this worker splits go first to their keys' home servers, where a worker that
             # does not split them (another TENSORKV_BIGARRAY_BOUND) stored them whole: a mismatch is
             # told at once there, not after the other servers waited a round timeout for a slice.
-            homes = {home(item.key, len(self._conns)) for part in plan.values() for _, item in part if item.slice}
+            homes = {self._spread.home(item.key) for part in plan.values() for _, item in part if item.slice}
             self._fanout(ServerConn.init, {index: (plan.pop(index), True) for index in homes & set(plan)})
         self._fanout(ServerConn.init, {index: (part, wait_only) for index, part in plan.items()})
         for item in items:
@@ -327,10 +268,10 @@ class DistStore(KVStore):
         sent). With gradient compression (set_gradient_compression), the items carry the
         values' packed 2-bit codes, quantized with each key's residual."""
         if self._compressor is None:
-            return self._plan(entries), {}
+            return self._spread.plan(entries), {}
         plan, residuals, threshold = {}, {}, self._compressor.threshold
         for position, key, value in entries:
-            placement = self._placement(key, math.prod(value.shape))
+            placement = self._spread.placement(key, math.prod(value.shape))
             packed, residuals[key] = self._compressor.codes(key, value, [where for _, where in placement])
             for (index, where), codes in zip(placement, packed):
                 plan.setdefault(index, []).append((position, Item(key, codes, value.shape, where, owned=True,
@@ -395,7 +336,7 @@ class DistStore(KVStore):
             return None
         by_server = {}
         for position, (key, (shape, _)) in enumerate(zip(keys, known)):
-            placement = self._placement(key, math.prod(shape))
+            placement = self._spread.placement(key, math.prod(shape))
             if len(placement) > 1:
                 return None
             by_server.setdefault(placement[0][0], []).append(position)
@@ -422,7 +363,7 @@ class DistStore(KVStore):
         if residuals:
             self._compressor.keep(residuals)
         self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
-        values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results, first_outs), fresh)))
+        values = dict(zip(order, self._owned(assemble([None] * len(order), plan, results, first_outs), fresh)))
         return [values[key] for key, _ in pairs]
 
     def _pull(self, keys, fresh, outs=None):
@@ -437,20 +378,20 @@ class DistStore(KVStore):
             known = meta.get(key)
             if known is None:
                 unknown.append(position)
-                indexes = (home(key, count),)
+                indexes = (self._spread.home(key),)
             elif count == 1:
                 indexes = (0,)
             else:
-                indexes = [i for i, _ in self._placement(key, math.prod(known[0]))]
+                indexes = [i for i, _ in self._spread.placement(key, math.prod(known[0]))]
             for index in indexes:
                 plan.setdefault(index, []).append((position, key))
         values = self._pull_into([None] * len(keys), plan, outs)
         rest = {}
         for position in unknown:
             key = keys[position]
-            if len(self._placement(key, values[position].size)) > 1:
+            if len(self._spread.placement(key, values[position].size)) > 1:
                 for index in range(count):
-                    if index != home(key, count):
+                    if index != self._spread.home(key):
                         rest.setdefault(index, []).append((position, key))
         if rest:
             values = self._pull_into(values, rest, outs)
@@ -462,7 +403,7 @@ class DistStore(KVStore):
                                                  for index, part in plan.items()})
         for items in results.values():
             self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
-        return self._assemble(values, plan, results, outs)
+        return assemble(values, plan, results, outs)
 
     def _outs_fit(self, keys, outs):
         """Whether every out array of ``keys`` has the known dtype and shape of its key (all
@@ -493,7 +434,7 @@ class DistStore(KVStore):
             size = math.prod(known[0])
             sizes.append(size * known[1].itemsize)
             shapes.append(known)
-            whole = whole and size <= self._bound
+            whole = whole and size <= self._spread.bound
         return sizes, shapes if whole or len(self._conns) == 1 else None
 
     # ---- row-sparse values: plain messages, only the rows travel ----------------------
@@ -508,7 +449,7 @@ class DistStore(KVStore):
             data = value.data.astype(values[0].dtype, copy=False)
             self._check_known(key, value.shape, data.dtype, "pushed")
             width = math.prod(value.shape[1:])
-            for index, where in self._placement(key, math.prod(value.shape)):
+            for index, where in self._spread.placement(key, math.prod(value.shape)):
                 sent = slice(None) if where is None else touching(value.indices, width, where)
                 requests.setdefault(index, []).append((key, value.shape, value.indices[sent], data[sent]))
         self._fanout(ServerConn.row_sparse_push, {index: (values,) for index, values in requests.items()})
@@ -528,7 +469,7 @@ class DistStore(KVStore):
                 raise InvalidArgumentError(f"key {key_repr(key)}: a scalar value has no rows to pull")
             ids = check_row_ids(key, ids, shape[0])
             row_bytes.append(math.prod(shape[1:]) * np.dtype(dtype).itemsize)
-            placement = self._placement(key, math.prod(shape))
+            placement = self._spread.placement(key, math.prod(shape))
             if placement[0][1] is None:
                 results.append((shape, None, None))
                 plan.setdefault(placement[0][0], []).append((position, None, None, ids))
@@ -564,7 +505,7 @@ class DistStore(KVStore):
         """Ask each key's home server for its shape and dtype."""
         homes = {}
         for key in keys:
-            homes.setdefault(home(key, len(self._conns)), []).append(key)
+            homes.setdefault(self._spread.home(key), []).append(key)
         answers = self._fanout(ServerConn.row_sparse_shapes, {index: (part,) for index, part in homes.items()})
         for shapes in answers.values():
             self._meta.update(shapes)
@@ -596,7 +537,7 @@ class DistStore(KVStore):
             optimizer = server_optimizer or optimizer
             for key, (num_update, items) in key_states.items():
                 arrays = merged.setdefault(key, (num_update, [None] * len(items)))[1]
-                self._assemble(arrays, {0: list(enumerate(items))}, {0: items})
+                assemble(arrays, {0: list(enumerate(items))}, {0: items})
         if optimizer is None:
             raise FailedPreconditionError("no optimizer is set on the servers: call kv.set_optimizer(...) first")
         states_file.save(fname, optimizer, merged)
@@ -605,7 +546,7 @@ class DistStore(KVStore):
         optimizer, key_states = states_file.load(fname)
         by_server = {}
         for key, (num_update, arrays) in key_states.items():
-            parts = [self._split(key, array) for array in arrays]
+            parts = [self._spread.split(key, array) for array in arrays]
             for j, split in enumerate(parts):
                 for index, item in split:
                     entry = by_server.setdefault(index, {}).setdefault(key, (num_update, [None] * len(arrays)))

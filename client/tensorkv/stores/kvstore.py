@@ -1,8 +1,8 @@
 """The user-facing KVStore API, shared by the embedded and the remote stores.
 
-This module turns the many call forms of MXNet's API (one key or a list, one array or a
-list per key, ``out`` or a return value) into lists of (key, [arrays]) pairs; the store
-types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
+The many call forms of MXNet's API (one key or a list, one array or a list per key, ``out``
+or a return value) become lists of (key, [arrays]) pairs (``tensorkv.stores.arguments``);
+the store types implement ``_init``, ``_push``, ``_pull`` and friends on those lists.
 
 Every example below makes the store it uses; those of a dist store need running servers
 and are marked ``# doctest: +SKIP``.
@@ -13,16 +13,13 @@ from collections.abc import Callable, Sequence
 from os import PathLike
 from typing import Any, Union
 
-import numpy as np
-
-from ..backend import is_array, shape_dtype, to_host, to_namespace, write_into
-from ..wire.codec import Item, check_key
-from ..errors import (
-    DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, KeyExistsError, ShapeMismatchError, key_repr,
-)
+from ..backend import shape_dtype, to_host, write_into
+from ..errors import DtypeMismatchError, FailedPreconditionError, InvalidArgumentError, ShapeMismatchError, key_repr
 from ..optimizer import Optimizer, check as check_optimizer
-from ..update.rowsparse import RowSparse, check_row_ids
-from ..words import plural
+from ..update.rowsparse import RowSparse
+from .arguments import (
+    check_same, check_writable, deliver, init_items, pull_targets, push_pairs, row_sparse_targets, write_rows,
+)
 
 # A value: a NumPy, CuPy or torch array, or anything with ``__array__`` / ``__dlpack__``
 # (typed loosely so that tensorkv imports neither CuPy nor torch).
@@ -34,51 +31,6 @@ Keys = Union[Key, Sequence[Key]]
 Values = Union[ArrayLike, Sequence[ArrayLike], Sequence[Sequence[ArrayLike]]]
 # ``updater(key, input, stored)``, which updates ``stored`` in place.
 UpdaterFunction = Callable[[Key, ArrayLike, ArrayLike], None]
-
-
-def _as_list(keys, values, what):
-    """([keys], [values]) for a single key or a list of keys."""
-    if isinstance(keys, (list, tuple)):
-        if not isinstance(values, (list, tuple)) or len(values) != len(keys):
-            count = len(values) if isinstance(values, (list, tuple)) else 1
-            raise InvalidArgumentError(
-                f"{what}: {plural(count, 'value')} for {plural(len(keys), 'key')}: give one value per key")
-        return list(keys), list(values)
-    return [keys], [values]
-
-
-def _arrays(key, value):
-    """The list of arrays given for one key: one array, or a list (one per device).
-
-    Objects that only expose ``__array__`` or ``__dlpack__`` are converted to NumPy here.
-    """
-    if type(value) is np.ndarray:
-        return [value]
-    arrays = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not arrays:
-        raise InvalidArgumentError(f"key {key_repr(key)}: an empty list of values")
-    for i, array in enumerate(arrays):
-        if not is_array(array):
-            raise InvalidArgumentError(
-                f"key {key_repr(key)}: value of type {type(array).__name__} is not an array"
-            )
-        if not (hasattr(array, "shape") and hasattr(array, "dtype")):
-            arrays[i] = to_host(array)
-    return arrays
-
-
-def _check_same(key, arrays, verb, shape=None, dtype=None):
-    """Check every array has the same shape and dtype (those of the first, unless given)."""
-    if len(arrays) == 1 and shape is None:
-        return
-    if shape is None:
-        shape, dtype = shape_dtype(arrays[0])
-    for other in arrays:
-        other_shape, other_dtype = shape_dtype(other)
-        if other_dtype != dtype:
-            raise DtypeMismatchError(f"key {key_repr(key)}: {verb} dtype {other_dtype} where {dtype} is expected")
-        if other_shape != shape:
-            raise ShapeMismatchError(f"key {key_repr(key)}: {verb} shape {other_shape} where {shape} is expected")
 
 
 class KVStore:
@@ -163,7 +115,7 @@ class KVStore:
         tensorkv.errors.KeyExistsError: key 'w' is already initialized
         """
         self._check_open()
-        self._init(self._init_items(key, value))
+        self._init(init_items(key, value))
 
     def push(self, key: Keys, value: Values, priority: int = 0) -> None:
         """Push values into one key or a list of keys.
@@ -205,7 +157,7 @@ class KVStore:
         [2. 2.]
         """
         self._check_open()
-        pairs = self._push_pairs(key, value)
+        pairs = push_pairs(key, value)
         sparse = [isinstance(array, RowSparse) for _, arrays in pairs for array in arrays]
         if not any(sparse):
             self._push(pairs)
@@ -244,9 +196,9 @@ class KVStore:
          [-1. -1.]]
         """
         self._check_open()
-        requests, deliveries = self._row_sparse_targets(key, out, row_ids)
+        requests, deliveries = row_sparse_targets(key, out, row_ids)
         for position, target in deliveries or ():
-            _check_writable(requests[position][0], [target])
+            check_writable(requests[position][0], [target])
         # The first out array of each request may receive its rows straight from the wire.
         results = self._row_sparse_pull(requests, {} if deliveries is None else dict(reversed(deliveries)))
         if deliveries is None:
@@ -270,7 +222,7 @@ class KVStore:
                 if rows is not target:  # else pulled straight into it
                     write_into(target, rows)
             else:
-                _write_rows(target, ids, rows)
+                write_rows(target, ids, rows)
         return None
 
     def pull(self, key: Keys, out: Values | None = None, priority: int = 0, ignore_sparse: bool = True) -> Any:
@@ -314,9 +266,9 @@ class KVStore:
         [array([4., 4., 4., 4.], dtype=float32), array([0, 1])]
         """
         self._check_open()
-        keys, outs = self._pull_targets(key, out)
+        keys, outs = pull_targets(key, out)
         values = self._pull(keys, fresh=outs is None, outs=outs)
-        return self._deliver(key, keys, outs, values)
+        return deliver(key, keys, outs, values)
 
     def pushpull(self, key: Keys, value: Values, out: Values | None = None, priority: int = 0) -> None:
         """Push, then pull the same keys, in one call (one round trip on a server).
@@ -338,16 +290,16 @@ class KVStore:
         [1. 1. 1. 1.]
         """
         self._check_open()
-        pairs = self._push_pairs(key, value)
+        pairs = push_pairs(key, value)
         if any(isinstance(array, RowSparse) for _, arrays in pairs for array in arrays):
             raise InvalidArgumentError("pushpull takes dense values: push a row-sparse value, then row_sparse_pull")
-        keys, outs = self._pull_targets(key, value if out is None else out)
+        keys, outs = pull_targets(key, value if out is None else out)
         for (k, arrays), targets in zip(pairs, outs):
             shape, dtype = shape_dtype(arrays[0])
-            _check_same(k, targets, "out array of", shape, dtype)
-            _check_writable(k, targets)
+            check_same(k, targets, "out array of", shape, dtype)
+            check_writable(k, targets)
         values = self._pushpull(pairs, fresh=False, outs=outs)
-        self._deliver(key, keys, outs, values)
+        deliver(key, keys, outs, values)
 
     def broadcast(self, key: Keys, value: Values, out: Values | None = None, priority: int = 0) -> Any:
         """Initialize keys with ``value``, then pull them into ``out`` (or return them).
@@ -362,12 +314,12 @@ class KVStore:
         [1. 1. 1.]
         """
         self._check_open()
-        items = self._init_items(key, value)
-        keys, outs = self._pull_targets(key, out)
+        items = init_items(key, value)
+        keys, outs = pull_targets(key, out)
         if outs is not None:
             for item, targets in zip(items, outs):
-                _check_same(item.key, targets, "out array of", *shape_dtype(item.array))
-                _check_writable(item.key, targets)
+                check_same(item.key, targets, "out array of", *shape_dtype(item.array))
+                check_writable(item.key, targets)
         self._init(items)
         return self.pull(key, out=out)
 
@@ -541,120 +493,3 @@ class KVStore:
     def _check_open(self):
         if self._closed:
             raise FailedPreconditionError(f"this {self._type!r} KVStore is closed")
-
-    # ---- argument plumbing --------------------------------------------------------------
-
-    def _row_sparse_targets(self, key, out, row_ids):
-        """([(key, row ids)] to pull, and [(index into those, out array)] or None for out=None),
-        for the call forms of MXNet's row_sparse_pull."""
-        if row_ids is None:
-            raise InvalidArgumentError("row_sparse_pull needs row_ids: the rows to pull")
-        several = isinstance(key, (list, tuple))
-        keys, outs = self._pull_targets(key, out)
-        ids_per_key = _as_list(key, row_ids, "row_sparse_pull row_ids")[1] if several else [row_ids]
-        requests, deliveries = [], None if outs is None else []
-        for index, (k, ids) in enumerate(zip(keys, ids_per_key)):
-            targets = [None] if outs is None else outs[index]
-            per_target = isinstance(ids, (list, tuple)) and ids and all(is_array(i) or isinstance(i, (list, tuple))
-                                                                         for i in ids)
-            if per_target and len(ids) not in (1, len(targets)):
-                raise InvalidArgumentError(f"key {key_repr(k)}: {len(ids)} row id arrays for "
-                                           f"{plural(len(targets), 'out array')}: give one, or one per out array")
-            id_arrays = [check_row_ids(k, i) for i in ids] if per_target else [check_row_ids(k, ids)]
-            first = len(requests)
-            requests.extend((k, i) for i in id_arrays)
-            if deliveries is not None:
-                deliveries.extend((first + (j if len(id_arrays) > 1 else 0), target)
-                                  for j, target in enumerate(targets))
-        return requests, deliveries
-
-    def _init_items(self, key, value):
-        keys, values = _as_list(key, value, "init")
-        items, seen = [], set()
-        for k, v in zip(keys, values):
-            k = check_key(k)
-            if k in seen:
-                raise KeyExistsError(f"key {key_repr(k)} appears twice in one init")
-            seen.add(k)
-            arrays = _arrays(k, v)
-            if len(arrays) != 1:
-                raise InvalidArgumentError(f"key {key_repr(k)}: init takes one array per key, got {len(arrays)}")
-            items.append(Item(k, arrays[0].todense() if isinstance(arrays[0], RowSparse) else arrays[0]))
-        return items
-
-    def _push_pairs(self, key, value):
-        keys, values = _as_list(key, value, "push")
-        pairs = []
-        for k, v in zip(keys, values):
-            k = check_key(k)
-            arrays = _arrays(k, v)
-            _check_same(k, arrays, "pushed")
-            pairs.append((k, arrays))
-        return pairs
-
-    def _pull_targets(self, key, out):
-        """(keys, outs): ``outs`` is None for ``out=None``, else one list of arrays per key."""
-        keys = [check_key(k) for k in key] if isinstance(key, (list, tuple)) else [check_key(key)]
-        if out is None:
-            return keys, None
-        if isinstance(key, (list, tuple)):
-            _, outs = _as_list(key, out, "pull")
-        else:
-            outs = [out]
-        return keys, [_arrays(k, o) for k, o in zip(keys, outs)]
-
-    def _deliver(self, key, keys, outs, values):
-        """Write ``values`` into ``outs``, all checked before any is written; or return them.
-
-        ``values`` come from ``_pull(keys, fresh)``: with ``fresh=True`` (``outs`` is None)
-        they are new NumPy arrays the caller owns; otherwise they may alias stored memory.
-        """
-        if outs is None:
-            return values if isinstance(key, (list, tuple)) else values[0]
-        for k, targets, value in zip(keys, outs, values):
-            for target in targets:
-                if target is value:
-                    continue
-                shape, dtype = shape_dtype(target)
-                if shape != tuple(value.shape):
-                    raise ShapeMismatchError(
-                        f"key {key_repr(k)}: out array of shape {shape} cannot hold the stored shape "
-                        f"{tuple(value.shape)}"
-                    )
-                if dtype != value.dtype:
-                    raise DtypeMismatchError(
-                        f"key {key_repr(k)}: out array of dtype {dtype} does not match the stored dtype {value.dtype}"
-                    )
-            _check_writable(k, targets)
-        for targets, value in zip(outs, values):
-            for target in targets:
-                if target is value:  # a store may have written the value into it already
-                    continue
-                if type(target) is np.ndarray and type(value) is np.ndarray:
-                    np.copyto(target, value)
-                else:
-                    write_into(target, value)
-        return None
-
-
-def _check_writable(key, targets):
-    """InvalidArgumentError when one of the NumPy arrays ``targets``, the out arrays of ``key``,
-    is read-only."""
-    if any(isinstance(target, np.ndarray) and not target.flags.writeable for target in targets):
-        raise InvalidArgumentError(f"key {key_repr(key)}: the out array is read-only")
-
-
-def _write_rows(target, ids, rows):
-    """``target[ids] = rows`` for an out array of the value's whole shape, of any array type."""
-    module = type(target).__module__
-    if isinstance(target, np.ndarray):
-        target[ids] = to_host(rows)
-    elif module.startswith("torch"):
-        import torch
-        with torch.no_grad():
-            whole = torch.as_tensor(to_host(rows)).to(target.device)
-            target[torch.as_tensor(ids, device=target.device)] = whole
-    else:
-        import cupy
-        with target.device:
-            target[cupy.asarray(ids)] = to_namespace(rows, cupy)

@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ..update import compression
-from ..wire import states_file
 from ..backend import host_copy, select, to_namespace
-from ..update.engine import Engine
 from ..errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError, key_repr
-from .kvstore import KVStore
 from ..optimizer import Updater
+from ..update import compression
+from ..update.engine import Engine
+from ..wire import states_file
+from .kvstore import KVStore
 
 
 class LocalStore(KVStore):

@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from ..wire import states_file
 from ..backend import DeviceBFloat16, is_array, on_gpu, to_namespace, write_into
 from ..errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError
-from .kvstore import ArrayLike, KVStore
 from ..optimizer import Optimizer, check, create, get_updater
+from ..wire import states_file
+from .kvstore import ArrayLike, KVStore
 
 
 def _named(params):

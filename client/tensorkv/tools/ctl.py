@@ -14,8 +14,8 @@ from google.protobuf import empty_pb2, json_format
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tensorkv.config import parse_servers, variable_text
 from tensorkv.wire import codec
-from tensorkv.stores.dist import parse_servers
 from tensorkv.tools import reshard as resharding
 from tensorkv.errors import InvalidArgumentError, KVStoreError
 from tensorkv.wire.status import error_from_rpc
@@ -64,7 +64,6 @@ class Server:
 
 
 def main(argv=None):
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's own INFO lines (a failed TLS handshake) on stderr
     parser = _parser()
     args = parser.parse_args(argv)
     if not args.servers and args.command != "reshard":
@@ -145,7 +144,7 @@ def _options(parser, defaults):
     def default(value):
         return value if defaults else argparse.SUPPRESS
 
-    parser.add_argument("--servers", default=default(os.environ.get("TENSORKV_SERVERS")),
+    parser.add_argument("--servers", default=default(variable_text("servers")),
                         help="HOST:PORT,... (default: TENSORKV_SERVERS)")
     parser.add_argument("-o", "--output", choices=("table", "json"), default=default("table"), help="default: table")
     parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds for each call (default 10.0)")

@@ -1,7 +1,7 @@
 """Where a run's keys go when it moves from N servers to M (``tensorkv reshard``).
 
 Each key goes whole or in slices to the new servers by the rule the workers use
-(:func:`tensorkv.stores.dist.placement`), with its value and each optimizer state (all of the value's
+(:func:`tensorkv.stores.spread.placement`), with its value and each optimizer state (all of the value's
 shape), so each new piece is a list of :class:`Segment`, element ranges of the old pieces. Each
 new server gets the header of a snapshot (docs/snapshot.md) of its part of the run; the run's
 identity (job, run number, rounds, the optimizer) is that of the old servers.
@@ -12,7 +12,7 @@ import numpy as np
 
 from tensorkv.backend import BFLOAT16
 from tensorkv.errors import FailedPreconditionError, key_repr
-from tensorkv.stores.dist import placement
+from tensorkv.stores.spread import placement
 from tensorkv.wire.codec import check_key
 from tensorkv.words import plural
 

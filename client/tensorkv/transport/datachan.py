@@ -1,5 +1,6 @@
 """The client's half of the data channel: a raw TCP connection beside a Session stream that
-carries the bytes of large values (the server's half is ``tensorkv_server.datachan``).
+carries the bytes of large values (the server's half is ``tensorkv_server.datachan``; the
+acknowledgement, framing and keepalive both speak are ``tensorkv.wire.datachan``).
 
 The Session stream asks for a one-time token (SESSION_OP_OPEN_DATA_CHANNEL); a
 :class:`Channel` connects to the server's data port, sends the token and waits for the
@@ -16,22 +17,14 @@ import ssl
 import time
 
 from ..errors import DeadlineExceededError, InternalError, KVStoreError, ServerUnavailableError
+from ..wire.addresses import split_host_port
+from ..wire.datachan import ACK, FRAME_HEADER, keep_alive
 
-ACK = b"\x01"
-FRAME_HEADER = 4  # bytes of the little-endian length before each call and answer framed on the channel
 # Seconds to connect and be bound at most: a port that a firewall drops must not hold the
 # call that negotiates for its whole timeout.
 CONNECT_TIMEOUT = 10.0
 TLS_WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
 TLS_RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (what it holds)
-# TCP keepalive on both ends: a channel may sit idle through a long wait (a sync pull or a
-# barrier waiting for the other workers), which gRPC's pings keep alive on the stream but
-# not here. Probed after this many idle seconds, then every KEEPALIVE_INTERVAL, a
-# connection stays known to the NATs and firewalls on its way, and a peer that vanished is
-# found within about a minute (as gRPC's keepalive on the stream: grpc_options.py).
-KEEPALIVE_IDLE = 30
-KEEPALIVE_INTERVAL = 10
-KEEPALIVE_PROBES = 3
 IOV_MAX = 1024  # buffers one recvmsg_into fills at most (Linux's UIO_MAXIOV, macOS's IOV_MAX)
 # The longest answer framed on the channel that a call takes unless it says less (Session.call's
 # answer_bytes): the longest gRPC message, what its answer could be on the stream. A longer
@@ -54,12 +47,6 @@ def is_lost(error):
     return getattr(error, "channel_lost", False)
 
 
-def split_address(address):
-    """The host of a gRPC 'host:port' address, without IPv6 brackets."""
-    host = address.rsplit(":", 1)[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
 class Channel:
     """A data channel to server ``address`` (its gRPC address) on ``port``, bound with ``token``
     within ``timeout`` seconds (CONNECT_TIMEOUT at most), over TLS with the ssl.SSLContext
@@ -70,7 +57,7 @@ class Channel:
     def __init__(self, address, port, token, timeout, tls=None):
         self.address = address
         self.deadline = None  # of the call in progress (time.monotonic())
-        host = split_address(address)
+        host = split_host_port(address)[0]
         self._sock = socket.create_connection((host, port), min(timeout, CONNECT_TIMEOUT))
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -229,16 +216,6 @@ class Channel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-
-def keep_alive(sock):
-    """Turn on TCP keepalive for ``sock``, one end of a data channel (KEEPALIVE_*, where the
-    platform has the options)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
-                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _bytes(buffer):

@@ -8,10 +8,10 @@ realigns after a server restart (sync mode, several workers, snapshots: see
 :class:`tensorkv.transport.server_conn.ServerConn`), a copy of each push is kept too (:meth:`PushLog.keep`),
 trimmed as pulls show the rounds of the pushes complete (:meth:`PushLog.seen_complete`).
 """
-from ..wire.codec import Item, StreamDecoder
 from ..errors import key_repr
-from ..words import plural
 from ..v1 import kvstore_pb2
+from ..wire.codec import Item, StreamDecoder
+from ..words import plural
 
 KEPT_PUSHES = 8  # copies kept per key at most, where a worker realigns (PushLog.keep)
 

@@ -22,13 +22,18 @@ import math
 import numpy as np
 
 from .. import config
-from . import datachan, shm
-from ..wire.codec import Item, Placement, StreamDecoder, aligned, encode_stream, following, key_fields
 from ..errors import InternalError
-from ..wire.status import error_from_code, status_code
 from ..v1 import kvstore_pb2, tensor_pb2
+from ..wire import packed
+from ..wire.codec import Item, StreamDecoder, encode_stream, following
+from ..wire.protobuf import key_fields
+from ..wire.shm import HEADER_BYTES, Placement, aligned
+from ..wire.status import error_from_code, status_code
+from . import datachan, shm
 
 PACKED_KINDS = ("push", "pull", "pushpull")
+# The layouts a worker keeps per server (Layouts).
+MAX_KNOWN_LAYOUTS = 4 * packed.MAX_LAYOUTS
 _ONE_MESSAGE = 1 << 62
 # The Session op of each kind of call that may travel on a Session stream.
 SESSION_OPS = {"init": kvstore_pb2.SESSION_OP_INIT, "push": kvstore_pb2.SESSION_OP_PUSH,
@@ -207,13 +212,13 @@ class SharedMemory(Inline):
 
     def _output(self, fields, region, channel):
         if region is not None:
-            fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=shm.HEADER_BYTES,
+            fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=HEADER_BYTES,
                                                          length=region.capacity)
 
     def _offload(self, region, channel):
         if region is None:
             return self.items, ()
-        placement, min_bytes = Placement(region.buffer, region.id, shm.HEADER_BYTES), self.min_bytes
+        placement, min_bytes = Placement(region.buffer, region.id, HEADER_BYTES), self.min_bytes
         return [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in self.items], ()
 
     def kept(self, request):
@@ -289,6 +294,50 @@ class Packed:
 
     def keys(self):
         return self.layout.keys
+
+
+class Layouts:
+    """The packed layouts of the calls to one server: whether a list of values packs (at least
+    ``min_values`` of them, distinct keys, one dtype that is not big-endian, each value under
+    ``max_value_bytes``, on a session whose calls go on the data channel), and the same
+    packed.Layout for the same list, MAX_KNOWN_LAYOUTS of them at most (each is registered
+    again on a new stream; the lists seen once that many are known travel as entries)."""
+
+    def __init__(self, min_values, max_value_bytes):
+        self.min_values, self.max_value_bytes = max(min_values, 1), max_value_bytes
+        self._known = {}  # packed.signature -> packed.Layout
+
+    def of_call(self, session, call):
+        """The Layout of the values of ``call``'s part (or, for a pull, of its keys with their
+        shapes) when they pack; else None."""
+        keys, shapes = call.keys, call.shapes
+        if keys is None:
+            items = [item for _, item in call.part]
+            for item in items:
+                array = item.array
+                if type(array) is not np.ndarray or item.slice is not None or item.two_bit is not None \
+                        or not array.flags.c_contiguous:
+                    return None
+            keys, shapes = [item.key for item in items], [(item.shape, item.array.dtype) for item in items]
+        return self.of(session, keys, shapes) if shapes is not None else None
+
+    def of(self, session, keys, shapes):
+        """The Layout of ``keys`` whose whole values have ``shapes`` [(shape, dtype)] when they pack
+        on ``session`` (None: sessions off); else None."""
+        if len(keys) < self.min_values or session is None or not session.calls_on_channel:
+            return None
+        dtype = shapes[0][1]
+        if dtype.byteorder == ">" or len(set(keys)) < len(keys) or any(
+                value_dtype != dtype or math.prod(shape) * dtype.itemsize >= self.max_value_bytes
+                for shape, value_dtype in shapes):
+            return None
+        signature = packed.signature(keys, [shape for shape, _ in shapes], dtype)
+        layout = self._known.get(signature)
+        if layout is None:
+            if len(self._known) >= MAX_KNOWN_LAYOUTS:
+                return None
+            layout = self._known[signature] = packed.Layout(*signature)
+        return layout
 
 
 def check_answer(response, call_id, kind, address):

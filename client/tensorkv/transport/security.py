@@ -11,7 +11,6 @@ A connection that fails its handshake fails at once: :meth:`Security.diagnose` n
 reason (a server that speaks TLS to a plaintext client or the reverse, a certificate that is
 expired or signed by another CA, a client certificate missing or refused).
 """
-import ipaddress
 import socket
 import ssl
 import time
@@ -21,28 +20,11 @@ import grpc
 
 from ..config import SECURITY_FIELDS, ClientConfig
 from ..errors import InvalidArgumentError, UnauthenticatedError
+from ..wire.addresses import is_loopback, split_host_port
 
 CONNECT_POLL = 0.2  # seconds between looks at a channel that does not connect
 PROBE_TIMEOUT = 5.0  # seconds the diagnosis of a failed handshake takes at most
 _PLAINTEXT_REASONS = ("WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "RECORD_LAYER_FAILURE", "HTTP_REQUEST")
-
-
-def split_host_port(address):
-    """(host without IPv6 brackets, port) of a 'host:port' address."""
-    host, _, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
-
-
-def is_loopback(host):
-    """Whether ``host`` (a name or an address, without brackets) is this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _read(path, what):

@@ -21,29 +21,26 @@ import grpc
 import numpy as np
 from google.protobuf import message
 
-from ..wire import packed, rowsparse_wire, states_wire
-from . import routes, shm
-from ..wire.codec import Item, encode_stream, set_key
 from ..errors import (
     DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, KVStoreError, RoundAbortedError,
     ServerUnavailableError, ShapeMismatchError, key_repr,
 )
+from ..v1 import kvstore_pb2
+from ..wire import rowsparse_wire, states_wire
+from ..wire.codec import Item, encode_stream, set_key
 from ..wire.grpc_options import CHANNEL_OPTIONS
+from ..wire.status import connection_lost, error_from_rpc
+from . import routes, shm
 from .replay import PushLog, pushed_items
-from .routes import Call, Thresholds, receivable  # noqa: F401 (receivable: dist)
+from .routes import Call, Thresholds
 from .rpc import Stub
 from .session import Session
-from ..wire.status import connection_lost, error_from_rpc
-from ..v1 import kvstore_pb2
 
 # Earlier incarnations a registration names (RegisterRequest.earlier_incarnations): as many as a server reads.
 MAX_EARLIER_INCARNATIONS = 16
 # A push of at most this many bytes (per server) may be sent without waiting for its answer (its
 # request, which holds the values, is kept until the answer comes: replay.PushLog).
 DEFER_MAX_BYTES = 1 << 20
-# The layouts a worker keeps per server, by signature (each is registered again on a new stream);
-# the lists seen once this many are known travel as entries.
-MAX_KNOWN_LAYOUTS = 4 * packed.MAX_LAYOUTS
 # Seconds before a call is made again after a broken connection: doubled each time, up to RETRY_MAX.
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
@@ -86,7 +83,7 @@ class ServerConn:
         self._security = security
         self._uses_session = config.session
         self._thresholds = Thresholds.of(config)  # read once, for the calls: they pick a call's route
-        self._chunk_bytes, self._pack_min_values = config.chunk_bytes, max(config.pack_min_values, 1)
+        self._chunk_bytes = config.chunk_bytes
         self._connect()
         self.rank = None
         self.incarnation = None  # of this worker's registration here; None while not registered
@@ -104,7 +101,7 @@ class ServerConn:
         self._lock = threading.Lock()  # one reconnect at a time
         self._log = PushLog(address)  # the pushes to send again (see the class docstring)
         self._pushes_kept = self._log.kept  # the same dict, of the copies kept per key
-        self._layouts = {}  # packed.signature -> packed.Layout
+        self._layouts = routes.Layouts(config.pack_min_values, self._thresholds.datachan_min_bytes)
 
     def _connect(self):
         """A new channel, stub and Session stream (its shared-memory region and data channel
@@ -536,7 +533,7 @@ class ServerConn:
             return None
         call.caller = self._caller()
         if layout is None and call.kind in routes.PACKED_KINDS:
-            layout = self._layout(call.part, call.keys, call.shapes)
+            layout = self._layouts.of_call(session, call)
         route = routes.choose(session, call, layout)
         result = None if route is None else session.call(route, call, timeout)
         if result is None and layout is not None and call.part:  # not packed on this stream: as entries
@@ -544,38 +541,10 @@ class ServerConn:
             result = None if route is None else session.call(route, call, timeout)
         return result
 
-    def _layout(self, part, keys, shapes):
-        """The packed.Layout of the values of ``part`` (or, for a pull, of ``keys`` with their
-        ``shapes``) when they pack (:meth:`packed_layout`); else None."""
-        if keys is None:
-            items = [item for _, item in part]
-            for item in items:
-                array = item.array
-                if type(array) is not np.ndarray or item.slice is not None or item.two_bit is not None \
-                        or not array.flags.c_contiguous:
-                    return None
-            keys, shapes = [item.key for item in items], [(item.shape, item.array.dtype) for item in items]
-        return self.packed_layout(keys, shapes) if shapes is not None else None
-
     def packed_layout(self, keys, shapes):
         """The packed.Layout of ``keys`` whose whole values have ``shapes`` [(shape, dtype)] when
-        they pack on this server's session: pack_min_values at least, distinct, of one dtype (not
-        big-endian), each under datachan_min_bytes, with calls on the data channel; the same
-        object for the same list; else None (also once MAX_KNOWN_LAYOUTS are known)."""
-        if len(keys) < self._pack_min_values or self.session is None or not self.session.calls_on_channel:
-            return None
-        dtype = shapes[0][1]
-        if dtype.byteorder == ">" or len(set(keys)) < len(keys) or any(
-                value_dtype != dtype or math.prod(shape) * dtype.itemsize >= self._thresholds.datachan_min_bytes
-                for shape, value_dtype in shapes):
-            return None
-        signature = packed.signature(keys, [shape for shape, _ in shapes], dtype)
-        layout = self._layouts.get(signature)
-        if layout is None:
-            if len(self._layouts) >= MAX_KNOWN_LAYOUTS:
-                return None
-            layout = self._layouts[signature] = packed.Layout(*signature)
-        return layout
+        they pack on this server's session (routes.Layouts.of); else None."""
+        return self._layouts.of(self.session, keys, shapes)
 
 
 def _request_id():

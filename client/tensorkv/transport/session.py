@@ -11,12 +11,12 @@ import time
 import grpc
 
 from ..errors import DeadlineExceededError, KVStoreError, ServerUnavailableError
-from . import datachan, shm
+from ..v1 import kvstore_pb2
 from ..wire import packed
+from ..wire.status import READ_ONLY_CALLS, error_from_rpc, transport_error
+from . import datachan, shm
 from .routes import Call, Thresholds
 from .rpc import Stub
-from ..wire.status import READ_ONLY_CALLS, error_from_rpc, transport_error
-from ..v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """Shared-memory regions of a client on its server's host (the client's half of the
-shared-memory path; the server's is ``tensorkv_server.shm``).
+shared-memory path; the server's is ``tensorkv_server.shm``, the layout both keep
+``tensorkv.wire.shm``).
 
 A :class:`Region` is a memory file (``memfd_create``) that this process creates, sizes,
 and seals against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``)
@@ -19,29 +20,16 @@ import weakref
 
 import numpy as np
 
-from ..wire.codec import SHM_ALIGN, check_ref
 from ..errors import InvalidTensorError
+# available: whether this process can make regions (server_conn asks before it offers them)
+from ..wire.shm import HEADER_BYTES, PREFIX, SEALS, TOKEN_BYTES, available, check_ref  # noqa: F401
 
-# The name a region's file shows in /proc/PID/maps and /proc/PID/fd (for people and tests:
-# nothing opens it by name).
-PREFIX = "tensorkv_"
-TOKEN_BYTES = 32
-# The token's area at the start of a region. Values go only after it: the server replaces the
-# token there with random bytes that must stay unknown to anyone who cannot read the file
-# (see tensorkv_server.shm).
-HEADER_BYTES = SHM_ALIGN
-try:  # the seals of a region: its size is fixed for good
+try:
     import fcntl
-    SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-except (ImportError, AttributeError):  # not Linux: no sealed memory files, values travel over TCP
-    SEALS = 0
+except ImportError:  # not POSIX: no regions are made here (tensorkv.wire.shm.available())
+    pass
 # Smallest area for values made; larger ones are powers of two, so that growth is rare.
 MIN_REGION_BYTES = 1 << 20
-
-
-def available():
-    """Whether this platform has sealed memory files (Linux)."""
-    return SEALS != 0 and hasattr(os, "memfd_create")
 
 
 def capacity_for(nbytes):

@@ -26,8 +26,8 @@ import math
 import numpy as np
 
 from ..backend import array_module, to_namespace
-from ..wire.codec import Item
 from ..errors import InvalidArgumentError, key_repr
+from ..wire.codec import Item
 
 TYPE = "2bit"
 DEFAULT_THRESHOLD = 0.5  # MXNet's, when compression_params gives only the type

@@ -11,15 +11,15 @@ import contextlib
 
 import numpy as np
 
-from . import kernels
 from ..backend import BFLOAT16, DeviceBFloat16, empty, shape_dtype, to_namespace
-from ..wire.codec import check_key, wire_dtype
 from ..errors import (
     DtypeMismatchError, InvalidArgumentError, KeyExistsError, KeyNotFoundError, KeyTypeError,
     ShapeMismatchError, key_repr, keys_repr, no_memory,
 )
-from .kernels import accumulator_dtype
 from ..optimizer import Updater, keeps_master, state_array_bytes
+from ..wire.codec import check_key, wire_dtype
+from . import kernels
+from .kernels import accumulator_dtype
 from .rowsparse import RowSparse, Rows, canonical, check_like, check_row_ids, merge as merge_rows
 
 

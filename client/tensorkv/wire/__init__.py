@@ -1,5 +1,9 @@
 """What travels between a worker and a server, the same on both ends: the codec of tensor
-streams and its packed layouts, row-sparse values and optimizer states on the wire and on
-disk, errors as gRPC statuses, the gRPC options, and the buffers streams are received into.
-The server (``tensorkv_server``) imports these, never :mod:`tensorkv.transport`.
+streams (``codec``, the interface, with ``entries``, ``protobuf`` and ``decoding``) and its
+packed layouts (``packed``); row-sparse values and optimizer states in messages
+(``rowsparse_wire``, ``states_wire``) and on disk (``states_file``); errors as gRPC statuses
+(``status``); the gRPC options (``grpc_options``); the data channel's framing (``datachan``),
+shared memory's layout (``shm``) and server addresses (``addresses``); and the buffers
+streams are received into (``allocator``). The server (``tensorkv_server``) imports these,
+never :mod:`tensorkv.transport`.
 """

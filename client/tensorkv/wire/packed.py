@@ -19,9 +19,9 @@ import math
 
 import numpy as np
 
-from .codec import check_key, check_key_bytes, check_key_count, check_shape, get_key, numpy_dtype, set_key, wire_dtype
 from ..errors import InvalidArgumentError, ResourceExhaustedError, key_repr
 from ..v1 import kvstore_pb2
+from .codec import check_key, check_key_bytes, check_key_count, check_shape, get_key, numpy_dtype, set_key, wire_dtype
 
 # Layouts one Session stream may hold: a worker has a few lists (its parameters, perhaps
 # grouped), not one per call.

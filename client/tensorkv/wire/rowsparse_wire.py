@@ -5,9 +5,9 @@ worker's row_sparse_pull travels on its Session stream where it can
 channel), else in these messages."""
 import numpy as np
 
-from . import codec
 from ..backend import to_host
 from ..errors import InvalidTensorError, key_repr
+from . import codec
 
 
 def set_value(message, key, shape, row_ids, rows):

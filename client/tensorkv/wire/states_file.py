@@ -23,12 +23,12 @@ import json
 
 import numpy as np
 
-from ..backend import to_host
-from .codec import check_key
-from ..errors import InvalidArgumentError
 from .. import lr_scheduler
+from ..backend import to_host
+from ..errors import InvalidArgumentError
 from ..optimizer import create
 from ..words import plural
+from .codec import check_key
 
 FORMAT = "tensorkv-optimizer-states"
 VERSION = 2

@@ -4,11 +4,11 @@ States are ``{key: (num_update, [codec.Item])}``. The first message names the op
 its lr_scheduler) and lists the keys with their number of states and updates; the state
 tensors follow as frames, key after key. (Files of states are :mod:`tensorkv.wire.states_file`.)
 """
-from . import codec
 from .. import lr_scheduler, optimizer as optimizers
 from ..errors import InvalidArgumentError, InvalidTensorError, key_repr
 from ..v1 import tensor_pb2
 from ..words import plural
+from . import codec
 
 
 def to_messages(message_type, optimizer, states, chunk_bytes=None):
