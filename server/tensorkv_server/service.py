@@ -17,7 +17,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from tensorkv import __version__
 from tensorkv.wire import allocator, codec, packed, rowsparse_wire, states_wire
-from tensorkv.backend import on_gpu
+from tensorkv.backend import on_gpu, to_host
 from tensorkv.update.engine import dtype_mismatch
 from tensorkv.errors import (
     DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError, KVStoreError,
@@ -47,9 +47,10 @@ RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
-_OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
-                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT,
-                       kvstore_pb2.SESSION_OP_BARRIER}
+_REGION_OPS = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
+               kvstore_pb2.SESSION_OP_REGISTER_CUDA_BUFFER}
+_OPS_WITHOUT_VALUES = _REGION_OPS | {kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT,
+                                     kvstore_pb2.SESSION_OP_BARRIER}
 # The ops that may name a packed layout (SessionRequest.layout_id), and those of them that pull.
 _PACKED_OPS = {kvstore_pb2.SESSION_OP_PUSH, kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 _PACKED_PULLS = {kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
@@ -59,6 +60,9 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # status n
 ROW_ANSWER_COPIES = 3
 # Copies of a Pull or PushPull answer's values held at once: our messages, and gRPC's of them.
 _GRPC_ANSWER_COPIES = 2
+# How a worker's large values travel (WorkerLease.route), in words for the log.
+_ROUTE_NAMES = {"cuda-ipc": "CUDA IPC (device to device)", "pinned-shm": "shared memory pinned on both ends",
+                "shm": "shared memory", "data-channel": "the data channel"}
 
 
 def _ms(seconds):
@@ -70,7 +74,7 @@ def _row_ids(item):
     if item.slice is not None or item.two_bit is not None:
         raise InvalidArgumentError(f"key {key_repr(item.key)}: a row-sparse pull's entry carries row ids, not a "
                                    f"slice or 2-bit codes")
-    return item.array
+    return to_host(item.array)  # where a pinned region's bytes were copied to the GPU
 
 
 def _responses(items):
@@ -186,6 +190,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # Pinned buffers and a CUDA stream between the wire and a GPU engine, or None.
         xp = coordinator.engine.xp
         self.staging = Staging(xp) if xp is not np else None
+        # rank -> how its large values travel (WorkerLease.route), as its last Session set them up.
+        self.routes = {}
         # Receive buffers of 32 MiB or more, used again once nothing refers to them (as many
         # bytes kept as glibc is told to keep of freed memory, and no more than the budget: a
         # call's buffers are made before it waits for room, and would all be kept).
@@ -249,7 +255,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if self.staging is None:
             return items
         return [codec.Item(item.key, self.staging.download(item.array), item.shape, item.slice)
-                if on_gpu(item.array) else item for item in items]
+                if on_gpu(item.array) and item.ref is None else item for item in items]
 
     async def Register(self, request, context):
         logs.PEER.set(context.peer())
@@ -278,7 +284,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def Info(self, request, context):
         info = self.coordinator.info()
-        workers = [kvstore_pb2.WorkerLease(rank=rank, incarnation=incarnation, ms_since_renewal=_ms(since))
+        workers = [kvstore_pb2.WorkerLease(rank=rank, incarnation=incarnation, ms_since_renewal=_ms(since),
+                                           route=self.routes.get(rank, ""))
                    for rank, incarnation, since in info.pop("leases")]
         return kvstore_pb2.InfoResponse(
             mode=_MODES[info.pop("mode")], version=__version__, shared_memory=self.shared_memory,
@@ -383,7 +390,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def Session(self, request_iterator, context):
         # The shared-memory regions and the data channel of this stream: released when it
         # ends, however it ends.
-        regions = shm.Regions(context.peer())
+        regions = shm.Regions(context.peer(), self.staging)
         channel = datachan.StreamChannel(self.data_port, context.peer(), self.streams) if self.data_port else None
         layouts = packed.Layouts()
         self.streams.opened()
@@ -453,7 +460,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             if uses_channel and not on_channel and channel is not None and channel.takes_calls:
                 raise FailedPreconditionError("this stream's calls that move bytes on the data channel must come on "
                                               "the channel (SessionResponse.calls_on_channel)")
-            if request.op in (kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION):
+            if request.op in _REGION_OPS:
                 return self._region_call(request, regions), None, False
             if request.op == kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL:
                 if on_channel:
@@ -467,6 +474,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                     id=call_id, layout_id=layouts.register(request.layout, self.limits)).SerializeToString(), None, False
             # Checked before anything changes; written after the work, before any other await.
             output = regions.placement(request.output) if request.HasField("output") else None
+            areas = regions.areas(request.outputs)
             if request.data_channel_min_bytes and (channel is None or not channel.bound):
                 raise FailedPreconditionError("data_channel_min_bytes asks for values on the data channel, but no "
                                               "data channel is bound to this stream (open one, connect with its token)")
@@ -498,10 +506,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                 if items and output is None:
                     budget.hold(await self._answer_room(items, timeout, f"the answer of {plural(len(items), 'value')}",
                                                         applied=request.op == kvstore_pb2.SESSION_OP_PUSH_PULL))
-            items = self._host(items)
+            if areas:
+                items = regions.deliver(areas, items)
             if output is not None:
                 items = output.place(items)
+            if areas or output is not None:
                 metrics.sent("shm", sum(item.array.nbytes for item in items if item.ref))
+            items = self._host(items)
+            regions.settle()
             outgoing = None
             if layout is not None and request.op in _PACKED_PULLS:
                 values = layout.pack(_packable(layout, items))
@@ -516,6 +528,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                            chunk_bytes=_ONE_MESSAGE)[0]
             return response, outgoing, False
         except Exception as error:
+            regions.settle()  # no copy may touch the client's memory once it has the answer
             # The stream of bytes may be out of step: start afresh. Calls framed on the channel
             # keep it when every byte the request announced was read (no answer bytes follow an error).
             close = uses_channel and channel is not None and not (on_channel and in_step)
@@ -540,6 +553,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if channel is None:
             raise FailedPreconditionError("this server has no data channel (--no-data-channel)")
         token = channel.open()
+        self._note_route(request, regions.route or "data-channel", regions.peer)
         if request.calls_on_channel:
             channel.serve_calls(lambda data: self._channel_call(data, regions, channel, layouts),
                                 lambda outgoing: self._send_after(channel, outgoing), self._max_call_bytes(),
@@ -563,8 +577,24 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             return kvstore_pb2.SessionResponse(id=request.id).SerializeToString()
         if not self.shared_memory:
             raise FailedPreconditionError("shared memory is off on this server")
-        region_id = regions.register(request.region)
-        return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id).SerializeToString()
+        if request.op == kvstore_pb2.SESSION_OP_REGISTER_CUDA_BUFFER:
+            try:
+                region_id = regions.open_cuda_buffer(request.cuda_buffer)
+            except FailedPreconditionError as error:
+                log.info("rank %d (%s): %s", request.rank, regions.peer, error)
+                raise
+            pinned = False
+        else:
+            region_id, pinned = regions.register(request.region)
+        self._note_route(request, regions.route, regions.peer)
+        return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id, region_pinned=pinned).SerializeToString()
+
+    def _note_route(self, request, route, peer):
+        """Keep (for Info) and log the ``route`` of the large values of the rank that sent ``request``."""
+        if not request.incarnation or self.routes.get(request.rank) == route:
+            return
+        self.routes[request.rank] = route
+        log.info("rank %d (%s): large values travel by %s", request.rank, peer, _ROUTE_NAMES[route])
 
     def _layout(self, request, items, layouts, channel):
         """The packed.Layout that ``request`` names (SessionRequest.layout_id), checked to fit the call."""

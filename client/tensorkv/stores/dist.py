@@ -18,7 +18,7 @@ import numpy as np
 
 from ..wire import allocator, states_file
 from ..update import compression
-from ..backend import on_gpu, shape_dtype, to_host
+from ..backend import on_gpu, shape_dtype, to_host, write_into
 from ..wire.codec import Item
 from ..config import SECURITY_FIELDS, ClientConfig, parse_servers  # noqa: F401 (parse_servers: ctl)
 from ..update.engine import Engine, dtype_mismatch
@@ -278,21 +278,29 @@ class DistStore(KVStore):
 
     def _assemble(self, values, plan, results, outs=None):
         """Fill ``values`` (by position) from each server's answer, in the order of ``plan``.
-        A value that was decoded straight into its out array (see :func:`server_conn.decode`) is that
-        array."""
+        A value that was decoded (or, on the GPU, copied) straight into its out array (see
+        :func:`server_conn.decode`, tensorkv.transport.routes) is that array; the slices of a
+        value that came apart from it are written into it."""
+        apart = {}  # position -> [(slice, host array, full shape)]
         for index, answered in results.items():
             for (position, _), item in zip(plan[index], answered):
                 if outs is not None and (item.array is outs[position][0] or (
                         receivable(outs[position][0], item.array.dtype, item.shape)
                         and np.may_share_memory(outs[position][0], item.array))):
                     values[position] = outs[position][0]
-                    continue
-                if item.slice is None:
+                elif item.slice is None:
                     values[position] = item.array
-                    continue
-                if values[position] is None:
-                    values[position] = np.empty(item.shape, item.array.dtype)
-                values[position].reshape(-1)[item.slice[0]:item.slice[1]] = item.array
+                else:
+                    apart.setdefault(position, []).append((item.slice, item.array, item.shape))
+        for position, slices in apart.items():
+            whole = values[position]
+            if whole is None:
+                whole = values[position] = np.empty(slices[0][2], slices[0][1].dtype)
+            for (begin, end), array, _ in slices:
+                if type(whole) is np.ndarray:
+                    whole.reshape(-1)[begin:end] = array
+                else:  # a GPU out array that other slices went to
+                    write_into(whole.reshape(-1)[begin:end], array)
         return values
 
     @staticmethod
@@ -356,7 +364,7 @@ class DistStore(KVStore):
         self._fanout(ServerConn.push, {index: (part, known, undos.get(index)) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)
-        self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
+        self._meta.update((key, shape_dtype(value)) for key, value in merged.items())
 
     # A list of keys pushed or pulled before, with plain NumPy arrays, is checked as a whole
     # and moves as one buffer per server (tensorkv.stores.fusion); the docstrings are KVStore's.
@@ -415,7 +423,7 @@ class DistStore(KVStore):
         results = self._fanout(ServerConn.pushpull, {index: (part, first_outs) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)
-        self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
+        self._meta.update((key, shape_dtype(value)) for key, value in merged.items())
         values = dict(zip(order, self._owned(self._assemble([None] * len(order), plan, results, first_outs), fresh)))
         return [values[key] for key, _ in pairs]
 
@@ -452,10 +460,11 @@ class DistStore(KVStore):
 
     def _pull_into(self, values, plan, outs=None):
         """Pull the keys of ``plan`` {server index: [(position, key)]} into ``values``."""
-        results = self._fanout(ServerConn.pull, {index: (part, outs, *self._known(key for _, key in part))
+        results = self._fanout(ServerConn.pull, {index: (part, outs, *self._known(key for _, key in part),
+                                                         self._pulled(index, [key for _, key in part]))
                                                  for index, part in plan.items()})
         for items in results.values():
-            self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
+            self._meta.update((item.key, (item.shape, shape_dtype(item.array)[1])) for item in items)
         return self._assemble(values, plan, results, outs)
 
     def _outs_fit(self, keys, outs):
@@ -475,6 +484,17 @@ class DistStore(KVStore):
                 elif shape_dtype(target) != (shape, dtype):
                     return False
         return True
+
+    def _pulled(self, index, keys):
+        """[(full shape, dtype, slice or None)] of what server ``index`` holds of each of ``keys``,
+        when all are known; else None."""
+        pulled = []
+        for key in keys:
+            known = self._meta.get(key)
+            if known is None:
+                return None
+            pulled.append((*known, dict(self._placement(key, math.prod(known[0]))).get(index)))
+        return pulled
 
     def _known(self, keys):
         """(the bytes of the whole values of ``keys`` (an upper bound for slices), their [(shape,

@@ -28,7 +28,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from ..backend import shape_dtype, to_host
+from ..backend import DeviceBytes, shape_dtype, to_host
 from ..errors import (
     InvalidArgumentError, InvalidTensorError, KeyTypeError, ResourceExhaustedError, key_repr, no_memory,
 )
@@ -438,7 +438,7 @@ class FrameDecoder:
             raise InvalidTensorError(f"key {key_repr(header.key)}: shared-memory references are only valid on the "
                                      "Session stream that registered the region")
         source = self.resolve(region_id, offset, length)
-        if not self.copy_refs:
+        if not self.copy_refs or isinstance(source, DeviceBytes):  # GPU memory: the value is where it was named
             return header.item(source.view(header.dtype))
         buffer, owned = self._buffer(index, header)
         buffer[:] = source
@@ -956,8 +956,9 @@ class Placement:
         return Item(item.key, array, item.shape, item.slice, ref=(self.region_id, offset, nbytes), two_bit=item.two_bit)
 
     def place(self, items):
-        """``items`` with those that fit moved into the region (the others unchanged)."""
-        return [self.put(item) or item for item in items]
+        """``items`` with those that fit moved into the region (the others, and those already
+        in shared memory, unchanged)."""
+        return [item if item.ref is not None else self.put(item) or item for item in items]
 
 
 # ---- data channel -----------------------------------------------------------------------
