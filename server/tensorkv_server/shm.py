@@ -415,7 +415,9 @@ class Regions:
         for region in self._by_id.values():
             region.close()
         if self._by_id:
-            log.info("released %d shared-memory region(s) and CUDA IPC buffer(s) of %s", len(self._by_id), self.peer)
+            buffers = sum(region.device for region in self._by_id.values())
+            log.info("released %d shared-memory region(s) and %d CUDA IPC buffer(s) of %s",
+                     len(self._by_id) - buffers, buffers, self.peer)
         self._by_id.clear()
 
 
