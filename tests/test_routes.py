@@ -401,3 +401,53 @@ def test_the_cuda_routes_name_the_areas_of_gpu_values_and_wait_once(fake_exports
     assert [(e.shm.region_id, e.shm.offset, e.shm.length) for e in request.frame.entries] == [
         (9, shm.HEADER_BYTES, 65_536)]
     region.close()
+
+
+def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_stream(monkeypatch):
+    """With CUDA faked: the driver opens a handle once per process, so streams that register the
+    same allocation share the opening; a GPU the server cannot reach, or an allocation smaller
+    than the caller says, is refused (and what was opened closed)."""
+    from tensorkv_server import cuda_ipc
+
+    calls = []
+
+    class Runtime:
+        CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+
+        @staticmethod
+        def deviceGetByPCIBusId(bus):
+            return {"0000:01:00.0": 0, "0000:02:00.0": 1}[bus]
+
+        @staticmethod
+        def deviceCanAccessPeer(device, peer):
+            return 0
+
+        @staticmethod
+        def ipcOpenMemHandle(handle):
+            calls.append(("open", handle[:1]))
+            return 0x7000_0000 + handle[0]
+
+        @staticmethod
+        def ipcCloseMemHandle(ptr):
+            calls.append(("close", ptr))
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=Runtime, Device=lambda device: _NoContext(), UnownedMemory=lambda *args: args))
+    staging = types.SimpleNamespace(cupy=cupy, device=0, settle=lambda: calls.append(("settle",)))
+    sizes = {0x7000_0001: MiB, 0x7000_0002: MiB // 2}
+    monkeypatch.setattr(gpu, "pointer_attribute", lambda ptr, attribute: sizes[ptr])
+
+    def buffer(first, bus="0000:01:00.0", size=MiB):
+        return kvstore_pb2.CudaIpcBuffer(handle=bytes([first]) * gpu.IPC_HANDLE_BYTES, size=size, pci_bus_id=bus)
+
+    one, two = cuda_ipc.open_buffer(staging, buffer(1)), cuda_ipc.open_buffer(staging, buffer(1))
+    assert one.ptr == two.ptr == 0x7000_0001 and one.size == MiB and calls == [("open", b"\x01")]
+    one.close()
+    assert ("close", 0x7000_0001) not in calls
+    two.close()
+    assert calls[-1] == ("close", 0x7000_0001) and not cuda_ipc._OPENED
+    with pytest.raises(FailedPreconditionError, match="has no peer access to it"):
+        cuda_ipc.open_buffer(staging, buffer(3, bus="0000:02:00.0"))
+    with pytest.raises(FailedPreconditionError, match="the allocation opened has 524288 bytes"):
+        cuda_ipc.open_buffer(staging, buffer(2))
+    assert calls[-1] == ("close", 0x7000_0002) and not cuda_ipc._OPENED

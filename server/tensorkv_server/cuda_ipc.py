@@ -9,6 +9,10 @@ server reads a pushed value straight from the worker's memory (the engine's kern
 device copy) and writes a pulled one into it on its staging stream; Staging.settle waits for
 both before the call is answered. Every reference is bounds-checked against the size the
 driver gives for the opened allocation (where it tells), not the one the worker says.
+
+The driver opens a handle once per process: a handle that streams register again (a worker's
+new stream, before its old one has ended; a second store in the same worker process) shares
+the opening, which is closed with its last stream (``_OPENED``).
 """
 import logging
 
@@ -21,6 +25,9 @@ from tensorkv.wire.codec import Item
 
 log = logging.getLogger(__name__)
 
+# handle -> [address on this server's device, size, the streams' Buffers that use it]
+_OPENED = {}
+
 
 class Buffer:
     """One opened allocation of ``size`` bytes at ``ptr`` on the server's device; ``what``
@@ -28,8 +35,8 @@ class Buffer:
 
     device = True  # device memory: a pushed value is read from it, a pulled one written into it, by the GPU
 
-    def __init__(self, staging, ptr, size, what):
-        self.staging, self.ptr, self.size, self.what = staging, ptr, size, what
+    def __init__(self, staging, handle, ptr, size, what):
+        self.staging, self.handle, self.ptr, self.size, self.what = staging, handle, ptr, size, what
         cupy = staging.cupy
         self._memory = cupy.cuda.UnownedMemory(ptr, size, self, staging.device)
 
@@ -47,7 +54,11 @@ class Buffer:
 
     def close(self):
         self.staging.settle()
-        self.staging.cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
+        opened = _OPENED[self.handle]
+        opened[2] -= 1
+        if not opened[2]:
+            del _OPENED[self.handle]
+            self.staging.cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
 def open_buffer(staging, message):
@@ -56,9 +67,15 @@ def open_buffer(staging, message):
     if len(message.handle) != gpu.IPC_HANDLE_BYTES or not message.size:
         raise InvalidArgumentError(f"a CUDA IPC buffer has a handle of {gpu.IPC_HANDLE_BYTES} bytes and a size; this "
                                    f"one has {len(message.handle)} bytes and size {message.size}")
-    cupy, device = staging.cupy, staging.device
+    cupy, device, handle = staging.cupy, staging.device, bytes(message.handle)
     runtime = cupy.cuda.runtime
     what = f"CUDA IPC buffer of {message.size} bytes on the GPU at PCI bus id {message.pci_bus_id!r}"
+    opened = _OPENED.get(handle)
+    if opened is not None:
+        if opened[1] < message.size:
+            raise FailedPreconditionError(f"cannot use the {what}: the allocation opened has {opened[1]} bytes")
+        opened[2] += 1
+        return Buffer(staging, handle, opened[0], opened[1], what)
     try:
         theirs = runtime.deviceGetByPCIBusId(message.pci_bus_id)
     except (runtime.CUDARuntimeError, UnicodeError) as error:
@@ -68,7 +85,7 @@ def open_buffer(staging, message):
                                       f"has no peer access to it")
     with cupy.cuda.Device(device):
         try:
-            ptr = runtime.ipcOpenMemHandle(bytes(message.handle))
+            ptr = runtime.ipcOpenMemHandle(handle)
         except runtime.CUDARuntimeError as error:
             raise FailedPreconditionError(f"cannot use the {what}: the driver did not open its handle ({error}); "
                                           "another container, or MPS, does that") from None
@@ -77,4 +94,5 @@ def open_buffer(staging, message):
         runtime.ipcCloseMemHandle(ptr)
         raise FailedPreconditionError(f"cannot use the {what}: the allocation opened has {size} bytes")
     # Where the driver does not tell, the caller's word: a caller of the server's own user.
-    return Buffer(staging, ptr, size or message.size, what)
+    _OPENED[handle] = [ptr, size or message.size, 1]
+    return Buffer(staging, handle, ptr, size or message.size, what)
