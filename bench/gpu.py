@@ -9,10 +9,12 @@ host memcpy (NumPy, wall clock). GB/s of a copy: bytes copied per second.
 
 Rows: push+pull of one float32 key of 16 floats, 4 MiB and 64 MiB, dist_sync, one worker
 (this process), against a real `python -m tensorkv_server` on 127.0.0.1 (one per server
-device, started once): CuPy worker -> GPU server (the same-host default route, shared
-memory), NumPy worker -> GPU server, NumPy worker -> CPU server, CuPy worker -> GPU server
-with transport='tcp', torch CUDA tensors -> GPU server; then Adam set on the server, 64 MiB
+device, started once), one per route GPU values take: CuPy values and torch CUDA tensors to
+the GPU server over CUDA IPC (the same-host default), over shared memory pinned on both ends
+(CUDA IPC turned off in the worker's sessions) and with transport='tcp'; NumPy worker -> GPU
+server and NumPy worker -> CPU server for reference; then Adam set on the server, 64 MiB
 push+pull from CuPy and NumPy workers to a GPU server and from a NumPy worker to a CPU one.
+Each row names the route its store took (read from its sessions after its calls).
 A GPU worker's round trip ends when its device has the pulled value (synchronized). GB/s
 counts the payload both ways (2 x size / round trip, as bench/run.py). "x 4 pinned" is a
 64 MiB row's fraction of four pinned crossings (worker D2H, server H2D, server D2H, worker
@@ -24,7 +26,7 @@ and the pulled value is checked off the clock; an Adam row's last pull is checke
 the same steps on the embedded NumPy store. A row that fails is reported and the run goes on;
 the results are written, then it exits 2 if a value was wrong, 1 if a row failed otherwise.
 The whole run is stopped after RUN_LIMIT seconds (exit 1); every server is stopped by its PID.
-Without CuPy seeing a CUDA device (or without torch's CUDA for the torch row) the GPU rows
+Without CuPy seeing a CUDA device (or without torch's CUDA for the torch rows) the GPU rows
 are skipped with one line saying why, and the CPU rows (host memcpy, NumPy worker -> CPU
 server, Adam on a CPU server) are still measured: a CPU-only mode, never a GPU number.
 Writes <out-dir>/gpu.{json,md} (gpu-quick.* with --quick: fewer repeats).
@@ -203,18 +205,27 @@ def started_server(device, logdir):
 
 
 def open_store(address, transport="auto"):
-    """A dist_sync store of the one worker of ``address``, dropping an earlier row's keys."""
+    """A dist_sync store of the one worker of ``address``, dropping an earlier row's keys;
+    ``transport`` 'pinned' is 'auto' with CUDA IPC off in its session (GPU values then take
+    the region pinned on both ends)."""
     import tensorkv
-    return tensorkv.create("dist_sync", servers=address, transport=transport, if_exists="replace",
-                           timeout=CALL_TIMEOUT)
+    kv = tensorkv.create("dist_sync", servers=address, transport="auto" if transport == "pinned" else transport,
+                         if_exists="replace", timeout=CALL_TIMEOUT)
+    if transport == "pinned":
+        kv._conns[0].session.ipc_refused = True
+    return kv
 
 
 def route(kv):
-    """How this store's large values went, read after its calls: 'shared memory' (a region
-    was set up), else 'tcp' (the data channel) or 'grpc'."""
+    """How this store's large values went, read after its calls: 'CUDA IPC' (buffers opened
+    on the server), 'pinned shared memory' or 'shared memory' (a region was set up), else
+    'tcp' (the data channel) or 'grpc'."""
     session = getattr(kv._conns[0], "session", None)
-    if getattr(session, "region", None) is not None:
-        return "shared memory"
+    if getattr(session, "cuda_buffers", None):
+        return "CUDA IPC"
+    region = getattr(session, "region", None)
+    if region is not None:
+        return "pinned shared memory" if region.pinned else "shared memory"
     return "grpc" if kv.transport == "grpc" else "tcp"
 
 
@@ -316,13 +327,17 @@ def adam_median(kv, values, repeats, key=900):
 
 # ---- the run -------------------------------------------------------------------------
 
-# (row, server, worker values, transport): the push+pull rows, in the issue's order
+# (row, server, worker values, transport): the push+pull rows, in the issue's order, then a
+# row per route of GPU values ('pinned': open_store)
 ROWS = [
     ("CuPy worker -> GPU server", GPU_SERVER, "cupy", "auto"),
     ("NumPy worker -> GPU server", GPU_SERVER, "numpy", "auto"),
     ("NumPy worker -> CPU server", CPU_SERVER, "numpy", "auto"),
     ("CuPy worker -> GPU server, transport='tcp'", GPU_SERVER, "cupy", "tcp"),
     ("torch CUDA tensors -> GPU server", GPU_SERVER, "torch", "auto"),
+    ("CuPy worker -> GPU server, pinned shared memory", GPU_SERVER, "cupy", "pinned"),
+    ("torch CUDA tensors -> GPU server, pinned shared memory", GPU_SERVER, "torch", "pinned"),
+    ("torch CUDA tensors -> GPU server, transport='tcp'", GPU_SERVER, "torch", "tcp"),
 ]
 ADAM_ROWS = [
     ("Adam 64 MiB: CuPy worker -> GPU server", GPU_SERVER, "cupy"),
@@ -365,7 +380,7 @@ def measure(quick, logdir, say):
     values = {"numpy": Values("numpy"), "cupy": Values("cupy", cupy), "torch": Values("torch", torch)}
     why_not = {"cupy": no_gpu, "torch": no_torch, "numpy": None}
     if no_torch and not no_gpu:  # without a GPU the one line above says it
-        line = f"torch row skipped: {no_torch}"
+        line = f"torch rows skipped: {no_torch}"
         say(line)
         result["skipped"].append(line)
 

@@ -59,9 +59,11 @@ def test_status_shows_every_server(job):
     assert code == 0 and err == ""
     header, *rows = out.splitlines()
     assert header.split() == ["server", "mode", "workers", "ranks", "keys", "run", "job", "optimizer", "version",
-                              "lease_ttl_ms", "expired_leases", "server_id", "restored_from", "snapshot"]
+                              "lease_ttl_ms", "expired_leases", "server_id", "restored_from", "snapshot", "routes"]
+    # the job's values are small: its calls go on the data channel, which each rank's session opened
     assert [row.split()[:4] + row.split()[5:8] + row.split()[9:11] + row.split()[12:] for row in rows] == [
-        [address, "sync", "2/2", "0,1", "1", "-", "-", str(LEASE_MS), "0", "off"] for address in cluster.addresses]
+        [address, "sync", "2/2", "0,1", "1", "-", "-", str(LEASE_MS), "0", "off", "0:data-channel,1:data-channel"]
+        for address in cluster.addresses]
     assert sorted(int(row.split()[4]) for row in rows) == [1, 2]  # weight on both, bias on one
     infos = ctl_json("status", servers=cluster.addresses)
     assert [info["server"] for info in infos] == cluster.addresses
@@ -132,8 +134,10 @@ def test_health_and_workers(job):
         (address, 1, rank) for address in cluster.addresses for rank in (0, 1)]
     for row in rows:  # the lease fields of Info.workers, as plain numbers
         assert row["incarnation"] > 0 and 0 <= row["ms_since_renewal"] < LEASE_MS
+    assert {row["route"] for row in rows} == {"data-channel"}
     code, out, _ = ctl("workers", servers=cluster.addresses)
-    assert code == 0 and out.splitlines()[0].split() == ["server", "run", "rank", "incarnation", "ms_since_renewal"]
+    assert code == 0 and out.splitlines()[0].split() == ["server", "run", "rank", "incarnation", "ms_since_renewal",
+                                                         "route"]
 
 
 def test_reset_is_refused_while_the_job_runs(job):

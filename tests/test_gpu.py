@@ -6,6 +6,8 @@ its GPU tests are skipped, and only the check that asking for a GPU without one 
 clearly runs. The GPU tests compare against the NumPy engine that the CPU suite covers.
 """
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +19,7 @@ import tensorkv
 from tensorkv import backend
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-from cluster import CALL, Cluster, check_workers
+from cluster import CALL, Cluster, check_workers, wait_until
 
 cupy = backend.cupy_or_none()
 BF16 = backend.BFLOAT16
@@ -295,3 +297,176 @@ def test_sync_rounds_with_an_optimizer_on_gpu_servers_match_cpu_servers(tmp_path
                                                      env={"TENSORKV_BIGARRAY_BOUND": "2"}))
         weights[device] = [json.loads(out) for out in outs]
     np.testing.assert_allclose(weights["cuda:0"], weights["cpu"], rtol=1e-6)
+
+
+# ---- GPU values to GPU servers on this host: CUDA IPC, pinned shared memory, TCP ------------
+
+# A key of each size and dtype: in the messages; through the route; sliced over both servers.
+ROUTE_SHAPES = {"small": (16,), "whole": (20_000,), "big": (300_000,)}
+ROUTE_BOUND = 100_000  # the stores' bigarray_bound
+ROUTE_DTYPES = ("float32", "float16", "bfloat16")
+# WorkerLease.route of each route's worker (the NumPy reference takes plain shared memory)
+INFO_ROUTES = {"cuda-ipc": "cuda-ipc", "pinned-shm": "pinned-shm", "tcp": "data-channel", "numpy": "shm"}
+NOBODY = 65534  # the uid and gid of a caller of another user
+
+
+class _Values:
+    """Worker values of one kind made from host arrays: NumPy arrays, CuPy arrays (bfloat16
+    stays NumPy: CuPy has none) or torch CUDA tensors."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        self.torch = _torch_cuda() if kind == "torch" else None
+
+    def make(self, host):
+        if self.kind == "cupy" and host.dtype != BF16:
+            return cupy.asarray(host)
+        if self.kind == "torch":
+            torch = self.torch
+            if host.dtype == BF16:
+                return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16).cuda()
+            return torch.from_numpy(host.copy()).cuda()
+        return host.copy()
+
+
+def _route_store(cluster, route):
+    """The one worker's store on ``cluster`` that takes ``route`` for GPU values (an earlier
+    store's keys dropped)."""
+    kv = tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp" if route == "tcp" else "auto",
+                         if_exists="replace", bigarray_bound=ROUTE_BOUND, timeout=CALL)
+    if route == "pinned-shm":
+        for session in kv._sessions:
+            session.ipc_refused = True
+    return kv
+
+
+def _rounds(kv, values):
+    """Every value pulled by a fixed sequence of calls: init, pushes of two values per key
+    (summed on the worker), pulls into out arrays and into new arrays, push-pulls of every key
+    and of one key at a time; as host arrays."""
+    rng = np.random.default_rng(34)
+    hosts = [rng.standard_normal(shape).astype(BF16 if dtype == "bfloat16" else np.dtype(dtype))
+             for dtype in ROUTE_DTYPES for shape in ROUTE_SHAPES.values()]
+    keys = [f"{dtype}-{name}" for dtype in ROUTE_DTYPES for name in ROUTE_SHAPES]
+    kv.init(keys, [values.make(host) for host in hosts])
+    pulled = []
+
+    def taken(arrays):
+        pulled.append([np.array(backend.to_host(array), copy=True) for array in arrays])
+
+    for _ in range(2):
+        grads = [rng.standard_normal(host.shape).astype(host.dtype) for host in hosts]
+        kv.push(keys, [[values.make(grad), values.make(grad)] for grad in grads])
+        outs = [values.make(np.full(host.shape, 7, host.dtype)) for host in hosts]
+        kv.pull(keys, out=outs)
+        taken(outs)
+        kv.pushpull(keys, [values.make(rng.standard_normal(host.shape).astype(host.dtype)) for host in hosts],
+                    out=outs)
+        taken(outs)
+        taken(kv.pull(keys))
+        for key, host, out in zip(keys, hosts, outs):
+            kv.pushpull(key, values.make(rng.standard_normal(host.shape).astype(host.dtype)), out=out)
+        taken(outs)
+    return pulled
+
+
+def _info_routes(cluster):
+    """WorkerLease.route of each server's workers."""
+    routes = []
+    for address in cluster.addresses:
+        with grpc.insecure_channel(address) as channel:
+            info = kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=CALL)
+        routes += [lease.route for lease in info.workers]
+    return routes
+
+
+@pytest.fixture(scope="module")
+def gpu_servers(tmp_path_factory):
+    if cupy is None:
+        pytest.skip("CuPy sees no CUDA device")
+    tmp = tmp_path_factory.mktemp("gpu-routes")
+    with Cluster(servers=2, tmp_path=tmp, server_args=("--device", "cuda:0")) as cluster:
+        yield cluster, tmp
+
+
+@pytest.fixture(scope="module")
+def numpy_rounds(gpu_servers):
+    """The values the NumPy route pulls (plain shared memory), to compare each route with."""
+    cluster, _ = gpu_servers
+    with _route_store(cluster, "numpy") as kv:
+        pulled = _rounds(kv, _Values("numpy"))
+        assert _info_routes(cluster) == [INFO_ROUTES["numpy"]] * 2
+    return pulled
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("route", ["cuda-ipc", "pinned-shm", "tcp"])
+def test_gpu_values_over_each_route_match_the_numpy_route_bit_for_bit(gpu_servers, numpy_rounds, route, kind):
+    cluster, tmp = gpu_servers
+    values = _Values(kind)
+    with _route_store(cluster, route) as kv:
+        pulled = _rounds(kv, values)
+        sessions = kv._sessions
+        if route == "cuda-ipc":
+            assert all(session.cuda_buffers for session in sessions)
+        elif route == "pinned-shm":
+            assert all(session.region is not None and session.region.pinned and not session.cuda_buffers
+                       for session in sessions)
+        else:
+            assert all(session.region is None for session in sessions)
+        assert _info_routes(cluster) == [INFO_ROUTES[route]] * 2
+    assert len(pulled) == len(numpy_rounds)
+    keys = [f"{dtype}-{name}" for dtype in ROUTE_DTYPES for name in ROUTE_SHAPES]
+    for step, (got, want) in enumerate(zip(pulled, numpy_rounds)):
+        for key, a, b in zip(keys, got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, (step, key)
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"pull {step}, key {key}: not bit for bit"
+    if route == "cuda-ipc":  # each server closed the worker's CUDA IPC buffers as its stream ended
+        logs = [tmp / f"server{index}.log" for index in range(2)]
+        released = re.compile(r"and [1-9][0-9]* CUDA IPC buffer\(s\) of")
+        wait_until(lambda: all(released.search(log.read_text()) for log in logs), "the CUDA IPC buffers released")
+        assert all("large values travel by CUDA IPC (device to device)" in log.read_text() for log in logs)
+
+
+# Registers a shared-memory region of its own on a raw Session stream to argv[1] as uid and gid
+# argv[2], then asks the server to open a CUDA IPC buffer (a handle of zeros: it must be
+# refused before the driver sees it), and prints the answer's code and message. It imports
+# what it needs and makes its channel as root (gRPC connects at the first call, as that user).
+_FOREIGN_CUDA_BUFFER = """
+import os, sys, grpc
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.transport.session import RawSession as Session
+from tensorkv.v1 import kvstore_pb2
+address, nobody = sys.argv[1], int(sys.argv[2])
+session = Session(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address, shm_allowed=True)
+os.setgroups([])
+os.setresgid(nobody, nobody, nobody)
+os.setresuid(nobody, nobody, nobody)
+def build(call_id, timeout_ms, region, channel):
+    buffer = kvstore_pb2.CudaIpcBuffer(handle=bytes(64), size=1 << 20, pci_bus_id="0000:00:00.0")
+    return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_REGISTER_CUDA_BUFFER,
+                                      cuda_buffer=buffer).SerializeToString(), ()
+answer = kvstore_pb2.SessionResponse.FromString(session.call(build, 30.0, shm_bytes=1 << 20)[1])
+assert session.region is not None and session.region.id, "its own region was not attached"
+print(answer.code, answer.message)
+session.close()
+"""
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root, to run a caller as nobody")
+def test_cuda_ipc_is_refused_to_a_caller_of_another_user(tmp_path):
+    """A caller of another user proves its host with a region of its own, and still gets no
+    CUDA IPC buffer opened: a handle alone does not say whose memory it is."""
+    with Cluster(tmp_path=tmp_path, server_args=("--device", "cuda:0")) as cluster:
+        done = subprocess.run([sys.executable, "-c", _FOREIGN_CUDA_BUFFER, cluster.addresses[0], str(NOBODY)],
+                              capture_output=True, text=True, timeout=90)
+        log = (tmp_path / "server0.log").read_text()
+    assert done.returncode == 0, done.stderr
+    code, message = done.stdout.strip().split(" ", 1)
+    assert int(code) == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert message == (f"CUDA IPC is for callers of the server's own user (uid 0) or root; this one is uid {NOBODY}")
+    assert f"this one is uid {NOBODY}" in log

@@ -5,6 +5,8 @@ Arrays stay on their GPU wherever they can: CuPy arrays and torch CUDA tensors r
 GPU namespace through DLPack without a host round trip, and only what must reach the host
 (a value for the wire, a NumPy ``out``) is copied there.
 """
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 
@@ -39,6 +41,63 @@ class DeviceBFloat16:
 
     def __repr__(self):
         return f"DeviceBFloat16(shape={self.shape}, device={self.bits.device.id})"
+
+
+class DeviceBytes:
+    """Bytes in GPU memory (``bits``, a CuPy uint8 array) that a decoder reads as an entry's
+    value, as it reads host bytes: :meth:`view` is the CuPy array of a dtype over them (a
+    DeviceBFloat16 for bfloat16), without a copy."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self, bits):
+        self.bits = bits
+
+    def __len__(self):
+        return self.bits.size
+
+    def view(self, dtype):
+        if np.dtype(dtype) == BFLOAT16:
+            return DeviceBFloat16(self.bits.view(np.uint16))
+        return self.bits.view(dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """The contiguous bytes of a GPU value: ``ptr`` on CUDA device ``device``, and the stream
+    (``stream``, a cudaStream_t) that orders the work on it: the current stream of its device
+    in CuPy, or in torch for a torch tensor, so that a copy queued there comes after the work
+    that wrote the value and before the work that reads it next."""
+
+    ptr: int
+    nbytes: int
+    device: int
+    stream: int
+
+    def at(self, offset, nbytes):
+        """The ``nbytes`` bytes from byte ``offset`` on."""
+        return DeviceMemory(self.ptr + offset, nbytes, self.device, self.stream)
+
+
+def device_memory(value):
+    """The DeviceMemory of a GPU ``value`` (a CuPy array, DeviceBFloat16 or torch CUDA
+    tensor) whose bytes are C-contiguous and not empty; None for any other value."""
+    module = type(value).__module__
+    if isinstance(value, DeviceBFloat16):
+        value, module = value.bits, "cupy"
+    if module.startswith("cupy"):
+        if not value.flags.c_contiguous or not value.nbytes:
+            return None
+        import cupy
+        device = value.device.id
+        with cupy.cuda.Device(device):
+            stream = cupy.cuda.get_current_stream().ptr
+        return DeviceMemory(value.data.ptr, value.nbytes, device, stream)
+    if module.startswith("torch") and value.is_cuda and value.is_contiguous() and value.numel():
+        import torch
+        return DeviceMemory(value.data_ptr(), value.numel() * value.element_size(), value.device.index,
+                            torch.cuda.current_stream(value.device).cuda_stream)
+    return None
 
 
 def on_gpu(value):

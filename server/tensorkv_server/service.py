@@ -50,6 +50,9 @@ RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
 ROW_ANSWER_COPIES = 3
 # Copies of a Pull or PushPull answer's values held at once: our messages, and gRPC's of them.
 _GRPC_ANSWER_COPIES = 2
+# How a worker's large values travel (WorkerLease.route), in words for the log.
+_ROUTE_NAMES = {"cuda-ipc": "CUDA IPC (device to device)", "pinned-shm": "shared memory pinned on both ends",
+                "shm": "shared memory", "data-channel": "the data channel"}
 
 
 def _ms(seconds):
@@ -129,6 +132,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # Pinned buffers and a CUDA stream between the wire and a GPU engine, or None.
         xp = coordinator.engine.xp
         self.staging = Staging(xp) if xp is not np else None
+        # rank -> how its large values travel (WorkerLease.route), as its last Session set them up.
+        self.routes = {}
         # Receive buffers of 32 MiB or more, used again once nothing refers to them (as many
         # bytes kept as glibc is told to keep of freed memory, and no more than the budget: a
         # call's buffers are made before it waits for room, and would all be kept).
@@ -192,7 +197,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         if self.staging is None:
             return items
         return [codec.Item(item.key, self.staging.download(item.array), item.shape, item.slice)
-                if on_gpu(item.array) else item for item in items]
+                if on_gpu(item.array) and item.ref is None else item for item in items]
+
+    def note_route(self, request, route, peer):
+        """Keep (for Info) and log the ``route`` of the large values of the rank that sent ``request``."""
+        if not request.incarnation or self.routes.get(request.rank) == route:
+            return
+        self.routes[request.rank] = route
+        log.info("rank %d (%s): large values travel by %s", request.rank, peer, _ROUTE_NAMES[route])
 
     async def Register(self, request, context):
         logs.PEER.set(context.peer())
@@ -222,7 +234,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def Info(self, request, context):
         info = self.coordinator.info()
-        workers = [kvstore_pb2.WorkerLease(rank=rank, incarnation=incarnation, ms_since_renewal=_ms(since))
+        workers = [kvstore_pb2.WorkerLease(rank=rank, incarnation=incarnation, ms_since_renewal=_ms(since),
+                                           route=self.routes.get(rank, ""))
                    for rank, incarnation, since in info.pop("leases")]
         return kvstore_pb2.InfoResponse(
             mode=_MODES[info.pop("mode")], version=__version__, device=self.device, shared_memory=self.shared_memory,

@@ -15,6 +15,7 @@ import logging
 import grpc
 import numpy as np
 
+from tensorkv.backend import to_host
 from tensorkv.wire import codec, packed
 from tensorkv.update.engine import dtype_mismatch
 from tensorkv.errors import (
@@ -31,12 +32,11 @@ from .limits import max_call_bytes
 log = logging.getLogger(__name__)
 # A session's answer is one message, however large.
 _ONE_MESSAGE = 1 << 62
-_OPS_WITHOUT_VALUES = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
-                       kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT,
-                       kvstore_pb2.SESSION_OP_BARRIER}
+_REGION_OPS = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
+               kvstore_pb2.SESSION_OP_REGISTER_CUDA_BUFFER}
 # The ops about the stream itself, answered without the coordinator.
-_STREAM_OPS = {kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
-               kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT}
+_STREAM_OPS = _REGION_OPS | {kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL, kvstore_pb2.SESSION_OP_REGISTER_LAYOUT}
+_OPS_WITHOUT_VALUES = _STREAM_OPS | {kvstore_pb2.SESSION_OP_BARRIER}
 # The ops that may name a packed layout (SessionRequest.layout_id), and those of them that pull.
 _PACKED_OPS = {kvstore_pb2.SESSION_OP_PUSH, kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
 _PACKED_PULLS = {kvstore_pb2.SESSION_OP_PULL, kvstore_pb2.SESSION_OP_PUSH_PULL}
@@ -48,7 +48,7 @@ def _row_ids(item):
     if item.slice is not None or item.two_bit is not None:
         raise InvalidArgumentError(f"key {key_repr(item.key)}: a row-sparse pull's entry carries row ids, not a "
                                    f"slice or 2-bit codes")
-    return item.array
+    return to_host(item.array)  # where a pinned region's bytes were copied to the GPU
 
 
 class _Outgoing:
@@ -115,7 +115,7 @@ class SessionStream:
 
     def __init__(self, service, peer):
         self.service = service
-        self.regions = shm.Regions(peer)
+        self.regions = shm.Regions(peer, service.staging)
         self.channel = datachan.StreamChannel(service.data_port, peer, service.streams) \
             if service.data_port else None
         self.layouts = packed.Layouts()
@@ -182,6 +182,7 @@ class SessionStream:
                 return self._stream_op(call), None, False
             return await self._values_call(data, call, decoder)
         except Exception as error:
+            self.regions.settle()  # no copy may touch the client's memory once it has the answer
             # The stream of bytes may be out of step: start afresh. Calls framed on the channel
             # keep it when every byte the request announced was read (no answer bytes follow an error).
             close = call.uses_channel and self.channel is not None and not (on_channel and call.in_step)
@@ -213,7 +214,7 @@ class SessionStream:
     def _stream_op(self, call):
         """The serialized answer to a call about the stream itself: regions, the data channel, layouts."""
         request = call.request
-        if request.op in (kvstore_pb2.SESSION_OP_REGISTER_REGION, kvstore_pb2.SESSION_OP_UNREGISTER_REGION):
+        if request.op in _REGION_OPS:
             return self._region_call(request)
         if request.op == kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL:
             if call.on_channel:
@@ -230,6 +231,7 @@ class SessionStream:
         request, channel = call.request, self.channel
         # Checked before anything changes; written after the work, before any other await.
         output = self.regions.placement(request.output) if request.HasField("output") else None
+        areas = self.regions.areas(request.outputs)
         if request.data_channel_min_bytes and (channel is None or not channel.bound):
             raise FailedPreconditionError("data_channel_min_bytes asks for values on the data channel, but no "
                                           "data channel is bound to this stream (open one, connect with its token)")
@@ -256,8 +258,22 @@ class SessionStream:
                 budget.hold(await self.service.answer_room(
                     items, timeout, f"the answer of {plural(len(items), 'value')}",
                     applied=request.op == kvstore_pb2.SESSION_OP_PUSH_PULL))
-        response, outgoing = self._response(call, self.service.on_host(items), output, timeout)
+        response, outgoing = self._response(call, self._placed(items, areas, output), timeout)
         return response, outgoing, False
+
+    def _placed(self, items, areas, output):
+        """The host ``items`` of an answer, those that go to the client's memory written there
+        (its output ``areas``, in order, and its one ``output`` area) and every copy done."""
+        regions = self.regions
+        if areas:
+            items = regions.deliver(areas, items)
+        if output is not None:
+            items = output.place(items)
+        if areas or output is not None:
+            metrics.sent("shm", sum(item.array.nbytes for item in items if item.ref))
+        items = self.service.on_host(items)
+        regions.settle()
+        return items
 
     async def _receive(self, nbytes, call, timeout):
         """Read the values that follow the request (``nbytes`` long) on the data channel."""
@@ -271,13 +287,10 @@ class SessionStream:
         metrics.received("datachan", sum(buffer.nbytes for buffer in call.incoming))
         call.in_step = True
 
-    def _response(self, call, items, output, timeout):
+    def _response(self, call, items, timeout):
         """(the serialized SessionResponse of the host ``items`` that ``call`` answers, the values
         that follow it on the data channel or None)."""
         request = call.request
-        if output is not None:
-            items = output.place(items)
-            metrics.sent("shm", sum(item.array.nbytes for item in items if item.ref))
         if call.layout is not None and request.op in _PACKED_PULLS:
             values = call.layout.pack(_packable(call.layout, items))
             outgoing = _Outgoing([np.frombuffer(values, np.uint8)], timeout)
@@ -307,6 +320,7 @@ class SessionStream:
         if channel is None:
             raise FailedPreconditionError("this server has no data channel (--no-data-channel)")
         token = channel.open()
+        self.service.note_route(request, self.regions.route or "data-channel", self.regions.peer)
         if request.calls_on_channel:
             channel.serve_calls(self._channel_call, self._send_after, self._max_call_bytes(), self.service.budget)
         return kvstore_pb2.SessionResponse(id=request.id, data_token=token,
@@ -328,8 +342,17 @@ class SessionStream:
             return kvstore_pb2.SessionResponse(id=request.id).SerializeToString()
         if not self.service.shared_memory:
             raise FailedPreconditionError("shared memory is off on this server")
-        region_id = self.regions.register(request.region)
-        return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id).SerializeToString()
+        if request.op == kvstore_pb2.SESSION_OP_REGISTER_CUDA_BUFFER:
+            try:
+                region_id = self.regions.open_cuda_buffer(request.cuda_buffer)
+            except FailedPreconditionError as error:
+                log.info("rank %d (%s): %s", request.rank, self.regions.peer, error)
+                raise
+            pinned = False
+        else:
+            region_id, pinned = self.regions.register(request.region)
+        self.service.note_route(request, self.regions.route, self.regions.peer)
+        return kvstore_pb2.SessionResponse(id=request.id, region_id=region_id, region_pinned=pinned).SerializeToString()
 
     def _layout(self, request, items):
         """The packed.Layout that ``request`` names (SessionRequest.layout_id), checked to fit the call."""

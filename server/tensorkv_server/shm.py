@@ -19,6 +19,13 @@ the same pid namespace. It maps the file only when
 - its first bytes are the random token that the client sent over its own stream: the caller
   can read the file.
 
+A client with CUDA asks for its region to be pinned (SharedMemoryRegion.cuda): a server whose
+values live on a GPU then registers its mapping as pinned memory too (cudaHostRegister, once,
+unregistered as it is released), reads a pushed value from it host to device straight onto the
+GPU, and writes a pulled one into it device to host (tensorkv_server.staging). A stream that
+attached a region may also open a client's CUDA IPC buffers (tensorkv_server.cuda_ipc), which
+references name by their ids as they name regions.
+
 The server then overwrites the token with random bytes of its own (no replay). Clients write
 no values in a region's header, so these bytes stay unknown to anyone who cannot read the
 file, and the file, which stays openable through /proc while a process holds it, cannot be
@@ -40,15 +47,20 @@ import sys
 
 import numpy as np
 
+from tensorkv.backend import DeviceBytes, on_gpu
 from tensorkv.wire import shm
-from tensorkv.wire.shm import Placement, check_ref
+from tensorkv.wire.codec import Item
+from tensorkv.wire.shm import Placement, aligned, check_ref
 from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, InvalidTensorError
+
+from . import cuda_ipc
 
 log = logging.getLogger(__name__)
 
-# The most regions one stream may hold, and the largest region.
+# The most regions one stream may hold, the largest region, and the most CUDA IPC buffers.
 MAX_REGIONS = 16
 MAX_REGION_BYTES = 1 << 40
+MAX_CUDA_BUFFERS = 1024
 
 
 def _mount_id(fd):
@@ -80,15 +92,51 @@ def available():
 
 class _Attached:
     """One mapped region, ``what`` names it: ``readable`` (read-only view, for pushed values)
-    and ``writable`` (for the values the server returns into it)."""
+    and ``writable`` (for the values the server returns into it); with ``staging`` (a GPU
+    server's, once :meth:`pin` registered it as pinned memory), values move straight between
+    it and the GPU."""
+
+    device = False  # host memory
 
     def __init__(self, what, mapping, size):
         self.what, self.mapping, self.size = what, mapping, size
         self.writable = np.frombuffer(mapping, np.uint8)
         self.readable = self.writable.view()
         self.readable.flags.writeable = False
+        self.staging = self._unpin = None
+
+    def pin(self, staging):
+        """Register the mapping as pinned memory on ``staging``'s GPU; whether it is."""
+        try:
+            self._unpin = staging.pin(self.writable)
+        except staging.cupy.cuda.runtime.CUDARuntimeError as error:
+            log.warning("shared memory: %s is not pinned (%s): its values go through pageable memory", self.what,
+                        error)
+            return False
+        self.staging = staging
+        return True
+
+    def read(self, offset, length):
+        """The bytes [offset, offset + length) (checked by the caller) of a pushed value: on the
+        GPU, copied there straight, where the region is pinned."""
+        if self.staging is None:
+            return self.readable[offset:offset + length]
+        return DeviceBytes(self.staging.from_host(self.writable.ctypes.data + offset, length))
+
+    def write(self, offset, item, region_id):
+        """Write the value of ``item`` at ``offset`` (room checked by the caller); the item that
+        references it."""
+        array = item.array
+        if self.staging is not None and on_gpu(array):
+            self.staging.to_host(array, self.writable.ctypes.data + offset)
+            return Item(item.key, array, item.shape, item.slice, ref=(region_id, offset, array.nbytes))
+        return Placement(self.writable, region_id, offset).put(item)
 
     def close(self):
+        if self._unpin is not None:
+            self.staging.settle()  # no copy may still read or write the memory
+            self._unpin()
+            self._unpin = self.staging = None
         self.writable = self.readable = None
         try:
             self.mapping.close()
@@ -246,21 +294,66 @@ def attach(pid, fd, size, token, caller_uid):
 
 
 class Regions:
-    """The regions of one Session stream, by id."""
+    """The regions of one Session stream, and the CUDA IPC buffers it opened, by id;
+    ``staging``: the server's GPU staging.Staging where its values live on a GPU, else None."""
 
-    def __init__(self, peer):
-        self.peer = peer
+    def __init__(self, peer, staging=None):
+        self.peer, self.staging = peer, staging
         self._by_id = {}
+        # The user of the caller's connection, once it attached a region: on this host, and
+        # the owner of memory it could read and write itself.
+        self.proven_uid = None
 
     def register(self, region):
-        """Attach ``region`` (a SharedMemoryRegion message); its new id."""
-        if len(self._by_id) >= MAX_REGIONS:
+        """Attach ``region`` (a SharedMemoryRegion message), pinned where it asks and the
+        server's values live on a GPU; (its new id, whether it is pinned)."""
+        if sum(not r.device for r in self._by_id.values()) >= MAX_REGIONS:
             raise FailedPreconditionError(f"a stream may register at most {MAX_REGIONS} shared-memory regions")
-        attached = attach(region.pid, region.fd, region.size, region.token, peer_uid(self.peer))
-        region_id = secrets.randbits(64) or 1
-        self._by_id[region_id] = attached
-        log.info("shared-memory region (%s, %d bytes) attached for %s", attached.what, attached.size, self.peer)
+        caller_uid = peer_uid(self.peer)
+        attached = attach(region.pid, region.fd, region.size, region.token, caller_uid)
+        pinned = region.cuda and self.staging is not None and attached.pin(self.staging)
+        self.proven_uid = caller_uid
+        region_id = self._add(attached)
+        log.info("shared-memory region (%s, %d bytes%s) attached for %s", attached.what, attached.size,
+                 ", pinned" if pinned else "", self.peer)
+        return region_id, pinned
+
+    def open_cuda_buffer(self, message):
+        """Open the CUDA IPC buffer ``message`` (a CudaIpcBuffer) for a caller of the server's
+        own user (or root) that proved its host and user with a region; its new id. A handle
+        alone proves neither: a process of another user that came by one must not have the
+        server open that user's GPU memory for it."""
+        if self.staging is None:
+            raise FailedPreconditionError("CUDA IPC: this server's values are not on a GPU (--device cpu)")
+        if self.proven_uid is None:
+            raise FailedPreconditionError("CUDA IPC: this stream attached no shared-memory region, which proves the "
+                                          "caller's host and user")
+        if self.proven_uid not in (0, os.getuid()):
+            raise FailedPreconditionError(f"CUDA IPC is for callers of the server's own user (uid {os.getuid()}) or "
+                                          f"root; this one is uid {self.proven_uid}")
+        if sum(r.device for r in self._by_id.values()) >= MAX_CUDA_BUFFERS:
+            raise FailedPreconditionError(f"a stream may open at most {MAX_CUDA_BUFFERS} CUDA IPC buffers")
+        region_id = self._add(cuda_ipc.open_buffer(self.staging, message))
+        log.debug("%s opened for %s", self._by_id[region_id].what, self.peer)
         return region_id
+
+    def _add(self, region):
+        region_id = secrets.randbits(64) or 1
+        while region_id in self._by_id:
+            region_id = secrets.randbits(64) or 1
+        self._by_id[region_id] = region
+        return region_id
+
+    @property
+    def route(self):
+        """How this stream's large values travel: 'cuda-ipc', 'pinned-shm' or 'shm'; None
+        without a region."""
+        regions = self._by_id.values()
+        if any(r.device for r in regions):
+            return "cuda-ipc"
+        if any(r.staging is not None for r in regions):
+            return "pinned-shm"
+        return "shm" if self._by_id else None
 
     def unregister(self, region_id):
         self._get(region_id).close()
@@ -273,21 +366,80 @@ class Regions:
             raise InvalidTensorError(f"shared-memory region {region_id} is not registered on this stream") from None
 
     def resolve(self, region_id, offset, length):
-        """The read-only bytes that a pushed entry references, bounds-checked."""
+        """The bytes that a pushed entry references, bounds-checked: read-only host bytes, or
+        DeviceBytes (a pinned region's, copied to the GPU; a CUDA IPC buffer's)."""
         region = self._get(region_id)
         check_ref(region.size, offset, length)
-        return region.readable[offset:offset + length]
+        return region.read(offset, length)
 
     def placement(self, ref):
-        """A tensorkv.wire.shm.Placement over the output area ``ref`` (a SharedMemoryRef message)."""
+        """The _Placement (a tensorkv.wire.shm.Placement) over the output area ``ref`` (a
+        SharedMemoryRef message) of a region."""
         region = self._get(ref.region_id)
+        if region.device:
+            raise InvalidArgumentError("an output area is in a shared-memory region, not a CUDA IPC buffer")
         check_ref(region.size, ref.offset, ref.length, "output area")
-        return Placement(region.writable, ref.region_id, ref.offset, ref.offset + ref.length)
+        return _Placement(region, ref.region_id, ref.offset, ref.offset + ref.length, self.staging)
+
+    def areas(self, refs):
+        """The areas of ``refs`` (SessionRequest.outputs), bounds-checked: (region, its id,
+        offset, length) each, None where a ref names none."""
+        areas = []
+        for ref in refs:
+            if not ref.length:
+                areas.append(None)
+                continue
+            region = self._get(ref.region_id)
+            check_ref(region.size, ref.offset, ref.length, "output area")
+            areas.append((region, ref.region_id, ref.offset, ref.length))
+        return areas
+
+    def deliver(self, areas, items):
+        """``items`` with each value whose area (of :meth:`areas`, by position) has exactly its
+        bytes written there (the others unchanged)."""
+        delivered = []
+        for index, item in enumerate(items):
+            area = areas[index] if index < len(areas) else None
+            if area is not None and item.ref is None and area[3] == item.array.nbytes:
+                region, region_id, offset, _ = area
+                item = region.write(offset, item, region_id)
+            delivered.append(item)
+        return delivered
+
+    def settle(self):
+        """Wait for the copies into and out of the stream's pinned regions and CUDA IPC buffers
+        (before the call is answered: the client may then change them)."""
+        if self.staging is not None:
+            self.staging.settle()
 
     def close(self):
-        """Unmap every region of the stream."""
+        """Unmap every region of the stream and close its CUDA IPC buffers."""
         for region in self._by_id.values():
             region.close()
         if self._by_id:
-            log.info("released %d shared-memory region(s) of %s", len(self._by_id), self.peer)
+            buffers = sum(region.device for region in self._by_id.values())
+            log.info("released %d shared-memory region(s) and %d CUDA IPC buffer(s) of %s",
+                     len(self._by_id) - buffers, buffers, self.peer)
         self._by_id.clear()
+
+
+class _Placement(Placement):
+    """A codec.Placement over an area of a region that writes a GPU value straight into it
+    where the region is pinned, else through the staging's pinned memory."""
+
+    def __init__(self, region, region_id, start, end, staging):
+        super().__init__(region.writable, region_id, start, end)
+        self.region, self.staging = region, staging
+
+    def put(self, item):
+        array = item.array
+        if not on_gpu(array):
+            return super().put(item)
+        if self.region.staging is None:  # not pinned: through the staging's pinned memory
+            host = self.staging.download(array) if self.staging is not None else array
+            return super().put(Item(item.key, host, item.shape, item.slice))
+        offset = self.next
+        if offset + array.nbytes > self.end:
+            return None
+        self.next = offset + aligned(array.nbytes)
+        return self.region.write(offset, item, self.region_id)

@@ -9,11 +9,18 @@ Send: a pulled value is copied from the device into pinned host memory with one
 asynchronous copy (the full bandwidth of the bus, which pageable memory does not get) and
 encoded from there.
 
+Shared memory and CUDA IPC (tensorkv_server.shm): a worker's region that both ends
+registered as pinned memory is copied from and into straight, on the staging stream, and a
+worker's CUDA IPC buffer device to device. Every such copy is complete once :meth:`Staging.settle`
+returns, which the server calls before it answers the call: the worker may then change the
+memory again.
+
 Only a server whose values live on a GPU uses this (``tensorkv-server --device cuda``).
 """
 import numpy as np
 
 from tensorkv.backend import BFLOAT16, DeviceBFloat16
+from tensorkv import cuda
 from tensorkv.wire import codec
 
 # Pinned chunk buffers in the ring: a chunk waits for the copy of the one ``SLOTS`` before it.
@@ -29,7 +36,11 @@ class Staging:
         slot_bytes = slot_bytes or codec.CHUNK_BYTES
 
         self.cupy = cupy
+        self.device = cupy.cuda.Device().id  # the engine's
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        # Copies into or out of a worker's memory queued since the last settle; the engine's
+        # kernels read a worker's device memory (a CUDA IPC buffer) since then.
+        self._copying = self._reading = False
         self.slot_bytes = slot_bytes
         self._slots = [cupyx.empty_pinned(slot_bytes, np.uint8) for _ in range(slots)]
         self._copied = [None] * slots  # the event after each slot's last copy
@@ -70,6 +81,62 @@ class Staging:
                                       cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self.stream.synchronize()
         return host.view(BFLOAT16) if isinstance(value, DeviceBFloat16) else host
+
+
+    # ---- a worker's memory: pinned regions and CUDA IPC buffers ------------------------
+
+    def pin(self, buffer):
+        """Register the host memory of ``buffer`` (a uint8 array over a mapping) as pinned;
+        the function that unregisters it."""
+        return cuda.pin(self.cupy, buffer)
+
+    def from_host(self, ptr, nbytes):
+        """A new device array (uint8) of the ``nbytes`` bytes of pinned host memory at ``ptr``,
+        copied straight on the staging stream and ordered before the engine's next work."""
+        cupy = self.cupy
+        bits = cupy.empty(nbytes, np.uint8)
+        self._after_engine()  # the memory may have been freed by kernels still queued
+        cupy.cuda.runtime.memcpyAsync(bits.data.ptr, ptr, nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                                      self.stream.ptr)
+        cupy.cuda.get_current_stream().wait_event(self.stream.record())
+        self._copying = True
+        return bits
+
+    def reading(self):
+        """Note that the engine's kernels read a worker's device memory (until :meth:`settle`)."""
+        self._reading = True
+
+    def to_host(self, value, ptr):
+        """Copy the GPU ``value`` (CuPy or DeviceBFloat16) into pinned host memory at ``ptr``,
+        after the engine's work that wrote it."""
+        self._out_of(value, ptr, self.cupy.cuda.runtime.memcpyDeviceToHost)
+
+    def to_device(self, value, ptr):
+        """Copy the GPU ``value`` to device memory at ``ptr`` (a worker's CUDA IPC buffer)."""
+        self._out_of(value, ptr, self.cupy.cuda.runtime.memcpyDeviceToDevice)
+
+    def _out_of(self, value, ptr, kind):
+        cupy = self.cupy
+        bits = cupy.ascontiguousarray(getattr(value, "bits", value))
+        self._after_engine()
+        cupy.cuda.runtime.memcpyAsync(ptr, bits.data.ptr, bits.nbytes, kind, self.stream.ptr)
+        # ``bits`` may be a copy that goes once this returns: its memory must not be used
+        # again before the copy read it.
+        cupy.cuda.get_current_stream().wait_event(self.stream.record())
+        self._copying = True
+
+    def _after_engine(self):
+        self.stream.wait_event(self.cupy.cuda.get_current_stream().record())
+
+    def settle(self):
+        """Wait until every copy into or out of a worker's memory, and every kernel that read
+        it, has completed."""
+        if self._reading:
+            self.cupy.cuda.get_current_stream().synchronize()
+            self._reading = False
+        if self._copying:
+            self.stream.synchronize()
+            self._copying = False
 
 
 class DeviceReceiver:

@@ -303,7 +303,7 @@ class DistStore(KVStore):
         self._fanout(ServerConn.push, {index: (part, known, undos.get(index)) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)
-        self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
+        self._meta.update((key, shape_dtype(value)) for key, value in merged.items())
 
     # A list of keys pushed or pulled before, with plain NumPy arrays, is checked as a whole
     # and moves as one buffer per server (tensorkv.stores.fusion); the docstrings are KVStore's.
@@ -362,7 +362,7 @@ class DistStore(KVStore):
         results = self._fanout(ServerConn.pushpull, {index: (part, first_outs) for index, part in plan.items()})
         if residuals:
             self._compressor.keep(residuals)
-        self._meta.update((key, (value.shape, value.dtype)) for key, value in merged.items())
+        self._meta.update((key, shape_dtype(value)) for key, value in merged.items())
         values = dict(zip(order, self._owned(assemble([None] * len(order), plan, results, first_outs), fresh)))
         return [values[key] for key, _ in pairs]
 
@@ -399,10 +399,11 @@ class DistStore(KVStore):
 
     def _pull_into(self, values, plan, outs=None):
         """Pull the keys of ``plan`` {server index: [(position, key)]} into ``values``."""
-        results = self._fanout(ServerConn.pull, {index: (part, outs, *self._known(key for _, key in part))
+        results = self._fanout(ServerConn.pull, {index: (part, outs, *self._known(key for _, key in part),
+                                                         self._pulled(index, [key for _, key in part]))
                                                  for index, part in plan.items()})
         for items in results.values():
-            self._meta.update((item.key, (item.shape, item.array.dtype)) for item in items)
+            self._meta.update((item.key, (item.shape, shape_dtype(item.array)[1])) for item in items)
         return assemble(values, plan, results, outs)
 
     def _outs_fit(self, keys, outs):
@@ -422,6 +423,17 @@ class DistStore(KVStore):
                 elif shape_dtype(target) != (shape, dtype):
                     return False
         return True
+
+    def _pulled(self, index, keys):
+        """[(full shape, dtype, slice or None)] of what server ``index`` holds of each of ``keys``,
+        when all are known; else None."""
+        pulled = []
+        for key in keys:
+            known = self._meta.get(key)
+            if known is None:
+                return None
+            pulled.append((*known, dict(self._placement(key, math.prod(known[0]))).get(index)))
+        return pulled
 
     def _known(self, keys):
         """(the bytes of the whole values of ``keys`` (an upper bound for slices), their [(shape,

@@ -7,6 +7,7 @@ import zlib
 
 import numpy as np
 
+from ..backend import write_into
 from ..transport.routes import receivable
 from ..wire.codec import Item
 
@@ -63,19 +64,27 @@ class Spread:
 
 def assemble(values, plan, results, outs=None):
     """Fill ``values`` (by position) from each server's answer, in the order of ``plan``.
-    A value that was decoded straight into its out array (see
-    :func:`tensorkv.transport.server_conn.decode`) is that array."""
+    A value that was decoded (or, on the GPU, copied) straight into its out array (see
+    :func:`tensorkv.transport.server_conn.decode`, tensorkv.transport.routes) is that array;
+    the slices of a value that came apart from it are written into it."""
+    apart = {}  # position -> [(slice, host array, full shape)]
     for index, answered in results.items():
         for (position, _), item in zip(plan[index], answered):
             if outs is not None and (item.array is outs[position][0] or (
                     receivable(outs[position][0], item.array.dtype, item.shape)
                     and np.may_share_memory(outs[position][0], item.array))):
                 values[position] = outs[position][0]
-                continue
-            if item.slice is None:
+            elif item.slice is None:
                 values[position] = item.array
-                continue
-            if values[position] is None:
-                values[position] = np.empty(item.shape, item.array.dtype)
-            values[position].reshape(-1)[item.slice[0]:item.slice[1]] = item.array
+            else:
+                apart.setdefault(position, []).append((item.slice, item.array, item.shape))
+    for position, slices in apart.items():
+        whole = values[position]
+        if whole is None:
+            whole = values[position] = np.empty(slices[0][2], slices[0][1].dtype)
+        for (begin, end), array, _ in slices:
+            if type(whole) is np.ndarray:
+                whole.reshape(-1)[begin:end] = array
+            else:  # a GPU out array that other slices went to
+                write_into(whole.reshape(-1)[begin:end], array)
     return values

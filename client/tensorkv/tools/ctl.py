@@ -120,7 +120,8 @@ def _parser():
         sub.set_defaults(run=run)
         return sub
 
-    command("status", status, "mode, workers, keys, run, optimizer, version of each server")
+    command("status", status, "mode, workers, keys, run, optimizer, version of each server, and how each "
+                              "rank's large values travel")
     command("health", health, "the gRPC health status of each server")
     command("keys", keys, "every key: dtype, shape, slice, updates")
     get = command("get", get_key, "one key's dtype and shape; its statistics or values on request")
@@ -171,6 +172,7 @@ def status(args, servers):
         row["snapshot"] = _snapshot(info)
         if info.move.role:
             row["move"] = resharding.move_words(info.move)
+        row["routes"] = _routes(info)
         rows.append(row if args.output == "table" else {"server": server.address, **_fields(info)})
         if info.snapshot_error:
             print(f"tensorkv: server {server.address}: its last snapshot failed: {info.snapshot_error} "
@@ -367,6 +369,12 @@ def _fields(message):
 def _scalars(message):
     """The fields of a message of scalar fields, in their order, as Python values."""
     return {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+
+
+def _routes(info):
+    """The status cell of how each registered rank's large values travel (WorkerLease.route):
+    'RANK:ROUTE,...', '-' for none."""
+    return ",".join(f"{lease.rank}:{lease.route or 'messages'}" for lease in info.workers) or "-"
 
 
 def _ranks(ranks):

@@ -1,15 +1,26 @@
 """The ways a call's values travel on a Session stream, one class each: in the messages
 (:class:`Inline`), through the session's shared-memory region (:class:`SharedMemory`), on its
-data channel (:class:`DataChannel`), or packed in one buffer (:class:`Packed`);
-:func:`choose` picks one for a :class:`Call`, by the thresholds beside it.
+data channel (:class:`DataChannel`), packed in one buffer (:class:`Packed`), and for GPU
+values through a region pinned on both ends (:class:`PinnedSharedMemory`) or device to device
+through CUDA IPC (:class:`CudaIpc`); :func:`choose` picks one for a :class:`Call`, by the
+thresholds beside it.
 
 A route is what :meth:`tensorkv.transport.session.Session.call` needs of a call: ``shm_bytes`` (the
 size of the region it needs, 0: none), ``data_channel`` (whether its bytes use the data
 channel), ``layout`` (the packed.Layout to register on the stream, or None), ``answer_bytes``
 (the longest answer it can have), the request it builds (:meth:`request`), the answer it
 reads (:meth:`answer`), and what is kept to send it again when it goes without waiting for
-its answer (:meth:`kept`). A new way to travel is one class here and one line in
-:func:`choose`.
+its answer (:meth:`kept`); ``gpu``, the session's gpu.Gpu where the route copies GPU values
+(else None: the session first waits for copies of earlier calls still running); and for the
+CUDA routes ``pinned`` (whether it wants the region pinned) and ``exports`` (the device
+allocations the session must open first, gpu.Export). A new way to travel is one class here
+and one line in :func:`choose`.
+
+GPU values (a CuPy array, DeviceBFloat16 or torch CUDA tensor pushed, or as the out array of
+a pulled value) that a route does not move itself go through the host in the session's small
+pinned buffer (tensorkv.cuda.Gpu): one copy from the device per pushed value, one
+into the device per pulled value that is whole on the server (from the buffer the value was
+received into), and at most one synchronization per call.
 
 A ``part`` is the list [(position, Item)] of the values of one call that go to one server
 (a key, or its slice); for a pull, [(position, key)]. ``outs`` are the caller's out arrays
@@ -22,13 +33,15 @@ import math
 import numpy as np
 
 from .. import config
-from ..errors import InternalError
+from ..backend import DeviceBytes, device_memory, on_gpu, shape_dtype
+from ..errors import InternalError, InvalidTensorError
 from ..v1 import kvstore_pb2, tensor_pb2
 from ..wire import packed
 from ..wire.codec import Item, StreamDecoder, encode_stream, following
 from ..wire.protobuf import key_fields
 from ..wire.shm import HEADER_BYTES, Placement, aligned
 from ..wire.status import error_from_code, status_code
+from .. import cuda
 from . import datachan, shm
 
 PACKED_KINDS = ("push", "pull", "pushpull")
@@ -52,6 +65,7 @@ class Call:
     keys: list = None  # a pull's keys (its part's)
     sizes: list = None  # the bytes pulled: for a pull of keys when all are known, or of row ids
     shapes: list = None  # a pull's [(shape, dtype)] when each is known and whole on this server
+    pulled: list = None  # a pull's [(full shape, dtype, slice or None)] on this server when each is known
     wait_only: bool = False  # an init that only waits for the key's value
     sequence: int = 0  # PushRequest.sequence
     pull_sequence: int = 0  # PullRequest.pull_sequence
@@ -80,21 +94,35 @@ class Thresholds:
 
 
 def choose(session, call, layout=None):
-    """The route of ``call`` on ``session``: packed when it has a ``layout``; else through shared
-    memory when the session may have a region, on the data channel when it may have one, in the
-    messages otherwise (by ``session.thresholds``). None when the call does not fit a session
-    (its values in the messages take more than ``session_max_bytes``): the caller makes a plain
-    RPC."""
+    """The route of ``call`` on ``session``: packed when it has a ``layout``; else, for a call
+    that moves GPU values, through CUDA IPC or a pinned region where the session may have them;
+    else through shared memory when the session may have a region, on the data channel when it
+    may have one, in the messages otherwise (by ``session.thresholds``). None when the call does
+    not fit a session (its values in the messages take more than ``session_max_bytes``): the
+    caller makes a plain RPC."""
     if layout is not None:
         return Packed(session, call, layout)
     limits = session.thresholds
-    if session.shm_possible:
-        route = SharedMemory(session.address, call, limits.session_max_bytes, limits.shm_min_bytes)
+    gpu = session.gpu if on_device(call) else None
+    if gpu is not None and session.ipc_possible:
+        route = CudaIpc(session, call, limits)
+    elif gpu is not None and session.pinned_possible:
+        route = PinnedSharedMemory(session, call, limits)
+    elif session.shm_possible:
+        route = SharedMemory(session.address, call, limits.session_max_bytes, limits.shm_min_bytes, gpu)
     elif session.channel_possible:
-        route = DataChannel(session.address, call, limits.session_max_bytes, limits.datachan_min_bytes)
+        route = DataChannel(session.address, call, limits.session_max_bytes, limits.datachan_min_bytes, gpu)
     else:
-        route = Inline(session.address, call, limits.session_max_bytes)
+        route = Inline(session.address, call, limits.session_max_bytes, gpu=gpu)
     return route if route.fits else None
+
+
+def on_device(call):
+    """Whether ``call`` moves a GPU value: one it pushes, or the out array of one it pulls."""
+    if call.keys is None and not call.wait_only and any(on_gpu(item.array) for _, item in call.part):
+        return True
+    outs = call.outs
+    return outs is not None and any(on_gpu(outs[position][0]) for position, _ in call.part)
 
 
 class Inline:
@@ -106,8 +134,10 @@ class Inline:
     shm_bytes = 0
     data_channel = False
     layout = None
+    pinned = False
+    exports = ()
 
-    def __init__(self, address, call, max_bytes, min_bytes=None):
+    def __init__(self, address, call, max_bytes, min_bytes=None, gpu=None):
         self.address, self.call, self.min_bytes, self.max_bytes = address, call, min_bytes, max_bytes
         self.op = SESSION_OPS[call.kind]
         self.pulls = self.op in _PULLS
@@ -116,6 +146,13 @@ class Inline:
         self.in_bytes = self.out_bytes = 0
         self.fits = self._measure(min_bytes is not None, min_bytes or 0)
         self.use_output = min_bytes is not None and self.pulls and self.out_bytes >= min_bytes
+        # The session's gpu.Gpu for a call that moves GPU values; then the Copies of the call,
+        # and its pulled values for GPU out arrays: {part index: (DeviceMemory, out array, its
+        # dtype, pulled shape, slice)}, and those received on the host first: {part index:
+        # (host array in the pinned buffer, its address)}.
+        self.gpu, self.copies = gpu, None
+        self.targets = _gpu_targets(call) if gpu is not None and self.pulls else {}
+        self.proxies = {}
 
     def _measure(self, offload, min_bytes):
         """Set ``in_bytes`` (the aligned bytes of the values that leave the messages) and
@@ -160,13 +197,60 @@ class Inline:
                       pull_sequence=call.pull_sequence, **call.caller)
         if call.wait_only:
             fields["wait_only"] = True
+        if self.gpu is not None:
+            self._stage(region)
         if self.use_output:
             self._output(fields, region, channel)
         if call.keys is not None:
+            self._copied()
             return kvstore_pb2.SessionRequest(**fields).SerializeToString() + key_fields(call.keys), ()
         sent, arrays = self._offload(region, channel) if self.in_bytes else (self.items, ())
+        self._copied()
         return encode_stream(kvstore_pb2.SessionRequest, sent, fields, chunk_bytes=_ONE_MESSAGE,
                              with_data=not call.wait_only)[0], arrays
+
+    def _stage(self, region):
+        """Start the call's copies (``self.copies``): the pushed GPU values that the route does
+        not move itself (:meth:`_direct`) copied into the session's pinned buffer, where
+        ``self.items`` then has them; room there for the pulled values for GPU out arrays that
+        come to the host first (``self.proxies``: whole ones that do not :meth:`_land`)."""
+        gpu, call = self.gpu, self.call
+        self.copies = gpu.copies()
+        staged = []  # (index, DeviceMemory) of the pushed values copied into the pinned buffer
+        if self.items is not None and not call.wait_only:
+            for index, item in enumerate(self.items):
+                memory = device_memory(item.array) if on_gpu(item.array) else None
+                if memory is not None and not self._direct(index, memory, region):
+                    staged.append((index, memory))
+        proxied = [(index, target) for index, target in self.targets.items()
+                   if target[4] is None and not self._land(index, target, region)]
+        gpu.reserve(sum(aligned(memory.nbytes) for _, memory in staged)
+                    + sum(aligned(target[0].nbytes) for _, target in proxied))
+        for index, memory in staged:
+            item = self.items[index]
+            view, ptr = gpu.take(memory.nbytes)
+            self.copies.to_host(memory, ptr)
+            self.items[index] = Item(item.key, view.view(shape_dtype(item.array)[1]).reshape(item.array.shape),
+                                     item.shape, item.slice, two_bit=item.two_bit)
+        for index, (memory, _, dtype, shape, _) in proxied:
+            view, ptr = gpu.take(memory.nbytes)
+            self.proxies[index] = (view.view(dtype).reshape(shape), ptr)
+
+    def _direct(self, index, memory, region):
+        """Whether the route moves the pushed GPU value ``self.items[index]`` (at ``memory``)
+        itself, not through the pinned buffer."""
+        return False
+
+    def _land(self, index, target, region):
+        """Whether the pulled value of part index ``index`` for a GPU out array (``target``, of
+        ``self.targets``) is written where the route names (SessionRequest.outputs)."""
+        return False
+
+    def _copied(self):
+        """Wait once for what the call copied to the host, and for earlier calls' copies still
+        reading the buffer or the region, before the request goes."""
+        if self.copies is not None:
+            self.gpu.wait(self.copies)
 
     def _output(self, fields, region, channel):
         """Name where the pulled values of ``min_bytes`` or more go (``fields`` of the request)."""
@@ -177,17 +261,39 @@ class Inline:
 
     def answer(self, call_id, data, region, channel):
         """The items of the serialized SessionResponse ``data`` (values that follow on ``channel``
-        read from it, those in ``region`` copied out)."""
+        read from it, those in ``region`` copied out). A value for a GPU out array is copied
+        there (:meth:`_resolve`, or from its proxy), and its item's array is the out array."""
         call = self.call
-        decoder = make_decoder(kvstore_pb2.SessionResponse, call.part, call.outs,
-                               resolve=region.resolve if region is not None else None, channel=channel is not None)
+        outs = call.outs
+        if self.proxies:
+            outs = list(outs)
+            for index, (proxy, _) in self.proxies.items():
+                outs[call.part[index][0]] = [proxy]
+        decoder = make_decoder(kvstore_pb2.SessionResponse, call.part, outs, resolve=self._resolve(region),
+                               channel=channel is not None)
         decoder.feed(data)
         check_answer(decoder.first, call_id, call.kind, self.address)
         items = decoder.finish()
         if decoder.frames.incoming:
             channel.receive(decoder.frames.incoming)
         decoder.remember()
+        if self.copies is not None:
+            self._deliver(items)
         return items
+
+    def _resolve(self, region):
+        """The ``resolve(region_id, offset, length)`` of the answer's references."""
+        return region.resolve if region is not None else None
+
+    def _deliver(self, items):
+        """Copy the values received in proxies into their GPU out arrays (queued on their
+        streams: the next call waits for them before the pinned buffer is written again)."""
+        for index, (proxy, ptr) in self.proxies.items():
+            if index < len(items) and np.may_share_memory(items[index].array, proxy):
+                memory, out = self.targets[index][:2]
+                self.copies.to_device(ptr, memory)
+                items[index].array = out
+        self.gpu.record(self.copies)
 
     def kept(self, request):
         """What sends this push again, when it may go without waiting for its answer (the
@@ -205,8 +311,8 @@ class SharedMemory(Inline):
     values the server writes there are copied out. A region the server refuses leaves them in
     the messages."""
 
-    def __init__(self, address, call, max_bytes, min_bytes):
-        super().__init__(address, call, max_bytes, min_bytes)
+    def __init__(self, address, call, max_bytes, min_bytes, gpu=None):
+        super().__init__(address, call, max_bytes, min_bytes, gpu)
         if self.in_bytes or self.use_output:
             self.shm_bytes = max(self.in_bytes, self.out_bytes if self.use_output else 0)
 
@@ -230,8 +336,8 @@ class DataChannel(Inline):
     """Values of ``min_bytes`` or more on the session's data channel, after the request, and
     pulled ones of as many bytes after the answer, straight into ``outs`` where they fit."""
 
-    def __init__(self, address, call, max_bytes, min_bytes):
-        super().__init__(address, call, max_bytes, min_bytes)
+    def __init__(self, address, call, max_bytes, min_bytes, gpu=None):
+        super().__init__(address, call, max_bytes, min_bytes, gpu)
         self.data_channel = self.in_bytes > 0 or self.use_output
 
     def _output(self, fields, region, channel):
@@ -249,6 +355,187 @@ class DataChannel(Inline):
         return self.items if all(item.owned for item in self.items) else None
 
 
+class PinnedSharedMemory(SharedMemory):
+    """GPU values through the session's region registered as pinned memory on both ends
+    (Session.pinned_possible): a pushed one of ``min_bytes`` or more is copied device to host
+    straight into the region, and the server copies it host to device straight onto its GPU;
+    a pulled one for a GPU out array gets an area of its own there (SessionRequest.outputs),
+    which the server fills device to host, and this worker copies it host to device into the
+    out array (on the array's stream: the next call waits for it before the region is written
+    again). Where the region is not pinned after all (the server could not pin it), as
+    SharedMemory."""
+
+    pinned = True
+
+    def __init__(self, session, call, limits):
+        super().__init__(session.address, call, limits.session_max_bytes, limits.shm_min_bytes, session.gpu)
+        self.session = session
+        # (region or CUDA IPC buffer id, offset) -> (part index, the area's host address, or
+        # None where the server writes the out array itself) of the areas named for pulled values
+        self.landings = {}
+        self.arrived = []  # the part indexes whose values came through their areas
+
+    def _direct(self, index, memory, region):
+        return region is not None and region.pinned and memory.nbytes >= self.min_bytes
+
+    def _land(self, index, target, region):
+        return self.use_output and region is not None and region.pinned
+
+    def _offload(self, region, channel):
+        if region is None or not region.pinned:
+            return super()._offload(region, channel)
+        placement, sent = Placement(region.buffer, region.id, shm.HEADER_BYTES), []
+        for index, item in enumerate(self.items):
+            if item.array.nbytes < self.min_bytes:
+                sent.append(item)
+            elif on_gpu(item.array):
+                sent.append(self._device_value(index, item, placement, region))
+            else:
+                sent.append(placement.put(item) or item)
+        return sent, ()
+
+    def _device_value(self, index, item, placement, region):
+        """The item that carries the GPU value ``item`` (``self.items[index]``): copied device to
+        host into the next place of ``placement``; where it does not fit (a region smaller than
+        asked), the item itself, which the encoder copies to the host."""
+        memory, offset = device_memory(item.array), placement.next
+        if memory is None or offset + memory.nbytes > placement.end:
+            return item
+        placement.next = offset + aligned(memory.nbytes)
+        self.copies.to_host(memory, region.buffer.ctypes.data + offset)
+        host = region.buffer[offset:offset + memory.nbytes].view(shape_dtype(item.array)[1]).reshape(item.array.shape)
+        return Item(item.key, host, item.shape, item.slice, ref=(region.id, offset, memory.nbytes),
+                    two_bit=item.two_bit)
+
+    def _device_area(self, index, memory):
+        """(id, offset, None) of where the server writes the pulled value of part index
+        ``index`` straight into its out array (``memory``); None: an area of the region."""
+        return None
+
+    def _output(self, fields, region, channel):
+        if region is None:
+            return
+        outputs, offset = [], shm.HEADER_BYTES
+        for index in range(len(self.call.part)):
+            target, area = self.targets.get(index), None
+            if target is not None and index not in self.proxies:
+                area = self._device_area(index, target[0])
+                if area is None and region.pinned and offset + target[0].nbytes <= region.size:
+                    area = (region.id, offset, region.buffer.ctypes.data + offset)
+                    offset += aligned(target[0].nbytes)
+            if area is None:
+                outputs.append(tensor_pb2.SharedMemoryRef())
+                continue
+            self.landings[area[:2]] = (index, area[2])
+            outputs.append(tensor_pb2.SharedMemoryRef(region_id=area[0], offset=area[1], length=target[0].nbytes))
+        if self.landings:
+            fields["outputs"] = outputs
+        if offset < region.size:  # the other values, one after the other
+            fields["output"] = tensor_pb2.SharedMemoryRef(region_id=region.id, offset=offset,
+                                                         length=region.size - offset)
+
+    def _resolve(self, region):
+        host = super()._resolve(region)
+        if not self.landings:
+            return host
+
+        def resolve(region_id, offset, length):
+            landing = self.landings.get((region_id, offset))
+            if landing is None:
+                if host is None:
+                    raise InvalidTensorError(f"the server referenced shared-memory region {region_id}, which this "
+                                             "call did not name")
+                return host(region_id, offset, length)
+            index, ptr = landing
+            memory, out = self.targets[index][:2]
+            if length != memory.nbytes:
+                raise InvalidTensorError(f"the server wrote {length} bytes into an area of {memory.nbytes} for the "
+                                         f"value at position {index}")
+            if ptr is not None:
+                self.copies.to_device(ptr, memory)
+            self.arrived.append(index)
+            return DeviceBytes(cuda.device_bytes(self.gpu.cupy, memory, out))
+        return resolve
+
+    def _deliver(self, items):
+        for index in self.arrived:
+            asked = self.call.part[index][1]
+            if index >= len(items) or items[index].key != (asked.key if isinstance(asked, Item) else asked):
+                raise InternalError(f"server {self.address} wrote the value at position {index} of the answer into "
+                                    "the out array of another key")
+            items[index].array = self.targets[index][1]
+        super()._deliver(items)
+
+
+class CudaIpc(PinnedSharedMemory):
+    """GPU values device to device through CUDA IPC (Session.ipc_possible): a pushed one of
+    ``min_bytes`` or more is referenced where it lies, in a device allocation of this process
+    that the session opened on the server first (``exports``), and the server reads it from
+    there; a pulled one for a GPU out array is written by the server straight into the out
+    array. The call waits once for the work queued on those arrays before it goes, and the
+    server has done with them when it answers. A value whose allocation cannot be shared
+    (gpu.Exports) takes the pinned region, which the session has anyway: it proves the
+    server's host and user."""
+
+    def __init__(self, session, call, limits):
+        super().__init__(session, call, limits)
+        exports, by_key = cuda.exports(), {}
+        # part index -> (gpu.Export, offset in its allocation) of the pushed values and of the
+        # pulled values' out arrays that the server reaches through CUDA IPC
+        self.pushed, self.pulled_into = {}, {}
+        in_bytes = out_bytes = 0
+        for index, item in enumerate(self.items if self.items is not None and not call.wait_only else ()):
+            memory = device_memory(item.array) if item.array.nbytes >= self.min_bytes else None
+            export = exports.find(memory) if memory is not None else None
+            if export is not None:
+                self.pushed[index] = (export, memory.ptr - export.base)
+                by_key[export.key] = export
+                in_bytes += aligned(memory.nbytes)
+        for index, target in self.targets.items() if self.use_output else ():
+            export = exports.find(target[0])
+            if export is not None:
+                self.pulled_into[index] = (export, target[0].ptr - export.base)
+                by_key[export.key] = export
+                out_bytes += aligned(target[0].nbytes)
+        self.exports = list(by_key.values())
+        self.shm_bytes = max(shm.MIN_REGION_BYTES, self.in_bytes - in_bytes,
+                             self.out_bytes - out_bytes if self.use_output else 0)
+
+    def _direct(self, index, memory, region):
+        return index in self.pushed or super()._direct(index, memory, region)
+
+    def _land(self, index, target, region):
+        return self.use_output and index in self.pulled_into or super()._land(index, target, region)
+
+    def _offload(self, region, channel):
+        if region is None or not region.pinned:  # the pushed values of self.pushed are still on the GPU
+            placement = Placement(region.buffer, region.id, shm.HEADER_BYTES) if region is not None else None
+            sent = [self._device_value(index, item, placement, region) if index in self.pushed else
+                    (placement.put(item) or item) if placement is not None and item.array.nbytes >= self.min_bytes
+                    else item for index, item in enumerate(self.items)]
+            return sent, ()
+        return super()._offload(region, channel)
+
+    def _device_value(self, index, item, placement, region):
+        shared = self.pushed.get(index)
+        buffer_id = self.session.cuda_buffers.get(shared[0].key) if shared is not None else None
+        if buffer_id is None:
+            if placement is None or not region.pinned:
+                return item  # copied to the host by the encoder: the session did not open its allocation
+            return super()._device_value(index, item, placement, region)
+        self.copies.order(device_memory(item.array))
+        return Item(item.key, item.array, item.shape, item.slice, ref=(buffer_id, shared[1], item.array.nbytes),
+                    two_bit=item.two_bit)
+
+    def _device_area(self, index, memory):
+        shared = self.pulled_into.get(index)
+        buffer_id = self.session.cuda_buffers.get(shared[0].key) if shared is not None else None
+        if buffer_id is None:
+            return None
+        self.copies.order(memory)  # the server writes the out array: the work queued on it goes first
+        return buffer_id, shared[1], None
+
+
 class Packed:
     """The values of ``layout`` (a list the stream registered: tensorkv.wire.packed) in one buffer
     on the session's data channel: a push sends their bytes after the request; a pull receives
@@ -257,6 +544,9 @@ class Packed:
     shm_bytes = 0
     data_channel = True
     answer_bytes = datachan.ANSWER_ROOM
+    pinned = False
+    exports = ()
+    gpu = None
 
     def __init__(self, session, call, layout):
         self.address, self.call, self.layout = session.address, call, layout
@@ -367,6 +657,43 @@ def _targets(layout, part, outs):
     for (position, _), shape in zip(part, layout.shapes):
         target = outs[position][0] if outs is not None else None
         targets.append(target if receivable(target, layout.dtype, shape) else np.empty(shape, layout.dtype))
+    return targets
+
+
+def _pulled_layouts(call):
+    """[(full shape, dtype, slice or None)] of the values a pull or push-pull of ``call`` gets
+    back, by part index; None where they are not known (a pull of keys not seen yet)."""
+    if call.keys is None:
+        if call.kind != "pushpull":
+            return None
+        return [(item.shape, np.dtype(np.float32) if item.two_bit is not None else shape_dtype(item.array)[1],
+                 item.slice) for _, item in call.part]
+    if call.pulled is not None:
+        return call.pulled
+    if call.shapes is not None:
+        return [(shape, dtype, None) for shape, dtype in call.shapes]
+    return None
+
+
+def _gpu_targets(call):
+    """{part index: (DeviceMemory, out array, dtype, pulled shape, slice)} of the values that a
+    pull or push-pull of ``call`` gets back whose out array is a contiguous GPU array of their
+    key's dtype and full shape: the memory of the value's bytes there (of its slice, for a
+    slice); the pulled shape is the value's, or (slice length,)."""
+    layouts = _pulled_layouts(call) if call.outs is not None else None
+    if layouts is None:
+        return {}
+    targets = {}
+    for index, ((position, _), (shape, dtype, where)) in enumerate(zip(call.part, layouts)):
+        out = call.outs[position][0]
+        memory = device_memory(out) if on_gpu(out) else None
+        if memory is None or shape_dtype(out) != (tuple(shape), dtype):
+            continue
+        if where is None:
+            targets[index] = (memory, out, dtype, tuple(shape), None)
+        else:
+            targets[index] = (memory.at(where[0] * dtype.itemsize, (where[1] - where[0]) * dtype.itemsize), out, dtype,
+                              (where[1] - where[0],), where)
     return targets
 
 

@@ -128,6 +128,7 @@ class ServerConn:
         self._log.realign = info.mode == kvstore_pb2.MODE_SYNC and info.num_workers > 1 and info.snapshots
         if self.session is not None:
             self.session.shm_allowed = transport == "auto" and shm.available() and info.shared_memory
+            self.session.gpu_server = info.device.startswith("cuda")
             self.session.data_port = info.data_port if transport != "grpc" else 0
             self.session.calls_on_channel = self.session.data_port > 0
 
@@ -335,11 +336,13 @@ class ServerConn:
                 kvstore_pb2.PushPullResponse, self.stub.pushpull_raw(r, timeout=timeout), part, outs), request, timeout)
         return items
 
-    def pull(self, part, outs, sizes, shapes=None):
+    def pull(self, part, outs, sizes, shapes=None, pulled=None):
         """The items of the keys of ``part``; ``sizes``: their bytes when all are known, else None;
-        ``shapes``: [(shape, dtype)] of their values when each is known and whole on this server."""
+        ``shapes``: [(shape, dtype)] of their values when each is known and whole on this server;
+        ``pulled``: [(full shape, dtype, slice or None)] of what this server holds of each, when
+        all are known."""
         keys = [key for _, key in part]
-        call = Call("pull", part, outs=outs, keys=keys, sizes=sizes, shapes=shapes,
+        call = Call("pull", part, outs=outs, keys=keys, sizes=sizes, shapes=shapes, pulled=pulled,
                     pull_sequence=next(self._pull_sequences))
         return self._pull_call(keys, "pull", self._pull_once, call)
 

@@ -1,6 +1,7 @@
 """The Session stream: one long-lived stream per server that carries a worker's small calls,
 with the shared-memory region and the data channel bound to it."""
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -14,6 +15,7 @@ from ..errors import DeadlineExceededError, KVStoreError, ServerUnavailableError
 from ..v1 import kvstore_pb2
 from ..wire import packed
 from ..wire.status import READ_ONLY_CALLS, error_from_rpc, transport_error
+from .. import cuda
 from . import datachan, shm
 from .routes import Call, Thresholds
 from .rpc import Stub
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 # Seconds past a session call's own timeout (which the server enforces) after which the
 # client gives up on a server that does not answer at all.
 SESSION_GRACE = 2.0
+# The CUDA IPC buffers a stream keeps open on its server (the least recently used is closed
+# first): a server keeps an allocation that this process freed as long as it is open.
+MAX_CUDA_BUFFERS = 1024
 
 
 class Session:
@@ -55,6 +60,15 @@ class Session:
     calls has the layout registered on the stream first, once per stream (its id is then
     ``layout_ids[layout]``, keyed by the object: its ServerConn hands out one per list). A
     layout the server refuses is not asked for again on this stream; its calls go as entries.
+
+    GPU values (tensorkv.cuda, where CuPy sees a CUDA device): :attr:`gpu` is the
+    session's pinned buffer and copies. With a server whose values live on a GPU
+    (:attr:`gpu_server`), a route that wants its region ``pinned`` gets one registered as pinned
+    memory on both ends; where either end cannot pin it, pinning is off for this session
+    (:attr:`pinned_possible`), logged once. A route's ``exports`` (device allocations of this
+    process) are opened on the server through CUDA IPC before its call, once per stream
+    (``cuda_buffers``: export key -> id); a server that refuses one turns CUDA IPC off for this
+    session (:attr:`ipc_possible`), logged once, and the call goes as a plain RPC.
     """
 
     def __init__(self, channel, address, shm_allowed=False, data_port=0, data_tls=None, thresholds=None):
@@ -79,6 +93,11 @@ class Session:
         self._unread = collections.deque()  # (call id, route, call, timeout, region)
         self.layout_ids = {}  # packed.Layout -> its id on this stream
         self.refused_layouts = set()  # of this stream
+        self.gpu_server = False  # the server's values live on a GPU (its Info.device)
+        self._gpu = None
+        self.pin_refused = self.ipc_refused = False
+        self.cuda_buffers = collections.OrderedDict()  # gpu.Export.key -> its id on this stream
+        self._caller = {}  # rank and incarnation of the call in progress (for the requests it makes)
 
     def call(self, route, call, timeout):
         """What ``route`` (tensorkv.transport.routes) reads in the answer to the request it builds for
@@ -109,7 +128,12 @@ class Session:
             if self._call is None:
                 self._open()
             kind = call.kind
-            region = self._ensure_region(route.shm_bytes, timeout, kind) if route.shm_bytes > 0 else None
+            self._caller = call.caller or {}
+            region = self._ensure_region(route.shm_bytes, timeout, kind, route.pinned) if route.shm_bytes > 0 else None
+            if route.exports and not self._open_cuda_buffers(route.exports, timeout, kind):
+                return None
+            if self._gpu is not None and route.gpu is None:  # it does not wait for the copies still running
+                self._gpu.settle()
             channel = self._calls_channel(timeout, kind)
             if route.layout is not None and (channel is None or not self._register(route.layout, timeout, kind)):
                 return None
@@ -298,23 +322,47 @@ class Session:
         """Whether calls may use shared memory (a region exists or may be negotiated)."""
         return self.shm_allowed or self.region is not None
 
-    def _ensure_region(self, nbytes, timeout, kind):
-        """The registered region, grown to ``nbytes`` if the server agrees; None or a smaller
-        region when it does not (the call then carries what does not fit inline)."""
+    @property
+    def gpu(self):
+        """The session's gpu.Gpu where CuPy sees a CUDA device (made by the first call that
+        moves GPU values), else None."""
+        if self._gpu is None and cuda.cupy_module() is not None:
+            self._gpu = cuda.Gpu(cuda.cupy_module())
+        return self._gpu
+
+    @property
+    def pinned_possible(self):
+        """Whether calls may use a region pinned on both ends (one exists or may be negotiated)."""
+        if self.region is not None and self.region.pinned:
+            return True
+        return self.shm_allowed and self.gpu_server and not self.pin_refused and self.gpu is not None
+
+    @property
+    def ipc_possible(self):
+        """Whether calls may share GPU values with the server through CUDA IPC."""
+        return self.shm_allowed and self.gpu_server and not self.ipc_refused and self.gpu is not None
+
+    def _ensure_region(self, nbytes, timeout, kind, pinned=False):
+        """The registered region, grown to ``nbytes`` (and pinned on both ends, with ``pinned``,
+        where they can) if the server agrees; None or a smaller region when it does not (the
+        call then carries what does not fit inline)."""
         region = self.region
-        if (region is not None and region.capacity >= nbytes) or not self.shm_allowed:
+        pin = pinned and self.pinned_possible
+        if (region is not None and region.capacity >= nbytes and (region.pinned or not pin)) or not self.shm_allowed:
             return region
         try:
-            new = shm.Region(shm.capacity_for(nbytes))
+            new = shm.Region(shm.capacity_for(max(nbytes, region.capacity if region is not None else 0)))
         except OSError as error:
             log.info("no shared memory for server %s (%s): values travel over gRPC", self.address, error)
             self.shm_allowed = False
             return region
         try:
+            pin = pin and self._pin(new)
             request = kvstore_pb2.SessionRequest(
                 id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_REGION,
-                timeout_ms=max(1, int(timeout * 1000)),
-                region=kvstore_pb2.SharedMemoryRegion(pid=os.getpid(), fd=new.fd, size=new.size, token=new.token))
+                timeout_ms=max(1, int(timeout * 1000)), **self._caller,
+                region=kvstore_pb2.SharedMemoryRegion(pid=os.getpid(), fd=new.fd, size=new.size, token=new.token,
+                                                      cuda=pin))
             response = kvstore_pb2.SessionResponse.FromString(
                 self._roundtrip(request.SerializeToString(), timeout, kind))
         except BaseException:
@@ -327,13 +375,61 @@ class Session:
                      self.address, response.message)
             return region
         new.id = response.region_id
+        if pin and not response.region_pinned:
+            new.unpin()
+            self.pin_refused = True
+            log.info("server %s did not pin its side of the shared-memory region (its log says why): GPU values "
+                     "travel through pageable memory there", self.address)
+        new.pinned = pin and response.region_pinned
         self.region = new
         if region is not None:
+            if self._gpu is not None:
+                self._gpu.settle()  # copies out of the old region may still run
             region.close()
             release = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
                                                  region_id=region.id)
             self._roundtrip(release.SerializeToString(), timeout, kind)
         return new
+
+    def _pin(self, region):
+        """Whether ``region`` is now registered as pinned memory here; where the driver refuses,
+        pinning is off for this session (logged once)."""
+        cupy = self.gpu.cupy
+        try:
+            region.pin(functools.partial(cuda.pin, cupy))
+        except cupy.cuda.runtime.CUDARuntimeError as error:
+            self.pin_refused = True
+            log.info("the shared-memory region for server %s could not be pinned (%s): GPU values travel through "
+                     "pageable memory", self.address, error)
+            return False
+        return True
+
+    def _open_cuda_buffers(self, exports, timeout, kind):
+        """Whether every allocation of ``exports`` (gpu.Export) is open on the server (opened now
+        if need be); where the server refuses one, CUDA IPC is off for this session (logged once)."""
+        for export in exports:
+            if export.key in self.cuda_buffers:
+                self.cuda_buffers.move_to_end(export.key)
+                continue
+            request = kvstore_pb2.SessionRequest(
+                id=next(self._ids), op=kvstore_pb2.SESSION_OP_REGISTER_CUDA_BUFFER,
+                timeout_ms=max(1, int(timeout * 1000)), **self._caller,
+                cuda_buffer=kvstore_pb2.CudaIpcBuffer(handle=export.handle, size=export.size,
+                                                      pci_bus_id=export.pci_bus_id))
+            response = kvstore_pb2.SessionResponse.FromString(
+                self._roundtrip(request.SerializeToString(), timeout, kind))
+            if response.code or not response.region_id:
+                self.ipc_refused = True
+                log.info("server %s did not open a CUDA IPC buffer (%s): GPU values travel through %s", self.address,
+                         response.message, "pinned shared memory" if self.pinned_possible else "the host")
+                return False
+            self.cuda_buffers[export.key] = response.region_id
+            if len(self.cuda_buffers) > MAX_CUDA_BUFFERS:
+                _, oldest = self.cuda_buffers.popitem(last=False)
+                release = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_UNREGISTER_REGION,
+                                                     region_id=oldest)
+                self._roundtrip(release.SerializeToString(), timeout, kind)
+        return True
 
     def _register(self, layout, timeout, kind):
         """Whether ``layout`` is registered on this stream (registered now if need be)."""
@@ -364,7 +460,7 @@ class Session:
             return self.data_channel
         request = kvstore_pb2.SessionRequest(id=next(self._ids), op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
                                              timeout_ms=max(1, int(timeout * 1000)),
-                                             calls_on_channel=self.calls_on_channel)
+                                             calls_on_channel=self.calls_on_channel, **self._caller)
         response = kvstore_pb2.SessionResponse.FromString(self._roundtrip(request.SerializeToString(), timeout, kind))
         try:
             if response.code:
@@ -407,6 +503,9 @@ class Session:
             self._queue.put(None)
             self._call.cancel()
         self._queue = self._call = None
+        self.cuda_buffers.clear()  # the server closes them as the stream ends
+        if self._gpu is not None:
+            self._gpu.settle()  # no copy may still run out of the region or the pinned buffer
         if self.region is not None:  # the server releases its side as the stream ends
             self.region.close()
             self.region = None
@@ -449,6 +548,9 @@ class _Raw:
 
     data_channel = False
     layout = None
+    pinned = False
+    exports = ()
+    gpu = None
     answer_bytes = datachan.MAX_ANSWER_BYTES
 
     def __init__(self, build, shm_bytes):

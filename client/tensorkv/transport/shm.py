@@ -13,6 +13,7 @@ there has proved that it shares this host, and maps the file. The file has no na
 directory: the memory goes when the last descriptor and mapping of it do, whichever
 process holds them and however it ends.
 """
+import logging
 import mmap
 import os
 import secrets
@@ -23,6 +24,8 @@ import numpy as np
 from ..errors import InvalidTensorError
 # available: whether this process can make regions (server_conn asks before it offers them)
 from ..wire.shm import HEADER_BYTES, PREFIX, SEALS, TOKEN_BYTES, available, check_ref  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 try:
     import fcntl
@@ -38,6 +41,12 @@ def capacity_for(nbytes):
 
 
 def _release(fd, mapping, state):
+    unpin = state.pop("unpin", None)
+    if unpin is not None:
+        try:
+            unpin()
+        except Exception as error:  # noqa: BLE001 (CUDA is shutting down: the mapping goes anyway)
+            log.debug("a region's pinned memory was not unregistered: %s", error)
     state["buffer"] = None  # the array over the mapping goes first, so that it can be unmapped
     try:
         mapping.close()
@@ -49,12 +58,14 @@ def _release(fd, mapping, state):
 class Region:
     """A sealed memory file with ``capacity`` bytes for values after its header, created by
     this process: ``size`` bytes in all, ``fd`` its descriptor here, ``buffer`` a uint8 array
-    over all of it, ``id`` the region id once a server registered it."""
+    over all of it, ``id`` the region id once a server registered it; ``pinned`` once both
+    this process and the server registered it as pinned memory (:meth:`pin`)."""
 
     def __init__(self, capacity):
         self.name = PREFIX + secrets.token_hex(16)
         self.size = HEADER_BYTES + capacity
         self.id = None
+        self.pinned = False
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -77,6 +88,18 @@ class Region:
     def capacity(self):
         """Bytes for values, from HEADER_BYTES on."""
         return self.size - HEADER_BYTES
+
+    def pin(self, register):
+        """Register the mapping as pinned memory with ``register(buffer)``, which returns the
+        function that unregisters it: called as the region closes, before it is unmapped."""
+        self._state["unpin"] = register(self.buffer)
+
+    def unpin(self):
+        """Unregister what :meth:`pin` registered."""
+        unpin = self._state.pop("unpin", None)
+        if unpin is not None:
+            unpin()
+        self.pinned = False
 
     def resolve(self, region_id, offset, length):
         """The uint8 array of bytes [offset, offset + length) that a response references;

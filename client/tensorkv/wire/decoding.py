@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from ..backend import DeviceBytes
 from ..errors import InvalidTensorError, ResourceExhaustedError, key_repr, no_memory
 from ..v1 import tensor_pb2
 from ..words import plural
@@ -265,7 +266,7 @@ class FrameDecoder:
             raise InvalidTensorError(f"key {key_repr(header.key)}: shared-memory references are only valid on the "
                                      "Session stream that registered the region")
         source = self.resolve(region_id, offset, length)
-        if not self.copy_refs:
+        if not self.copy_refs or isinstance(source, DeviceBytes):  # GPU memory: the value is where it was named
             return header.item(source.view(header.dtype))
         buffer, owned = self._buffer(index, header)
         buffer[:] = source

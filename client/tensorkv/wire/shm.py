@@ -70,5 +70,6 @@ class Placement:
         return Item(item.key, array, item.shape, item.slice, ref=(self.region_id, offset, nbytes), two_bit=item.two_bit)
 
     def place(self, items):
-        """``items`` with those that fit moved into the region (the others unchanged)."""
-        return [self.put(item) or item for item in items]
+        """``items`` with those that fit moved into the region (the others, and those already
+        in shared memory, unchanged)."""
+        return [item if item.ref is not None else self.put(item) or item for item in items]
