@@ -177,7 +177,7 @@ def test_gpu_values_fall_back_to_shared_memory_where_the_server_pins_nothing_and
         region = session._ensure_region(MiB, 30.0, "push", pinned=True)
         ptr = region.buffer.ctypes.data
         pages = -(-region.size // mmap.PAGESIZE) * mmap.PAGESIZE
-        assert fake.calls == [("hostRegister", ptr, pages, gpu.HOST_REGISTER_PORTABLE), ("hostUnregister", ptr)]
+        assert fake.calls == [("hostRegister", ptr, pages, cuda.HOST_REGISTER_PORTABLE), ("hostUnregister", ptr)]
         assert not region.pinned and session.pin_refused and not session.pinned_possible
         assert session._ensure_region(MiB, 30.0, "push", pinned=True) is region  # not asked again
         assert len(fake.calls) == 2
@@ -301,7 +301,7 @@ def test_a_session_waits_once_per_call_for_its_gpu_copies(monkeypatch):
     runtime = FakeRuntime()
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=lambda device: _NoContext()))
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda n, dtype: np.empty(n, dtype)))
-    state = gpu.Gpu(cupy)
+    state = cuda.Gpu(cupy)
     value, out = DeviceMemory(1 << 30, 64, 0, 7), DeviceMemory(2 << 30, 64, 0, 7)
 
     def call(pushed=(), pulled=()):
@@ -357,7 +357,7 @@ def test_the_cuda_routes_name_the_areas_of_gpu_values_and_wait_once(fake_exports
     there, and its item is the out array; the call waits once before it goes."""
     runtime = FakeRuntime()
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda n, dtype: np.empty(n, dtype)))
-    state = gpu.Gpu(_fake_cupy(runtime))
+    state = cuda.Gpu(_fake_cupy(runtime))
     region = shm.Region(MiB)
     region.id, region.pinned = 9, True
     big, odd, small = FakeDeviceArray(16_384), FakeDeviceArray(65_537, np.uint8), FakeDeviceArray(16)
