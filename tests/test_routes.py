@@ -21,7 +21,7 @@ from tensorkv import cuda
 from tensorkv.transport import routes, session as session_module, shm
 from tensorkv.transport.routes import Call, Thresholds
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
-from tensorkv.wire import codec
+from tensorkv.wire import codec, shm as wire_shm
 from tensorkv_server import shm as server_shm
 
 from cluster import Cluster
@@ -76,7 +76,7 @@ def test_a_call_of_gpu_values_takes_the_fastest_route_the_session_may_use(fake_e
     assert route.shm_bytes == shm.MIN_REGION_BYTES  # a region all the same: it proves the host and user
     odd = FakeDeviceArray(MiB + 1, np.uint8)  # an allocation CUDA IPC cannot share: through the region
     route = routes.choose(_session(), _push(big, odd))
-    assert [export.size for export in route.exports] == [MiB] and route.shm_bytes == codec.aligned(MiB + 1)
+    assert [export.size for export in route.exports] == [MiB] and route.shm_bytes == wire_shm.aligned(MiB + 1)
     route = routes.choose(_session(ipc_possible=False), _push(big, small))
     assert type(route) is routes.PinnedSharedMemory and route.pinned and not route.exports
     assert route.shm_bytes == MiB
@@ -265,7 +265,7 @@ def test_gpu_values_in_device_memory_are_decoded_where_they_lie():
     assert np.shares_memory(item.array, lying) and not destination.any()
     placed = codec.Item(1, np.ones(4), ref=(7, 64, 32))
     buffer = np.zeros(256, np.uint8)
-    assert codec.Placement(buffer, 7, 64).place([placed])[0] is placed and not buffer.any()
+    assert wire_shm.Placement(buffer, 7, 64).place([placed])[0] is placed and not buffer.any()
 
 
 class FakeRuntime:
@@ -307,7 +307,7 @@ def test_a_session_waits_once_per_call_for_its_gpu_copies(monkeypatch):
     def call(pushed=(), pulled=()):
         runtime.calls.clear()
         copies = state.copies()
-        state.reserve(sum(codec.aligned(m.nbytes) for m in (*pushed, *pulled)))
+        state.reserve(sum(wire_shm.aligned(m.nbytes) for m in (*pushed, *pulled)))
         for memory in pushed:
             copies.to_host(memory, state.take(memory.nbytes)[1])
         state.wait(copies)  # before the request goes
@@ -328,7 +328,7 @@ def test_a_session_waits_once_per_call_for_its_gpu_copies(monkeypatch):
     assert [(c[3], c[4], c[5]) for c in copies] == [(64, runtime.memcpyDeviceToHost, 9)]
     state.reserve(200)
     first, second = state.take(100), state.take(100)
-    assert len(first[0]) == 100 and second[1] - first[1] == codec.aligned(100)  # aligned places, one buffer
+    assert len(first[0]) == 100 and second[1] - first[1] == wire_shm.aligned(100)  # aligned places, one buffer
 
 
 class _NoContext:
@@ -376,7 +376,7 @@ def test_the_cuda_routes_name_the_areas_of_gpu_values_and_wait_once(fake_exports
     assert len(request.frame.entries[2].tensor.data) == 64  # staged, in the message
     assert [(o.region_id, o.offset, o.length) for o in request.outputs] == [
         (501, 0, 65_536), (9, shm.HEADER_BYTES, 65_537), (502, 0, 64)]
-    assert (request.output.region_id, request.output.offset) == (9, shm.HEADER_BYTES + codec.aligned(65_537))
+    assert (request.output.region_id, request.output.offset) == (9, shm.HEADER_BYTES + wire_shm.aligned(65_537))
     to_host = [(c[2], c[3], c[4]) for c in runtime.calls if c[0] == "memcpyAsync"]
     assert to_host == [(id(small), 64, runtime.memcpyDeviceToHost),  # into the pinned buffer
                        (id(odd), 65_537, runtime.memcpyDeviceToHost)]  # into the region
