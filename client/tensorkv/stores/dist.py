@@ -432,7 +432,7 @@ class DistStore(KVStore):
             known = self._meta.get(key)
             if known is None:
                 return None
-            pulled.append((*known, dict(self._placement(key, math.prod(known[0]))).get(index)))
+            pulled.append((*known, dict(self._spread.placement(key, math.prod(known[0]))).get(index)))
         return pulled
 
     def _known(self, keys):
