@@ -125,7 +125,8 @@ async def serve(coordinator, host, port, grace, shared_memory=True, data_port=0,
         raise ListenError(f"--port {port}: cannot listen on {address}")
     if data_port is not None:  # after the gRPC port: a data port 0 must not take --port
         try:
-            data_port = DataPort(host, data_port, security.data_channel_context, advertised_data_port)
+            data_port = DataPort(host, data_port, security.data_channel_context, advertised_data_port,
+                                 limits.progress_timeout)
         except OSError as error:
             raise _listen_error("--data-port", host, data_port, error) from None
     servicer = KVStoreService(coordinator, shared_memory, data_port, limits, snapshots)
