@@ -5,6 +5,7 @@ values that cannot be allocated are RESOURCE_EXHAUSTED, messages shorten long ke
 over them whole (RESOURCE_EXHAUSTED naming the limit and its flag), before anything is
 allocated; data connections without a token are closed; a peer that stops moving a call's
 bytes gives them back after --progress-timeout."""
+import contextlib
 import re
 import resource
 import socket
@@ -726,6 +727,23 @@ def test_a_push_stream_that_stops_sending_gives_back_its_bytes_and_its_turn(tmp_
         assert inflight() == 0
 
 
+@contextlib.contextmanager
+def _pulls_of(tmp_path, budget, value):
+    """A server (progress_server, 2 workers) that holds ``value`` as 'w', stored by rank 0 of a
+    store on gRPC streams; yields (that store, a raw stub, rank 1's PullRequest of 'w', the
+    function that reads tensorkv_inflight_bytes). The stub's channel has no
+    SingleThreadedUnaryStream (CHANNEL_OPTIONS): a Pull starts at once, and its answer's
+    messages are read only as its iterator asks for them."""
+    cluster, inflight = progress_server(tmp_path, budget, num_workers=2)
+    with cluster, tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc", session=False,
+                                  timeout=60) as kv, grpc.insecure_channel(cluster.addresses[0]) as channel:
+        kv.init("w", value)
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=1), timeout=TIMEOUT).incarnation
+        yield kv, stub, kvstore_pb2.PullRequest(rank=1, incarnation=incarnation, keys=[tensor_pb2.Key(str_key="w")]), \
+            inflight
+
+
 def test_a_pull_whose_answer_is_not_read_gives_back_its_bytes(tmp_path):
     """Rank 1 asks for a 16 MiB Pull over gRPC and never reads the answer: it held 32 MiB of a
     48 MiB budget (the answer's messages and gRPC's copy) for as long as its connection lived,
@@ -734,16 +752,8 @@ def test_a_pull_whose_answer_is_not_read_gives_back_its_bytes(tmp_path):
     back and logs it; rank 0's pull goes through, and rank 1, reading at last, gets the
     messages written before the stall, then DEADLINE_EXCEEDED."""
     value = _floats(4 * MIB)
-    cluster, inflight = progress_server(tmp_path, 48 * MIB, num_workers=2)
-    # Without SingleThreadedUnaryStream (CHANNEL_OPTIONS): the call starts at once, and its
-    # answer's messages are read only as the iterator asks for them.
-    with cluster, tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc", session=False,
-                                  timeout=60) as kv, grpc.insecure_channel(cluster.addresses[0]) as channel:
-        kv.init("w", value)
-        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
-        incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=1), timeout=TIMEOUT).incarnation
-        unread = stub.Pull(kvstore_pb2.PullRequest(rank=1, incarnation=incarnation,
-                                                   keys=[tensor_pb2.Key(str_key="w")]), timeout=120)
+    with _pulls_of(tmp_path, 48 * MIB, value) as (kv, stub, request, inflight):
+        unread = stub.Pull(request, timeout=120)
         np.testing.assert_array_equal(kv.pull("w"), value)
         _stall_logged(tmp_path, "the answer of a pull")
         assert inflight() == 0
@@ -752,3 +762,23 @@ def test_a_pull_whose_answer_is_not_read_gives_back_its_bytes(tmp_path):
                 pass
     assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "the answer of a pull: no bytes moved for 2 s (--progress-timeout)" in ended.value.details()
+
+
+def test_a_pull_cancelled_or_past_its_deadline_mid_answer_ends_quietly(tmp_path):
+    """A Pull's client cancels it after one message; another's deadline passes after one. The
+    server's write under the ended call ends as a cancellation, as gRPC's own writes do: no
+    "unexpected error in Pull" with a traceback in the log (once the Pull wrote its own answer,
+    to bound each write by --progress-timeout, 1 to 2 of 3 such calls logged one), and the
+    answers' bytes are given back."""
+    value = _floats(4 * MIB)
+    with _pulls_of(tmp_path, 256 * MIB, value) as (kv, stub, request, inflight):
+        cancelled = stub.Pull(request, timeout=TIMEOUT)
+        next(cancelled)
+        cancelled.cancel()
+        late = stub.Pull(request, timeout=1.0)
+        with contextlib.suppress(grpc.RpcError):  # its deadline may pass before its first message
+            next(late)
+        wait_until(lambda: inflight() == 0, "the answers' bytes given back")
+        np.testing.assert_array_equal(kv.pull("w"), value)
+    log = (tmp_path / "server0.log").read_text()
+    assert "Traceback" not in log and "unexpected error" not in log, log
