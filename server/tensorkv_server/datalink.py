@@ -16,7 +16,6 @@ RECV_BYTES = 1 << 20  # encrypted bytes read from the socket at most at a time (
 # grows with the bytes that came, not with the size its header announced.
 REQUEST_PIECE = 1 << 20
 WRITE_BYTES = 1 << 18  # plaintext bytes encrypted at a time: smaller, the peer starts decrypting sooner
-SEND_PIECE = 1 << 20  # plaintext bytes handed to the socket at a time: a write's progress is counted by them
 
 
 class Stalled(Exception):
@@ -63,11 +62,24 @@ class PlainLink:
         self.moved = self._loop.time()
         return piece
 
-    async def sendall(self, view):
-        view = memoryview(view)
-        for start in range(0, len(view), SEND_PIECE):
-            await self._loop.sock_sendall(self.sock, view[start:start + SEND_PIECE])
+    async def sendall(self, data):
+        """As loop.sock_sendall, noting each time bytes go out (moved)."""
+        view, sent = memoryview(data), 0
+        while sent < len(view):
+            try:
+                sent += self.sock.send(view[sent:])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
             self.moved = self._loop.time()
+
+    async def _writable(self):
+        fd, ready = self.sock.fileno(), self._loop.create_future()  # fd: the socket may be closed meanwhile
+        self._loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self._loop.remove_writer(fd)
 
     def close(self):
         self.sock.close()
@@ -136,27 +148,28 @@ class TlsLink(PlainLink):
 
 class _Moving:
     """PlainLink.moving: one timer, moved on only when it fires (not on every read or write),
-    cancels the task when the link's bytes stopped moving; as asyncio.timeout does, the
+    cancels the task once the link's bytes stopped moving; as asyncio.timeout does, the
     cancellation ends as :class:`Stalled` at the end of the ``async with``."""
 
     def __init__(self, link, seconds):
         self._link, self._seconds = link, seconds
-        self._task = self._timer = None
+        self._loop = self._task = self._timer = None
+        self._cancelling = 0
         self._stalled = False
 
     async def __aenter__(self):
         if self._seconds is not None:
-            self._task = asyncio.current_task()
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
             self._cancelling = self._task.cancelling()
-            self._link.moved = self._link._loop.time()
+            self._link.moved = self._loop.time()
             self._arm()
         return self
 
     def _arm(self):
-        self._timer = self._link._loop.call_at(self._link.moved + self._seconds, self._check)
+        self._timer = self._loop.call_at(self._link.moved + self._seconds, self._check)
 
     def _check(self):
-        if self._link._loop.time() < self._link.moved + self._seconds:
+        if self._loop.time() < self._link.moved + self._seconds:
             self._arm()
         else:
             self._stalled = True
