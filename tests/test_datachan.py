@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import re
 import signal
 import socket
 import struct
@@ -456,6 +457,84 @@ def test_a_call_on_the_stream_gives_back_nothing_of_what_its_channel_holds(tmp_p
                                                   keys=[tensor_pb2.Key(str_key="nothing")]).SerializeToString(), ()
             session.call(build_pull, WAIT)
             assert inflight() >= announced
+
+
+STALLED = r"data channel of ipv4:127\.0\.0\.1:\d+ closed: a call on the data channel: no bytes moved for 2 s " \
+          r"\(--progress-timeout\)"
+
+
+def progress_server(tmp_path, budget, num_workers=1):
+    """A Cluster of one server with a budget for bytes in flight of ``budget`` bytes, a
+    progress timeout of 2 s, and a metrics port; and a function that reads its
+    tensorkv_inflight_bytes."""
+    metrics_port = free_port()
+    cluster = Cluster(num_workers=num_workers, tmp_path=tmp_path, server_args=(
+        "--metrics-port", str(metrics_port), "--max-inflight-bytes", str(budget), "--progress-timeout", "2"))
+    return cluster, lambda: scrape(metrics_port)[1][("tensorkv_inflight_bytes", ())]
+
+
+def test_a_call_whose_bytes_stop_coming_gives_them_back_after_the_progress_timeout(tmp_path):
+    """A call on the data channel announces 48 MiB and sends 1 byte: it holds 48 MiB of a
+    64 MiB budget, and held them for as long as its connection lived, so a push of 32 MiB
+    waited the budget's 30 s and was refused. With --progress-timeout 2 the server closes
+    that connection, gives the bytes back and says so in a WARNING naming the peer; the
+    push, which needs them, goes through."""
+    value = _value(8 << 20, np.float32, 1)  # 32 MiB
+    cluster, inflight = progress_server(tmp_path, 64 << 20)
+    with cluster, tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", timeout=60) as kv:
+        kv.init("w", np.zeros_like(value))
+        with stalled_channel_call(cluster.addresses[0], kv._sessions[0].data_port, 48 << 20):
+            kv.push("w", value)
+            np.testing.assert_array_equal(kv.pull("w"), value)
+            wait_until(lambda: re.search(STALLED, (tmp_path / "server0.log").read_text()), "the stall's log line")
+            assert inflight() == 0
+
+
+def test_an_answer_the_peer_does_not_read_gives_its_bytes_back_after_the_progress_timeout(tmp_path):
+    """Rank 1 asks for a pull of 40 MiB on the data channel and reads none of the answer: its
+    bytes were held of the 64 MiB budget for as long as the connection lived, so rank 0's pull
+    of them waited 30 s and was refused. With --progress-timeout 2 the server closes that
+    connection once its writes stop moving, gives the bytes back and logs it; rank 0's pull
+    goes through."""
+    value = _value(10 << 20, np.float32, 1)  # 40 MiB
+    cluster, inflight = progress_server(tmp_path, 64 << 20, num_workers=2)
+    with cluster, tensorkv.create("dist_sync", servers=cluster.addresses, transport="tcp", timeout=60) as kv:
+        kv.init("w", value)
+        with unread_channel_pull(cluster.addresses[0], kv._sessions[0].data_port, "w", rank=1):
+            np.testing.assert_array_equal(kv.pull("w"), value)
+            wait_until(lambda: re.search(STALLED, (tmp_path / "server0.log").read_text()), "the stall's log line")
+            assert inflight() == 0
+
+
+@contextlib.contextmanager
+def unread_channel_pull(address, port, key, rank):
+    """A raw Session stream to the server at ``address``, registered as ``rank``, whose data
+    channel (on ``port``, taking calls) has sent a pull of ``key`` with its values on the
+    channel and reads nothing of the answer (a small receive buffer: the server's writes
+    stop soon) while the context lasts."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    session = Session(channel, address, data_port=port)
+    try:
+        incarnation = Stub(channel).Register(kvstore_pb2.RegisterRequest(rank=rank), timeout=WAIT).incarnation
+
+        def build_open(call_id, timeout_ms, region, data_channel):
+            return kvstore_pb2.SessionRequest(id=call_id, op=kvstore_pb2.SESSION_OP_OPEN_DATA_CHANNEL,
+                                              calls_on_channel=True).SerializeToString(), ()
+        token = kvstore_pb2.SessionResponse.FromString(session.call(build_open, WAIT)[1]).data_token
+        pull = kvstore_pb2.SessionRequest(id=1, op=kvstore_pb2.SESSION_OP_PULL, rank=rank, incarnation=incarnation,
+                                          keys=[tensor_pb2.Key(str_key=key)], data_channel_min_bytes=1)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(WAIT)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(token)
+            assert sock.recv(1) == datachan.ACK
+            request = pull.SerializeToString()
+            sock.sendall(len(request).to_bytes(datachan.FRAME_HEADER, "little") + request)
+            yield
+    finally:
+        session.close()
+        channel.close()
 
 
 @contextlib.contextmanager

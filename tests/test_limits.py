@@ -3,11 +3,14 @@ generated stubs: refused calls leave no memory behind, keys are bounded by --max
 values that cannot be allocated are RESOURCE_EXHAUSTED, messages shorten long keys, and
 --max-value-bytes, --max-keys-per-call, --max-inflight-bytes and --max-memory refuse what is
 over them whole (RESOURCE_EXHAUSTED naming the limit and its flag), before anything is
-allocated; data connections without a token are closed."""
+allocated; data connections without a token are closed; a peer that stops moving a call's
+bytes gives them back after --progress-timeout."""
+import contextlib
 import re
 import resource
 import socket
 import subprocess
+import threading
 import time
 
 import grpc
@@ -15,14 +18,15 @@ import numpy as np
 import pytest
 
 import tensorkv
-from tensorkv.wire import shm
-from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
 from tensorkv.transport.session import RawSession as Session
+from tensorkv.wire import shm
+from tensorkv.wire.codec import Item, encode_stream
+from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES
 
-from cluster import STOP_TIMEOUT, Cluster, check_workers, rss
-from test_datachan import stalled_channel_call
+from cluster import STOP_TIMEOUT, Cluster, check_workers, rss, wait_until
+from test_datachan import progress_server, stalled_channel_call
 
 TIMEOUT = 20.0  # seconds for one call
 
@@ -470,7 +474,7 @@ def test_a_data_connection_without_a_token_is_closed_within_the_handshake_timeou
             for sock in (idle, half):
                 sock.settimeout(max(deadline - time.monotonic(), 0.1))
                 assert sock.recv(1) == b"", "the server kept a connection that presented no token"
-    # one line: the second refusal of the reason within a minute is counted for the next (datachan.RefusalLog)
+    # one line: the second refusal of the reason within a minute is counted for the next (logs.ThrottledLog)
     assert (tmp_path / "server0.log").read_text().count(f"refused: no token within {HANDSHAKE_TIMEOUT:g} s") == 1
 
 
@@ -678,3 +682,103 @@ def test_a_push_pull_whose_push_was_applied_is_answered_past_the_budget(tmp_path
                 out = np.empty(MIB // 4, np.float32)
                 kv.pushpull("w", _floats(MIB // 4), out=out)
                 np.testing.assert_array_equal(out, _floats(MIB // 4))
+
+
+# ---- --progress-timeout: a peer that stops moving a call's bytes gives them back -----------
+
+def _stall_logged(tmp_path, what):
+    wait_until(lambda: re.search(rf"call from ipv4:127\.0\.0\.1:\d+ ended: {what}: no bytes moved for 2 s "
+                                 r"\(--progress-timeout\)", (tmp_path / "server0.log").read_text()),
+               "the stall's log line")
+
+
+def test_a_push_stream_that_stops_sending_gives_back_its_bytes_and_its_turn(tmp_path):
+    """A Push stream sends all but the last message of an 8 MiB value, then nothing: it holds
+    about 7 MiB of an 8 MiB budget, and as the oldest stream being read it is the one that goes
+    on when the budget is full. Another worker's Push of 4 MiB waited behind it the budget's
+    30 s and was refused, for as long as the stalled stream's connection lived. With
+    --progress-timeout 2 the stalled stream ends with DEADLINE_EXCEEDED, its bytes and its
+    turn given back (a WARNING names the peer); the push goes through."""
+    cluster, inflight = progress_server(tmp_path, 8 * MIB)
+    resume = threading.Event()
+    with cluster, tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc", session=False,
+                                  timeout=60) as kv, \
+            grpc.insecure_channel(cluster.addresses[0], options=CHANNEL_OPTIONS) as channel:
+        kv.init("w", np.zeros(MIB, np.float32))
+        messages = encode_stream(kvstore_pb2.PushRequest, [Item("big", _floats(2 * MIB))], {"rank": 0})
+        sent = threading.Event()
+
+        def stalling():
+            yield from messages[:-1]
+            sent.set()
+            resume.wait(60)
+
+        try:
+            stalled = channel.stream_unary("/tensorkv.v1.KVStoreService/Push").future(stalling())
+            assert sent.wait(TIMEOUT)
+            kv.push("w", _floats(MIB))
+            np.testing.assert_array_equal(kv.pull("w"), _floats(MIB))
+            error = stalled.exception(timeout=TIMEOUT)
+        finally:
+            resume.set()
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "a stream of values: no bytes moved for 2 s (--progress-timeout)" in error.details()
+        _stall_logged(tmp_path, "a stream of values")
+        assert inflight() == 0
+
+
+@contextlib.contextmanager
+def _pulls_of(tmp_path, budget, value):
+    """A server (progress_server, 2 workers) that holds ``value`` as 'w', stored by rank 0 of a
+    store on gRPC streams; yields (that store, a raw stub, rank 1's PullRequest of 'w', the
+    function that reads tensorkv_inflight_bytes). The stub's channel has no
+    SingleThreadedUnaryStream (CHANNEL_OPTIONS): a Pull starts at once, and its answer's
+    messages are read only as its iterator asks for them."""
+    cluster, inflight = progress_server(tmp_path, budget, num_workers=2)
+    with cluster, tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc", session=False,
+                                  timeout=60) as kv, grpc.insecure_channel(cluster.addresses[0]) as channel:
+        kv.init("w", value)
+        stub = kvstore_pb2_grpc.KVStoreServiceStub(channel)
+        incarnation = stub.Register(kvstore_pb2.RegisterRequest(rank=1), timeout=TIMEOUT).incarnation
+        yield kv, stub, kvstore_pb2.PullRequest(rank=1, incarnation=incarnation, keys=[tensor_pb2.Key(str_key="w")]), \
+            inflight
+
+
+def test_a_pull_whose_answer_is_not_read_gives_back_its_bytes(tmp_path):
+    """Rank 1 asks for a 16 MiB Pull over gRPC and never reads the answer: it held 32 MiB of a
+    48 MiB budget (the answer's messages and gRPC's copy) for as long as its connection lived,
+    so rank 0's pull of the same value waited the budget's 30 s and was refused. With
+    --progress-timeout 2 the server stops writing once the peer takes nothing, gives the bytes
+    back and logs it; rank 0's pull goes through, and rank 1, reading at last, gets the
+    messages written before the stall, then DEADLINE_EXCEEDED."""
+    value = _floats(4 * MIB)
+    with _pulls_of(tmp_path, 48 * MIB, value) as (kv, stub, request, inflight):
+        unread = stub.Pull(request, timeout=120)
+        np.testing.assert_array_equal(kv.pull("w"), value)
+        _stall_logged(tmp_path, "the answer of a pull")
+        assert inflight() == 0
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in unread:
+                pass
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "the answer of a pull: no bytes moved for 2 s (--progress-timeout)" in ended.value.details()
+
+
+def test_a_pull_cancelled_or_past_its_deadline_mid_answer_ends_quietly(tmp_path):
+    """A Pull's client cancels it after one message; another's deadline passes after one. The
+    server's write under the ended call ends as a cancellation, as gRPC's own writes do: no
+    "unexpected error in Pull" with a traceback in the log (once the Pull wrote its own answer,
+    to bound each write by --progress-timeout, 1 to 2 of 3 such calls logged one), and the
+    answers' bytes are given back."""
+    value = _floats(4 * MIB)
+    with _pulls_of(tmp_path, 256 * MIB, value) as (kv, stub, request, inflight):
+        cancelled = stub.Pull(request, timeout=TIMEOUT)
+        next(cancelled)
+        cancelled.cancel()
+        late = stub.Pull(request, timeout=1.0)
+        with contextlib.suppress(grpc.RpcError):  # its deadline may pass before its first message
+            next(late)
+        wait_until(lambda: inflight() == 0, "the answers' bytes given back")
+        np.testing.assert_array_equal(kv.pull("w"), value)
+    log = (tmp_path / "server0.log").read_text()
+    assert "Traceback" not in log and "unexpected error" not in log, log

@@ -86,6 +86,32 @@ def test_bad_row_ids_sent_by_a_raw_stub_are_refused_and_change_nothing(tmp_path)
         np.testing.assert_array_equal(kv.pull("w"), value)
 
 
+def test_a_row_sparse_push_over_the_budget_is_refused_and_changes_nothing(tmp_path):
+    """A RowSparsePush is one message, read whole by gRPC before the server's code runs: its
+    bytes are counted in --max-inflight-bytes while it is merged, and one of more than the
+    whole budget is refused with RESOURCE_EXHAUSTED naming the flag, the value unchanged, as a
+    Push of as many bytes is. Before: not counted, and merged whatever its size."""
+    value = np.arange(2048 * 64, dtype=np.float32).reshape(2048, 64)  # 512 KiB, rows of 256 bytes
+    with Cluster(tmp_path=tmp_path, server_args=["--max-inflight-bytes", str(1 << 20)]) as cluster, \
+            tensorkv.create("dist_sync", servers=cluster.addresses) as kv, \
+            grpc.insecure_channel(cluster.addresses[0]) as channel:
+        kv.init("w", value)
+        caller = dict(rank=kv.rank, incarnation=kv._registered[0])
+        stub = Stub(channel)
+        big = kvstore_pb2.RowSparsePushRequest(**caller)
+        ids = np.tile(np.arange(2048), 3)  # 1.5 MiB of rows
+        set_value(big.values.add(), "w", value.shape, ids, np.ones((ids.size, 64), np.float32))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RowSparsePush(big, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"a row-sparse push needs {big.ByteSize()} bytes in flight (1.5 MiB), more than this server's whole " \
+               "budget for bytes in flight of 1048576 bytes (1 MiB, --max-inflight-bytes)" in refused.value.details()
+        np.testing.assert_array_equal(kv.pull("w"), value)
+        small = kvstore_pb2.RowSparsePushRequest(**caller)
+        set_value(small.values.add(), "w", value.shape, [3], np.ones((1, 64), np.float32))
+        stub.RowSparsePush(small, timeout=10)
+
+
 def test_row_sparse_pulls_on_a_raw_session_stream(tmp_path):
     """SESSION_OP_ROW_SPARSE_PULL answers the rows in the order asked (many rows on the data
     channel); a bad row id, or an entry that is a slice, is answered with INVALID_ARGUMENT

@@ -7,6 +7,8 @@ handler runs, so its bytes are counted as they arrive (:meth:`Budget.charge`), a
 (Init, Push, PushPull) reads its next message once there is room (:meth:`Budget.paced`). A reservation
 that does not fit waits, first come first served, at most WAIT seconds or the call's
 deadline, then fails with RESOURCE_EXHAUSTED; one larger than the whole budget fails at once.
+A stream whose next message does not come within the progress timeout (progress.py) ends, its
+bytes given back: a stalled stream holds them, and the turn of the oldest, no longer.
 
 A call holds one reservation at a time (:func:`hold`), and gives it back before it waits for
 another rank (:func:`before_wait`, which the coordinator calls): a push that waits for its
@@ -21,6 +23,7 @@ from tensorkv.errors import ResourceExhaustedError
 from tensorkv.words import size
 
 from . import metrics
+from .progress import TIMEOUT as PROGRESS_TIMEOUT, next_message
 
 WAIT = 30.0  # seconds a reservation waits for room at most (less when the call's deadline is sooner)
 FLAG = "--max-inflight-bytes"
@@ -51,10 +54,12 @@ class Reservation:
 
 
 class Budget:
-    """``total`` bytes in flight for the whole server (None: no limit)."""
+    """``total`` bytes in flight for the whole server (None: no limit); the messages of a paced
+    stream come within ``progress_timeout`` seconds each (None: no limit)."""
 
-    def __init__(self, total):
+    def __init__(self, total, progress_timeout=PROGRESS_TIMEOUT):
         self.total = total
+        self.progress_timeout = progress_timeout
         self.used = 0
         self._waiters = collections.deque()  # [bytes, future] of the reservations that wait, oldest first
         self._streams = {}  # the Reservations of the gRPC streams being read (paced), oldest first
@@ -65,6 +70,18 @@ class Budget:
         self._take(nbytes)
         return Reservation(self, nbytes)
 
+    def charge_within(self, nbytes, what):
+        """:meth:`charge` of the ``nbytes`` of ``what``, a request read whole already, or
+        ResourceExhaustedError when they are more than the whole budget."""
+        self._check_whole(nbytes, what)
+        return self.charge(nbytes)
+
+    def _check_whole(self, nbytes, what):
+        if self.total is not None and nbytes > self.total:
+            raise ResourceExhaustedError(
+                f"{what} needs {nbytes} bytes in flight ({size(nbytes)}), more than this server's whole budget for "
+                f"bytes in flight of {self.total} bytes ({size(self.total)}, {FLAG})")
+
     async def reserve(self, nbytes, timeout=None, what="this call"):
         """A Reservation of ``nbytes``, once they fit in the budget: at once (without giving the
         event loop a turn) when they fit now and nobody waits before them; else after a wait of
@@ -72,10 +89,7 @@ class Budget:
         ``what`` when they do not fit by then, or would not fit in the whole budget."""
         if self.total is None or nbytes <= 0:
             return Reservation(self, 0)
-        if nbytes > self.total:
-            raise ResourceExhaustedError(
-                f"{what} needs {nbytes} bytes in flight ({size(nbytes)}), more than this server's whole budget for "
-                f"bytes in flight of {self.total} bytes ({size(self.total)}, {FLAG})")
+        self._check_whole(nbytes, what)
         if not self._waiters and self.used + nbytes <= self.total:
             self._take(nbytes)
             return Reservation(self, nbytes)
@@ -95,16 +109,18 @@ class Budget:
                 f"held by other calls): try again, or give the server a larger {FLAG}")
         return Reservation(self, nbytes)
 
-    async def paced(self, messages, reservation):
-        """The messages (bytes) of a gRPC stream, each counted in ``reservation`` as it arrives;
-        the next one is read only once the budget has room, or once this stream is the oldest
-        being read (which always goes on: the streams are read one after the other, never all
-        stopped half way), for at most WAIT seconds, then ResourceExhaustedError."""
+    async def paced(self, messages, reservation, peer):
+        """The messages (bytes) of a gRPC stream from ``peer``, each counted in ``reservation``
+        as it arrives; the next one is read only once the budget has room, or once this stream
+        is the oldest being read (which always goes on: the streams are read one after the
+        other, never all stopped half way), for at most WAIT seconds, then
+        ResourceExhaustedError; once read, it must come within the progress timeout, else
+        progress.StalledError."""
         messages = aiter(messages)
         while True:
             await self._room_for(reservation)
             try:
-                message = await anext(messages)
+                message = await next_message(messages, self.progress_timeout, peer, "a stream of values")
             except StopAsyncIteration:
                 self.done_reading(reservation)
                 return

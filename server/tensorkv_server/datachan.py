@@ -6,17 +6,18 @@ port that sends that token first is bound to that stream, acknowledged with one 
 the token is gone. A connection with an unknown (or already used) token, or none within
 HANDSHAKE_TIMEOUT, is closed; at most MAX_PENDING connections wait to present one (a new one
 closes the oldest of them, so a worker gets in however many idle ones come). Refusals are
-logged at most once per REFUSAL_LOG_INTERVAL for each reason, with a count. A
-stream's channel is closed when the stream ends, however it ends, when a call that uses it
-fails, and when the server stops. With TLS on the gRPC port, the data port speaks TLS too
-(same certificate; mutual TLS when the gRPC port has it), before the token is read.
+logged at most once per REFUSAL_LOG_INTERVAL for each reason, with a count. A stream's
+channel is closed when the stream ends, however it ends, when a call that uses it fails,
+when the peer moves none of a call's bytes (its request's or its answer's) for the progress
+timeout (progress.py: the call's bytes in flight are given back, and a WARNING says so, as
+rarely as the refusals), and when the server stops. With TLS on the gRPC port, the data port
+speaks TLS too (same certificate; mutual TLS when the gRPC port has it), before the token is read.
 """
 import asyncio
 import collections
 import logging
 import secrets
 import socket
-import time
 import traceback
 
 import numpy as np
@@ -31,6 +32,8 @@ from tensorkv.v1 import kvstore_pb2
 from . import datalink, metrics
 from .budget import hold, own_slot, release_held
 from .deadline import within
+from .logs import ThrottledLog
+from .progress import TIMEOUT as PROGRESS_TIMEOUT, stalled
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +51,10 @@ def bare_host(host):
 class DataPort:
     """The listening socket on ``host``:``port`` (0: any free port) and the tokens handed out;
     ``tls_context()`` (None: plaintext) gives the ssl.SSLContext for each new connection.
-    ``advertised``: the port clients are told to connect to (0: ``port``)."""
+    ``advertised``: the port clients are told to connect to (0: ``port``). ``progress_timeout``:
+    seconds a call's bytes may stop moving before its channel is closed (None: no limit)."""
 
-    def __init__(self, host, port=0, tls_context=None, advertised=0):
+    def __init__(self, host, port=0, tls_context=None, advertised=0, progress_timeout=PROGRESS_TIMEOUT):
         ipv6 = ":" in host  # then both families, as gRPC serves them
         self._listener = socket.create_server((bare_host(host), port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
                                               dualstack_ipv6=ipv6 and socket.has_dualstack_ipv6())
@@ -61,7 +65,9 @@ class DataPort:
         self._pending = {}  # token -> (future of the bound link, the peer of the stream it binds to)
         self._tasks = set()
         self._waiting = collections.OrderedDict()  # task -> its peer, of connections yet to present a token
-        self._refusals = RefusalLog()
+        self._refusals = ThrottledLog(log, "data channel connection from %s refused: %s", REFUSAL_LOG_INTERVAL)
+        self.progress_timeout = progress_timeout
+        self.stalls = ThrottledLog(log, "data channel of %s closed: %s", REFUSAL_LOG_INTERVAL)
         self._accepting = None
 
     def start(self):
@@ -133,30 +139,6 @@ class DataPort:
         self._listener.close()
 
 
-class RefusalLog:
-    """Log lines for refused data-channel connections: the first of each reason at once, then
-    at most one per ``interval`` seconds for it, with the count of those in between, so that
-    junk connections cannot flood the log."""
-
-    KEPT = 1024  # reasons remembered at most (an error's text may vary)
-
-    def __init__(self, interval=REFUSAL_LOG_INTERVAL, clock=time.monotonic):
-        self._interval, self._clock = interval, clock
-        self._last = {}  # reason -> (when its last line was written, refusals since)
-
-    def note(self, peer, reason):
-        now = self._clock()
-        logged, since = self._last.get(reason, (None, 0))
-        if logged is not None and now - logged < self._interval:
-            self._last[reason] = logged, since + 1
-            return
-        if len(self._last) >= self.KEPT:  # forget those quiet for an interval
-            self._last = {kept: entry for kept, entry in self._last.items() if now - entry[0] < self._interval}
-        more = f" ({since} more since the last such line)" if since else ""
-        log.warning("data channel connection from %s refused: %s%s", peer, reason, more)
-        self._last[reason] = now, 0
-
-
 class StreamChannel:
     """The data channel of one Session stream: none, offered (a token is out), or bound; and,
     where the client asked for it, the task that serves the stream's calls on it, whose wait
@@ -217,9 +199,10 @@ class StreamChannel:
                     await link.sendall(len(refusal).to_bytes(FRAME_HEADER, "little") + refusal)
                     return
                 try:
-                    response, outgoing, close = await handle(await link.read_bytes(size))
+                    response, outgoing, close = await handle(await self._moving(link, link.read_bytes(size)))
                     try:
-                        await link.sendall(len(response).to_bytes(FRAME_HEADER, "little") + response)
+                        frame = len(response).to_bytes(FRAME_HEADER, "little") + response
+                        await self._moving(link, link.sendall(frame))
                     except BaseException:
                         if outgoing is not None:
                             outgoing.release()
@@ -230,11 +213,19 @@ class StreamChannel:
                     release_held()  # the request's bytes, or the answer's
                 if close or not self.bound:
                     return
+        except datalink.Stalled:
+            self._port.stalls.note(self.peer, str(stalled("a call on the data channel", self._port.progress_timeout)))
         except (OSError, EOFError, KVStoreError) as error:  # the connection is gone, or failed a send
             log.info("data channel of %s: %s", self.peer, error)
         finally:
             if self._waiter is waiter:
                 self.close()
+
+    async def _moving(self, link, work):
+        """``await work``, which reads or writes ``link``: datalink.Stalled once its bytes stop
+        moving for the progress timeout."""
+        async with link.moving(self._port.progress_timeout):
+            return await work
 
     async def calls_ended(self):
         """Wait until the task serving calls on the channel, if any, has ended."""
@@ -254,26 +245,36 @@ class StreamChannel:
 
     async def receive(self, buffers, timeout):
         """Fill the uint8 arrays ``buffers`` from the channel, in order, within ``timeout`` s."""
-        await self._io(self._receive(buffers), timeout)
-
-    async def _receive(self, buffers):
         link = self._link()
+        await self._io(link, self._receive(link, buffers), timeout)
+
+    @staticmethod
+    async def _receive(link, buffers):
         for buffer in buffers:
             await link.read_into(memoryview(buffer))
 
     async def send(self, arrays, timeout):
         """Write the bytes of the host arrays ``arrays`` (C-contiguous) on the channel, in order,
         within ``timeout`` s."""
-        await self._io(self._send(arrays), timeout)
-
-    async def _send(self, arrays):
         link = self._link()
+        await self._io(link, self._send(link, arrays), timeout)
+
+    @staticmethod
+    async def _send(link, arrays):
         for array in arrays:
             await link.sendall(memoryview(array.reshape(-1).view(np.uint8)))
 
-    async def _io(self, work, timeout):
+    async def _io(self, link, work, timeout):
+        """``await work``, the reads or writes of a call's values on ``link``, within ``timeout``
+        s; a failure closes the channel. A stall (the progress timeout) is logged here, at most
+        once a minute (DataPort.stalls)."""
         try:
-            await within(work, timeout)
+            await self._moving(link, within(work, timeout))
+        except datalink.Stalled:
+            self.close()
+            error = stalled("a call on the data channel", self._port.progress_timeout)
+            self._port.stalls.note(self.peer, str(error))
+            raise error from None
         except (asyncio.TimeoutError, OSError, EOFError) as error:
             self.close()
             raise _io_error(error, timeout) from None

@@ -12,6 +12,7 @@ from tensorkv.wire.allocator import SERVER_TRIM_THRESHOLD
 from tensorkv.words import plural, size
 
 from .budget import WAIT as BUDGET_WAIT
+from .progress import TIMEOUT as PROGRESS_TIMEOUT
 
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 16 << 30
@@ -35,12 +36,14 @@ _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.lim
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What one request may carry (None: no limit); max_inflight_bytes is also the budget of all
-    calls together (budget.Budget)."""
+    calls together (budget.Budget), and progress_timeout the seconds a peer may move none of a
+    call's bytes (progress.py)."""
 
     max_key_bytes: int = MAX_KEY_BYTES
     max_value_bytes: int = MAX_VALUE_BYTES
     max_keys_per_call: int = MAX_KEYS_PER_CALL
     max_inflight_bytes: int = None
+    progress_timeout: float = PROGRESS_TIMEOUT
 
 
 def add_arguments(parser):
@@ -63,6 +66,11 @@ def add_arguments(parser):
                              "the interpreter) below the host's memory or the container's limit, as the defaults "
                              "do (default: 20%% of the host's memory, or of the container's limit, less "
                              f"{size(KEPT_BYTES)})")
+    parser.add_argument("--progress-timeout", type=float, default=PROGRESS_TIMEOUT, metavar="S",
+                        help="seconds a peer may move none of a call's bytes: a call whose request stops coming "
+                             "(on the data channel, or a stream of messages) or whose answer the peer stops taking "
+                             "ends with DEADLINE_EXCEEDED, its bytes in flight given back, its data channel closed, "
+                             "and a WARNING names the peer (default %(default)s)")
     parser.add_argument("--max-memory", type=int, metavar="N",
                         help="bytes this server may hold in stored values and the optimizer states they need "
                              "(counted for every key as soon as an optimizer is installed; values of calls in "
@@ -89,11 +97,13 @@ def max_call_bytes(limits):
 
 
 def check(args, parser):
-    """parser.error for a limit in the parsed ``args`` below 1."""
+    """parser.error for a limit in the parsed ``args`` below 1, or a progress timeout not positive."""
     for flag in ("max_key_bytes", "max_value_bytes", "max_keys_per_call", "max_inflight_bytes", "max_memory"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.progress_timeout > 0:
+        parser.error("--progress-timeout must be positive")
 
 
 def from_args(args, xp):
@@ -108,7 +118,8 @@ def from_args(args, xp):
         memory = int(xp.cuda.Device().mem_info[1] * MEMORY_SHARE)
         if args.state_dir is not None:
             memory = min(memory, int(usable_memory() * MEMORY_SHARE))
-    return Limits(args.max_key_bytes, args.max_value_bytes, args.max_keys_per_call, inflight), memory
+    return Limits(args.max_key_bytes, args.max_value_bytes, args.max_keys_per_call, inflight,
+                  args.progress_timeout), memory
 
 
 def snapshot_room(args, xp, max_memory):

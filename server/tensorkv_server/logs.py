@@ -22,6 +22,7 @@ import contextvars
 import datetime
 import json
 import logging
+import time
 
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -49,6 +50,31 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
+
+
+class ThrottledLog:
+    """WARNING lines that peers cause at will, ``line`` % (peer, reason) each (connections
+    refused, calls of stalled peers): the first of each reason at once, then at most one per
+    ``interval`` seconds for it, with the count of those in between, so that they cannot
+    flood the log."""
+
+    KEPT = 1024  # reasons remembered at most (an error's text may vary)
+
+    def __init__(self, logger, line, interval=60.0, clock=time.monotonic):
+        self._logger, self._line, self._interval, self._clock = logger, line, interval, clock
+        self._last = {}  # reason -> (when its last line was written, lines held back since)
+
+    def note(self, peer, reason):
+        now = self._clock()
+        logged, since = self._last.get(reason, (None, 0))
+        if logged is not None and now - logged < self._interval:
+            self._last[reason] = logged, since + 1
+            return
+        if len(self._last) >= self.KEPT:  # forget those quiet for an interval
+            self._last = {kept: entry for kept, entry in self._last.items() if now - entry[0] < self._interval}
+        more = f" ({since} more since the last such line)" if since else ""
+        self._logger.warning(self._line + "%s", peer, reason, more)
+        self._last[reason] = now, 0
 
 
 def configure(log_format, level):

@@ -172,7 +172,8 @@ def _listen(server, config):
     if config.data_port is None:
         return None
     try:  # after the gRPC port: a data port 0 must not take --port
-        return DataPort(host, config.data_port, security.data_channel_context, config.advertised_data_port)
+        return DataPort(host, config.data_port, security.data_channel_context, config.advertised_data_port,
+                        config.limits.progress_timeout)
     except OSError as error:
         raise _listen_error("--data-port", host, config.data_port, error) from None
 

@@ -26,7 +26,7 @@ from tensorkv.wire.status import translate_errors
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tensorkv.words import plural, size
 
-from . import budget, logs, metrics, shm
+from . import budget, logs, metrics, progress, shm
 from .limits import Limits
 from .membership import FAIL, MAX_EARLIER_INCARNATIONS, MAX_JOB_BYTES, REPLACE, RESUME, Registration
 from .moves import check_changeable
@@ -124,7 +124,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # What one request may carry (--max-key-bytes, --max-value-bytes, ...).
         self.limits = limits
         # The server-wide budget of bytes in flight (--max-inflight-bytes): see budget.py.
-        self.budget = budget.Budget(limits.max_inflight_bytes)
+        self.budget = budget.Budget(limits.max_inflight_bytes, limits.progress_timeout)
         # Whether Session streams may register shared-memory regions (--no-shared-memory).
         self.shared_memory = shared_memory and shm.available()
         # The datachan.DataPort that binds data channels to Session streams, or None.
@@ -150,14 +150,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
                                    max_call_bytes=limits.max_inflight_bytes, two_bit=True, empty=self.buffers.empty,
                                    staging=self.staging.receiver if self.staging else None, **options)
 
-    async def _apply(self, requests, message_class, call, with_data=None):
+    async def _apply(self, requests, context, message_class, call, with_data=None):
         """``await call(first request, items)`` for a stream of serialized ``message_class``; None
         for an empty stream. ``with_data(first)`` says whether the frames carry data (Init's
         wait_only does not)."""
         decoder = self.decoder(message_class, with_data=with_data)
         held = budget.hold(self.budget.charge(0))  # counted as they come, given back once merged
         try:
-            async for data in self.budget.paced(requests, held):
+            async for data in self.budget.paced(requests, held, context.peer()):
                 metrics.received("grpc", len(data))
                 decoder.feed(data)
             items = decoder.finish()
@@ -246,14 +246,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             **_snapshot_info(self.snapshots), **info)
 
     async def Init(self, request_iterator, context):
-        await self._apply(request_iterator, kvstore_pb2.InitRequest,
+        await self._apply(request_iterator, context, kvstore_pb2.InitRequest,
                           lambda first, items: self.coordinator.init(
                               first.rank, first.incarnation, items, first.wait_only, first.sequence),
                           with_data=lambda first: not first.wait_only)
         return kvstore_pb2.InitResponse()
 
     async def Push(self, request_iterator, context):
-        await self._apply(request_iterator, kvstore_pb2.PushRequest,
+        await self._apply(request_iterator, context, kvstore_pb2.PushRequest,
                           lambda first, items: self.coordinator.push(first.rank, first.incarnation, items,
                                                                      first.sequence))
         return kvstore_pb2.PushResponse()
@@ -267,8 +267,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         held = await self.answer_room(items, context.time_remaining(), f"a pull of {plural(len(items), 'value')}",
                                        _GRPC_ANSWER_COPIES)
         try:
-            for message in _responses(self.on_host(items)):
-                yield message
+            await progress.write_all(context, _responses(self.on_host(items)), self.limits.progress_timeout,
+                                     "the answer of a pull")
         finally:
             held.release()
 
@@ -322,19 +322,24 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             key, shape, row_ids, rows = rowsparse_wire.get_value(value, self.limits.max_key_bytes)
             items.append(codec.Item(key, RowSparse(rows, row_ids, shape)))
         codec.check_key_count([item.key for item in items], self.limits.max_keys_per_call)
-        await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
+        # Read whole by gRPC already: counted at once, as a Session message is (past the budget if need be).
+        budget.hold(self.budget.charge_within(request.ByteSize(), "a row-sparse push"))
+        try:
+            await self.coordinator.push(request.rank, request.incarnation, items, request.sequence)
+        finally:
+            budget.release_held()
         return kvstore_pb2.RowSparsePushResponse()
 
     async def PushPull(self, request_iterator, context):
-        items = await self._apply(request_iterator, kvstore_pb2.PushPullRequest,
+        items = await self._apply(request_iterator, context, kvstore_pb2.PushPullRequest,
                                   lambda first, items: self.coordinator.pushpull(
                                       first.rank, first.incarnation, items, first.sequence))
         if items is not None:
             held = await self.answer_room(items, context.time_remaining(),
                                            f"a push-pull of {plural(len(items), 'value')}", _GRPC_ANSWER_COPIES, True)
             try:
-                for message in _responses(self.on_host(items)):
-                    yield message
+                await progress.write_all(context, _responses(self.on_host(items)), self.limits.progress_timeout,
+                                         "the answer of a push-pull")
             finally:
                 held.release()
 

@@ -25,7 +25,7 @@ from tensorkv.wire.status import error_status
 from tensorkv.v1 import kvstore_pb2
 from tensorkv.words import plural
 
-from . import budget, datachan, metrics, shm
+from . import budget, datachan, metrics, progress, shm
 from .deadline import within
 from .limits import max_call_bytes
 
@@ -310,6 +310,8 @@ class SessionStream:
         try:
             await self.channel.send(outgoing.arrays, outgoing.timeout)
             metrics.sent("datachan", sum(array.nbytes for array in outgoing.arrays))
+        except progress.StalledError:  # logged by the channel, at most once a minute
+            pass
         except KVStoreError as error:
             log.warning("data channel of %s: %s", self.channel.peer, error)
         finally:
