@@ -106,7 +106,9 @@ def test_refused_pushes_of_long_keys_leave_no_memory_behind(tmp_path):
     and on the Push RPC (the two ways a request is decoded): the server keeps nothing of them
     (before the fix its codec cached every key it read, ~3 MiB each)."""
     key_chars, count = 1 << 20, 150
-    with Cluster(tmp_path=tmp_path, server_args=["--max-key-bytes", str(2 * key_chars)]) as cluster:
+    # A raw client sends no heartbeats: a lease longer than 300 slow calls on a loaded machine.
+    server_args = ["--max-key-bytes", str(2 * key_chars), "--lease-timeout", "600"]
+    with Cluster(tmp_path=tmp_path, server_args=server_args) as cluster:
         pid = cluster.processes[0].pid
         with _Raw(cluster.addresses[0]) as raw:
             assert raw.init([_entry("w", [2], np.ones(2, np.float32).tobytes())])[0] == grpc.StatusCode.OK
