@@ -527,8 +527,9 @@ def make_decoder(message_type, part, outs, resolve=None, channel=False):
     """A StreamDecoder of responses of ``message_type`` that puts the values of ``part``
     [(position, Item or key)] straight into their ``outs[position][0]`` where that is a NumPy
     array of the right dtype and shape."""
-    destination = None
-    if outs is not None:
+    if outs is None:
+        destination = None
+    else:
         # (asked key, out array that may receive its value straight, or None) by entry index
         expected = []
         for position, asked in part:
