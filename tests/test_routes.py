@@ -18,7 +18,7 @@ import tensorkv
 from tensorkv.backend import DeviceBytes, DeviceMemory
 from tensorkv.errors import FailedPreconditionError
 from tensorkv import cuda
-from tensorkv.transport import routes, session as session_module, shm
+from tensorkv.transport import gpu_routes, routes, session as session_module, shm
 from tensorkv.transport.routes import Call, Thresholds
 from tensorkv.v1 import kvstore_pb2, tensor_pb2
 from tensorkv.wire import codec, shm as wire_shm
@@ -56,7 +56,8 @@ def _push(*arrays):
 def fake_exports(monkeypatch):
     """Device memory at made-up addresses, each array an allocation of its own that CUDA IPC
     shares unless its size is odd."""
-    monkeypatch.setattr(routes, "device_memory", lambda array: DeviceMemory(id(array), array.nbytes, 0, 0))
+    for module in (routes, gpu_routes):
+        monkeypatch.setattr(module, "device_memory", lambda array: DeviceMemory(id(array), array.nbytes, 0, 0))
 
     class Exports:
         @staticmethod
@@ -71,14 +72,14 @@ def fake_exports(monkeypatch):
 def test_a_call_of_gpu_values_takes_the_fastest_route_the_session_may_use(fake_exports):
     big, small = FakeDeviceArray(MiB // 4), FakeDeviceArray(16)
     route = routes.choose(_session(), _push(big, small))
-    assert type(route) is routes.CudaIpc and route.pinned
+    assert type(route) is gpu_routes.CudaIpc and route.pinned
     assert [export.size for export in route.exports] == [MiB]  # the small value travels in the messages
     assert route.shm_bytes == shm.MIN_REGION_BYTES  # a region all the same: it proves the host and user
     odd = FakeDeviceArray(MiB + 1, np.uint8)  # an allocation CUDA IPC cannot share: through the region
     route = routes.choose(_session(), _push(big, odd))
     assert [export.size for export in route.exports] == [MiB] and route.shm_bytes == wire_shm.aligned(MiB + 1)
     route = routes.choose(_session(ipc_possible=False), _push(big, small))
-    assert type(route) is routes.PinnedSharedMemory and route.pinned and not route.exports
+    assert type(route) is gpu_routes.PinnedSharedMemory and route.pinned and not route.exports
     assert route.shm_bytes == MiB
     for possible, kind in [(dict(pinned_possible=False, ipc_possible=False), routes.SharedMemory),
                            (dict(pinned_possible=False, ipc_possible=False, shm_possible=False), routes.DataChannel),
@@ -181,7 +182,7 @@ def test_gpu_values_fall_back_to_shared_memory_where_the_server_pins_nothing_and
         assert not region.pinned and session.pin_refused and not session.pinned_possible
         assert session._ensure_region(MiB, 30.0, "push", pinned=True) is region  # not asked again
         assert len(fake.calls) == 2
-        assert routes.choose(session, _push(FakeDeviceArray(16))).__class__ is routes.CudaIpc
+        assert routes.choose(session, _push(FakeDeviceArray(16))).__class__ is gpu_routes.CudaIpc
         export = cuda.Export(1, 1 << 40, MiB, bytes(cuda.IPC_HANDLE_BYTES), "0000:00:00.0")
         refused = types.SimpleNamespace(shm_bytes=MiB, pinned=True, exports=[export], layout=None, data_channel=False)
         assert session.call(refused, Call("push", caller=kv._conns[0]._caller()), 30.0) is None
@@ -366,7 +367,7 @@ def test_the_cuda_routes_name_the_areas_of_gpu_values_and_wait_once(fake_exports
                 caller={"rank": 0, "incarnation": 5})
     session = _session(gpu=state)
     route = routes.choose(session, call)
-    assert type(route) is routes.CudaIpc
+    assert type(route) is gpu_routes.CudaIpc
     # the pushed big value and the out arrays of the big and small values are shared
     assert [export.key for export in route.exports] == [id(big), id(outs[0][0]), id(outs[2][0])]
     session.cuda_buffers.update({export.key: 500 + i for i, export in enumerate(route.exports)})
@@ -397,7 +398,7 @@ def test_the_cuda_routes_name_the_areas_of_gpu_values_and_wait_once(fake_exports
     # without CUDA IPC: the big value too is copied into the pinned region
     runtime.calls.clear()
     route = routes.choose(_session(gpu=state, ipc_possible=False), _push(big))
-    assert type(route) is routes.PinnedSharedMemory
+    assert type(route) is gpu_routes.PinnedSharedMemory
     request = kvstore_pb2.SessionRequest.FromString(route.request(2, 1000, region, None)[0])
     assert [(e.shm.region_id, e.shm.offset, e.shm.length) for e in request.frame.entries] == [
         (9, shm.HEADER_BYTES, 65_536)]

@@ -1,8 +1,8 @@
-"""The CUDA side of a worker's Session routes (tensorkv.transport.routes): its shared-memory
-region registered as pinned memory (:func:`pin`), copies between pinned host memory and GPU
-values queued on the values' own streams (:class:`Copies`), a session's small pinned buffer
-and the copies still running out of it (:class:`Gpu`), and the CUDA IPC handles of the
-process's device allocations (:class:`Exports`).
+"""The CUDA side of a worker's Session routes (tensorkv.transport.routes and gpu_routes): its
+shared-memory region registered as pinned memory (:func:`pin`), copies between pinned host
+memory and GPU values queued on the values' own streams (:class:`Copies`), a session's small
+pinned buffer and the copies still running out of it (:class:`Gpu`), and the CUDA IPC handles
+of the process's device allocations (:class:`Exports`).
 
 Only where CuPy sees a CUDA device (:func:`cupy_module`). Every CUDA call goes through CuPy's
 runtime module, except the lookup of the allocation a pointer lies in, which asks the driver

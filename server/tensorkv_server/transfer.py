@@ -23,6 +23,7 @@ from tensorkv.v1 import kvstore_pb2, maintenance_pb2
 from tensorkv.words import plural, size
 
 from . import snapshot
+from .snapshot_file import BadSnapshot
 from .moves import SOURCE, TARGET, Move
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ async def import_run(coordinator, requests):
     header["moved"] = move.to_header()  # this import's, whatever the header says
     try:
         snapshot.restore(coordinator, header, arrays)
-    except snapshot.BadSnapshot as error:
+    except BadSnapshot as error:
         raise InvalidArgumentError(str(error)) from None
     except snapshot.WrongServer as error:
         raise FailedPreconditionError(str(error)) from None
