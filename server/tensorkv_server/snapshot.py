@@ -41,7 +41,6 @@ from .snapshot_file import FORMAT, VERSION, BadSnapshot
 
 log = logging.getLogger(__name__)
 
-KEEP = 2
 _NAME = re.compile(r"snapshot-(\d{12})\.tkv")
 _ASIDE = re.compile(r"snapshot-(\d{12})\.tkv\.damaged(-\d+)?")  # files that did not load, set aside
 DAMAGED = ".damaged"
