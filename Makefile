@@ -146,7 +146,13 @@ image-smoke: image $(STAMP)
 # `make cluster`: two servers and two workers training examples/train.py, from the image, under
 # podman-compose (COMPOSE="docker compose" ENGINE=docker works too): deploy/compose/cluster.sh.
 COMPOSE ?= podman-compose
-.PHONY: cluster
+.PHONY: cluster cluster-reshard
 
 cluster: image
 	ENGINE=$(ENGINE) COMPOSE="$(COMPOSE)" TENSORKV_IMAGE=$(IMAGE) deploy/compose/cluster.sh
+
+# `make cluster-reshard`: a job moved mid-training from 2 servers to 3 with `tensorkv reshard`
+# ends with the same bits (weights and optimizer states) as one that never moved, from the image,
+# in plain containers on a network of their own (deploy/compose/cluster-reshard.sh; no compose).
+cluster-reshard: image
+	ENGINE=$(ENGINE) TENSORKV_IMAGE=$(IMAGE) deploy/compose/cluster-reshard.sh

@@ -1,6 +1,7 @@
-"""deploy/compose (`make cluster`, run where podman is: see .ci/run): the compose file's
-servers and workers agree with each other, with the server's flags and with the names the
-certificate is made for, without a container engine."""
+"""deploy/compose (`make cluster` and `make cluster-reshard`, run where podman is: see
+.ci/run): the compose file's servers and workers, and cluster-reshard.sh's, agree with each
+other, with the server's flags and with the names the certificate is made for, without a
+container engine."""
 import re
 from pathlib import Path
 
@@ -38,3 +39,15 @@ def test_servers_use_tls_and_a_token_and_keep_state_on_volumes_of_their_own():
 def test_the_certificate_names_every_server():
     secrets_call = re.search(r'secrets\.sh" "\$TENSORKV_SECRETS" (.*)', (DEPLOY / "cluster.sh").read_text())
     assert set(secrets_call.group(1).split()) == set(SERVERS)
+
+
+def test_the_reshard_certificate_names_every_server_it_starts():
+    """cluster-reshard.sh (`make cluster-reshard`): the servers it starts are the names of the
+    certificate and those its workers and `tensorkv reshard` are given."""
+    script = (DEPLOY / "cluster-reshard.sh").read_text()
+    named = set(re.search(r'secrets\.sh" "\$secrets" (.*)', script).group(1).split())
+    started = {name for names in re.findall(r'for name in ([\w -]+); do server "\$name"', script)
+               for name in names.split()}
+    lists = re.search(r"^a=(\S+) b=(\S+) r=(\S+)$", script, re.MULTILINE).groups()
+    addressed = {address.removesuffix(":50051") for servers in lists for address in servers.split(",")}
+    assert named == started == addressed and len(named) == 7
