@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "client" / "tensorkv"
 WORKER_ONLY = ("tensorkv.transport", "tensorkv.stores", "tensorkv.tools")
 SHARED = [*sorted((ROOT / "server" / "tensorkv_server").glob("*.py")),
-          *(CLIENT / name for name in ("backend.py", "env.py", "errors.py", "lr_scheduler.py", "words.py")),
+          *(CLIENT / name for name in ("backend.py", "cuda.py", "env.py", "errors.py", "lr_scheduler.py", "words.py")),
           *(path for folder in ("optimizer", "wire", "update") for path in sorted((CLIENT / folder).glob("*.py")))]
 
 
