@@ -151,8 +151,9 @@ COMPOSE ?= podman-compose
 cluster: image
 	ENGINE=$(ENGINE) COMPOSE="$(COMPOSE)" TENSORKV_IMAGE=$(IMAGE) deploy/compose/cluster.sh
 
-# `make cluster-reshard`: a job moved mid-training from 2 servers to 3 with `tensorkv reshard`
-# ends with the same bits (weights and optimizer states) as one that never moved, from the image,
-# in plain containers on a network of their own (deploy/compose/cluster-reshard.sh; no compose).
+# `make cluster-reshard`: a job moved mid-training from 2 servers to 3 and then to 1 with `tensorkv
+# reshard` (Adam, its weights sliced over the servers) ends with the same bits (weights and
+# optimizer states) as one that never moved, from the image, in plain containers on a network of
+# their own (deploy/compose/cluster-reshard.sh; no compose).
 cluster-reshard: image
 	ENGINE=$(ENGINE) TENSORKV_IMAGE=$(IMAGE) deploy/compose/cluster-reshard.sh

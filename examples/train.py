@@ -1,5 +1,6 @@
 """Data-parallel training with a tensorkv server: each worker fits the same linear model
-to its own shard of the data, and the server sums their gradients and applies SGD.
+to its own shard of the data, and the server sums their gradients and applies SGD with
+momentum (``--optimizer adam``: Adam).
 
 Run two workers and one server together (tensorkv-launch sets TENSORKV_SERVERS,
 TENSORKV_RANK and TENSORKV_NUM_WORKERS for each worker)::
@@ -30,6 +31,8 @@ TRUE_W = np.arange(1, FEATURES + 1, dtype=np.float32)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--steps", type=int, default=100, help="rounds to train (default 100)")
+parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                    help="the servers' optimizer: SGD with momentum (default) or Adam")
 parser.add_argument("--fingerprint", action="store_true", help="rank 0 prints a SHA-256 of the weights and states")
 args = parser.parse_args()
 
@@ -41,12 +44,15 @@ with tensorkv.create('dist_sync') as kv:        # the rank goes back to the serv
     w = np.zeros(FEATURES, np.float32)
     kv.init('w', w)                            # every worker calls init; rank 0's value is stored
     kv.pull('w', out=w)                        # that value (or a resumed run's weights) on every worker
-    kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9,
-                                            rescale_grad=1.0 / kv.num_workers))
+    if args.optimizer == 'adam':
+        optimizer = tensorkv.optimizer.Adam(learning_rate=0.1, rescale_grad=1.0 / kv.num_workers)
+    else:
+        optimizer = tensorkv.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / kv.num_workers)
+    kv.set_optimizer(optimizer)
     for step in range(args.steps):
         error = x @ w - y
         grad = x.T @ error / SAMPLES           # the gradient of half the mean squared error
-        kv.push('w', grad)                     # summed over all workers, one SGD step per round
+        kv.push('w', grad)                     # summed over all workers, one optimizer step per round
         kv.pull('w', out=w)                    # waits for the round, then holds the new weights
         if step % 20 == 19:
             print(f"rank {kv.rank} step {step + 1}: loss {0.5 * float(np.mean(error ** 2)):.6f}")

@@ -48,6 +48,6 @@ def test_the_reshard_certificate_names_every_server_it_starts():
     named = set(re.search(r'secrets\.sh" "\$secrets" (.*)', script).group(1).split())
     started = {name for names in re.findall(r'for name in ([\w -]+); do server "\$name"', script)
                for name in names.split()}
-    lists = re.search(r"^a=(\S+) b=(\S+) r=(\S+)$", script, re.MULTILINE).groups()
+    lists = re.search(r"^a=(\S+) b=(\S+) c=(\S+) r=(\S+)$", script, re.MULTILINE).groups()
     addressed = {address.removesuffix(":50051") for servers in lists for address in servers.split(",")}
-    assert named == started == addressed and len(named) == 7
+    assert named == started == addressed and len(named) == 8
