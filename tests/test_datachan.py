@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 
 import grpc
 import ml_dtypes
@@ -104,6 +105,33 @@ def test_large_values_in_reused_receive_buffers_stay_exact(tmp_path, transport):
                 for i, key in enumerate(keys):
                     kv.pull(key, out=out)
                     assert np.array_equal(out, weights[i]), (step, key)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_a_value_is_copied_once_each_way_with_no_buffer_between(tmp_path, transport):
+    """On the data channel ('tcp') and through shared memory ('auto'), a pushed NumPy value
+    goes from its array to the socket or the region, and a pulled one from there into ``out``
+    itself: no call allocates anything near the value's size (tracemalloc sees NumPy's
+    buffers and Python's bytes), and the value pulled is the out array."""
+    size = 1 << 20  # 4 MiB of float32
+    out, fused_out = np.empty(size, np.float32), np.empty(size, np.float32)
+    with Cluster(tmp_path=tmp_path) as cluster:
+        with tensorkv.create("dist_sync", servers=cluster.addresses, transport=transport) as kv:
+            kv.init("w", _value(size, np.float32, 1))
+            kv.pull("w", out=out)  # the region or the channel set up, the key's shape known
+            assert (channels(kv) != [None]) if transport == "tcp" else kv._sessions[0].region is not None
+            for step in (2, 3):
+                pushed, fused = _value(size, np.float32, step), _value(size, np.float32, 10 * step)
+                tracemalloc.start()
+                try:
+                    kv.push("w", pushed)
+                    pulled = kv._pull(["w"], fresh=False, outs=[[out]])[0]
+                    kv.pushpull("w", fused, out=fused_out)
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+                assert pulled is out and np.array_equal(out, pushed) and np.array_equal(fused_out, fused)
+                assert peak < out.nbytes // 4, f"{peak} bytes allocated at most for a value of {out.nbytes}"
 
 
 def _timers(port):

@@ -113,6 +113,32 @@ def test_two_workers_and_a_sliced_array_over_shared_memory(tmp_path):
     assert all(log.count("shared-memory region") >= 2 for log in logs)  # attached, for each worker
 
 
+@pytest.mark.parametrize("mode, optimizer", [("sync", None), ("sync", "sgd"), ("async", None)])
+def test_the_server_keeps_nothing_of_a_region_once_it_answered(tmp_path, mode, optimizer):
+    """The server reads a pushed value where the client's region holds it, with no copy first,
+    but what it stores is its own: the client writing over its whole region once the push or
+    pushpull returned (as its next call may) changes no stored value."""
+    size = 1 << 20
+    start, step_value = np.full(size, 100.0, np.float32), _value(size, np.float32, 1)
+    with Cluster(tmp_path=tmp_path, mode=mode) as cluster, \
+            tensorkv.create(f"dist_{mode}", servers=cluster.addresses) as kv:
+        kv.init("w", start)
+        if optimizer:
+            kv.set_optimizer(tensorkv.optimizer.SGD(learning_rate=1.0))
+        region = regions(kv)[0]
+        expected = start - step_value if optimizer else step_value
+        kv.push("w", step_value)
+        region.buffer[shm.HEADER_BYTES:] = 0xFF  # NaNs, as float32
+        assert np.array_equal(kv.pull("w"), expected)
+        out = np.empty(size, np.float32)
+        kv.pushpull("w", step_value * 2, out=out)
+        expected = expected - step_value * 2 if optimizer else step_value * 2
+        assert np.array_equal(out, expected)
+        region.buffer[shm.HEADER_BYTES:] = 0xFF
+        kv.pull("w", out=out)
+        assert np.array_equal(out, expected)
+
+
 def _push_pull(kv):
     value = np.arange(100_000, dtype=np.float64)
     kv.init("w", value)
