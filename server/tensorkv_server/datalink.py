@@ -8,6 +8,7 @@ calls as plaintext, so a value is decrypted straight into its destination buffer
 import asyncio
 import socket
 import ssl
+import weakref
 
 from tensorkv.wire.datachan import keep_alive
 
@@ -27,6 +28,7 @@ class PlainLink:
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self.moved = self._loop.time()  # when bytes last came in or went out
+        self.watch = _watch(self._loop)
 
     def moving(self, seconds):
         """``async with link.moving(seconds):`` the reads and writes inside, in the current task,
@@ -147,39 +149,76 @@ class TlsLink(PlainLink):
 
 
 class _Moving:
-    """PlainLink.moving: one timer, moved on only when it fires (not on every read or write),
-    cancels the task once the link's bytes stopped moving; as asyncio.timeout does, the
-    cancellation ends as :class:`Stalled` at the end of the ``async with``."""
+    """PlainLink.moving: while inside, the watch of the event loop (:class:`_Watch`) looks at
+    the link now and then, and cancels the task once its bytes stopped moving; as
+    asyncio.timeout does, the cancellation ends as :class:`Stalled` at the end of the
+    ``async with``. No timer of its own: a small call's bytes move in well under a turn of
+    the watch, and arming a timer for each of them cost more than the call's reads."""
+
+    __slots__ = ("link", "seconds", "task", "_cancelling", "stalled")
 
     def __init__(self, link, seconds):
-        self._link, self._seconds = link, seconds
-        self._loop = self._task = self._timer = None
+        self.link, self.seconds = link, seconds
+        self.task = None
         self._cancelling = 0
-        self._stalled = False
+        self.stalled = False
 
     async def __aenter__(self):
-        if self._seconds is not None:
-            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
-            self._cancelling = self._task.cancelling()
-            self._link.moved = self._loop.time()
-            self._arm()
+        if self.seconds is not None:
+            self.task = asyncio.current_task()
+            self._cancelling = self.task.cancelling()
+            self.link.moved = self.link.watch.now()
+            self.link.watch.add(self)
         return self
 
-    def _arm(self):
-        self._timer = self._loop.call_at(self._link.moved + self._seconds, self._check)
-
-    def _check(self):
-        if self._loop.time() < self._link.moved + self._seconds:
-            self._arm()
-        else:
-            self._stalled = True
-            self._task.cancel()
-
     async def __aexit__(self, kind, error, traceback):
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._stalled and self._task.uncancel() <= self._cancelling and kind is asyncio.CancelledError:
-            raise Stalled(f"no bytes moved for {self._seconds:g} s") from None
+        if self.task is not None:
+            self.link.watch.discard(self)
+        if self.stalled and self.task.uncancel() <= self._cancelling and kind is asyncio.CancelledError:
+            raise Stalled(f"no bytes moved for {self.seconds:g} s") from None
+
+
+class _Watch:
+    """The :class:`_Moving` of an event loop's links: every quarter of the shortest of their
+    seconds it cancels the task of each whose link moved no bytes for its seconds (so a
+    stall ends after its seconds, and at most a quarter more). Its one timer runs while
+    some are watched."""
+
+    def __init__(self, loop):
+        self._loop = loop
+        self._watched = set()
+        self._timer = None
+
+    def add(self, moving):
+        self._watched.add(moving)
+        if self._timer is None:
+            self._timer = self._loop.call_later(moving.seconds / 4, self._look)
+
+    def discard(self, moving):
+        self._watched.discard(moving)
+
+    def now(self):
+        return self._loop.time()
+
+    def _look(self):
+        self._timer = None
+        now = self._loop.time()
+        for moving in [moving for moving in self._watched if now >= moving.link.moved + moving.seconds]:
+            self._watched.discard(moving)
+            moving.stalled = True
+            moving.task.cancel()
+        if self._watched:
+            self._timer = self._loop.call_later(min(moving.seconds for moving in self._watched) / 4, self._look)
+
+
+_watches = weakref.WeakKeyDictionary()  # event loop -> its _Watch
+
+
+def _watch(loop):
+    watch = _watches.get(loop)
+    if watch is None:
+        watch = _watches[loop] = _Watch(loop)
+    return watch
 
 
 async def accept(sock, tls_context):
