@@ -64,6 +64,26 @@ class PlainLink:
         self.moved = self._loop.time()
         return piece
 
+    def received(self, most):
+        """Up to ``most`` bytes that came already (b"" when none), without waiting."""
+        try:
+            piece = self.sock.recv(most)
+        except (BlockingIOError, InterruptedError):
+            return b""
+        if not piece:
+            raise EOFError("the client closed the data channel")
+        self.moved = self._loop.time()
+        return piece
+
+    def send_now(self, data):
+        """How many bytes of ``data`` the socket took now, without waiting."""
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        self.moved = self._loop.time()
+        return sent
+
     async def sendall(self, data):
         """As loop.sock_sendall, noting each time bytes go out (moved)."""
         view, sent = memoryview(data), 0
@@ -111,6 +131,12 @@ class TlsLink(PlainLink):
             if count == 0:
                 raise EOFError("the client closed the data channel")
             filled += count
+
+    def received(self, most):
+        return b""  # bytes come in TLS records, read through the SSLObject
+
+    def send_now(self, data):
+        return 0
 
     async def _piece(self, most):
         piece = bytearray(most)

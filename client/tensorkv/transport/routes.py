@@ -102,7 +102,9 @@ def choose(session, call, layout=None):
     if layout is not None:
         return Packed(session, call, layout)
     limits = session.thresholds
-    gpu = session.gpu if on_device(call) else None
+    gpu = session.gpu  # None where CuPy sees no CUDA device: then no value is looked at
+    if gpu is not None and not on_device(call):
+        gpu = None
     if gpu is not None and session.ipc_possible:
         route = gpu_routes.CudaIpc(session, call, limits)
     elif gpu is not None and session.pinned_possible:

@@ -324,8 +324,7 @@ class Session:
 
     @property
     def gpu(self):
-        """The session's gpu.Gpu where CuPy sees a CUDA device (made by the first call that
-        moves GPU values), else None."""
+        """The session's gpu.Gpu where CuPy sees a CUDA device (made by the first call), else None."""
         if self._gpu is None and cuda.cupy_module() is not None:
             self._gpu = cuda.Gpu(cuda.cupy_module())
         return self._gpu
