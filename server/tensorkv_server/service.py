@@ -196,8 +196,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         """``items`` with values on the GPU copied to the host through pinned memory."""
         if self.staging is None:
             return items
-        return [codec.Item(item.key, self.staging.download(item.array), item.shape, item.slice)
-                if on_gpu(item.array) and item.ref is None else item for item in items]
+        moved = [index for index, item in enumerate(items) if on_gpu(item.array) and item.ref is None]
+        hosts = self.staging.download([items[index].array for index in moved]) if moved else ()
+        items = list(items)
+        for index, host in zip(moved, hosts):
+            item = items[index]
+            items[index] = codec.Item(item.key, host, item.shape, item.slice)
+        return items
 
     def note_route(self, request, route, peer):
         """Keep (for Info) and log the ``route`` of the large values of the rank that sent ``request``."""

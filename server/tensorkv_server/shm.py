@@ -436,7 +436,7 @@ class _Placement(Placement):
         if not on_gpu(array):
             return super().put(item)
         if self.region.staging is None:  # not pinned: through the staging's pinned memory
-            host = self.staging.download(array) if self.staging is not None else array
+            host = self.staging.download([array])[0] if self.staging is not None else array
             return super().put(Item(item.key, host, item.shape, item.slice))
         offset = self.next
         if offset + array.nbytes > self.end:

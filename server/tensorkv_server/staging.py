@@ -5,9 +5,9 @@ pinned buffer of a small ring and from there to the value's device array by an
 asynchronous copy on the staging stream, so the copy of one chunk runs while the next one
 is received. The finished value is ordered before the engine's kernels by an event.
 
-Send: a pulled value is copied from the device into pinned host memory with one
-asynchronous copy (the full bandwidth of the bus, which pageable memory does not get) and
-encoded from there.
+Send: the values of a pull are copied from the device into pinned host memory (CuPy's pool
+of it) with one asynchronous copy each (the full bandwidth of the bus, which pageable memory
+does not get) and one wait for them all, and encoded from there.
 
 Shared memory and CUDA IPC (tensorkv_server.shm): a worker's region that both ends
 registered as pinned memory is copied from and into straight, on the staging stream, and a
@@ -70,18 +70,23 @@ class Staging:
 
     # ---- send -------------------------------------------------------------------------
 
-    def download(self, value):
-        """A host copy of the GPU ``value`` (CuPy or DeviceBFloat16) in pinned memory."""
+    def download(self, values):
+        """Host copies of the GPU ``values`` (CuPy or DeviceBFloat16) in pinned memory: one
+        asynchronous copy each, after the engine's kernels that wrote them, and one wait for
+        them all (a pull of many keys waits once, not once per key)."""
         cupy = self.cupy
-        bits = cupy.ascontiguousarray(getattr(value, "bits", value))
-        host = self._empty_pinned(bits.shape, bits.dtype)
-        # After the kernels that wrote the value, on whatever stream the engine uses.
+        # After the kernels that wrote the values, on whatever stream the engine uses.
         self.stream.wait_event(cupy.cuda.get_current_stream().record())
-        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, bits.data.ptr, bits.nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        copied = []  # (device bits, kept until the copies are done, and their pinned host copy)
+        for value in values:
+            bits = cupy.ascontiguousarray(getattr(value, "bits", value))
+            host = self._empty_pinned(bits.shape, bits.dtype)
+            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, bits.data.ptr, bits.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+            copied.append((bits, host))
         self.stream.synchronize()
-        return host.view(BFLOAT16) if isinstance(value, DeviceBFloat16) else host
-
+        return [host.view(BFLOAT16) if isinstance(value, DeviceBFloat16) else host
+                for value, (_, host) in zip(values, copied)]
 
     # ---- a worker's memory: pinned regions and CUDA IPC buffers ------------------------
 
