@@ -49,6 +49,7 @@ class PinnedSharedMemory(SharedMemory):
             elif on_gpu(item.array):
                 sent.append(self._device_value(index, item, placement, region))
             else:
+                self.gpu.settle()  # copies of earlier calls may still read where the CPU writes
                 sent.append(placement.put(item) or item)
         return sent, ()
 

@@ -270,15 +270,19 @@ class Inline:
                 outs[call.part[index][0]] = [proxy]
         decoder = make_decoder(kvstore_pb2.SessionResponse, call.part, outs, resolve=self._resolve(region),
                                channel=channel is not None)
-        decoder.feed(data)
-        check_answer(decoder.first, call_id, call.kind, self.address)
-        items = decoder.finish()
-        if decoder.frames.incoming:
-            channel.receive(decoder.frames.incoming)
-        decoder.remember()
-        if self.copies is not None:
-            self._deliver(items)
-        return items
+        try:
+            decoder.feed(data)
+            check_answer(decoder.first, call_id, call.kind, self.address)
+            items = decoder.finish()
+            if decoder.frames.incoming:
+                channel.receive(decoder.frames.incoming)
+            decoder.remember()
+            if self.copies is not None:
+                self._deliver(items)
+            return items
+        finally:
+            if self.copies is not None:  # the copies queued, even by an answer that failed, run on
+                self.gpu.record(self.copies)
 
     def _resolve(self, region):
         """The ``resolve(region_id, offset, length)`` of the answer's references."""
@@ -292,7 +296,6 @@ class Inline:
                 memory, out = self.targets[index][:2]
                 self.copies.to_device(ptr, memory)
                 items[index].array = out
-        self.gpu.record(self.copies)
 
     def kept(self, request):
         """What sends this push again, when it may go without waiting for its answer (the
