@@ -537,6 +537,26 @@ def lazy_cuda(monkeypatch):
     return runtime, cuda.Gpu(cupy)
 
 
+@needs_shm
+@pytest.mark.parametrize("ipc_possible", [False, True])
+def test_gpu_values_staged_on_the_host_are_copied_before_the_region_is_written_from_them(lazy_cuda, ipc_possible):
+    """A region that is not pinned: a pushed GPU value goes through the session's pinned buffer,
+    and from there into the region once its copy out of the GPU is done (also for CudaIpc, for an
+    allocation that CUDA IPC cannot share)."""
+    runtime, state = lazy_cuda
+    region = shm.Region(MiB)
+    region.id = 9
+    value = DeviceValue(np.arange(8192, dtype=np.float32), stream=7)
+    route = routes.choose(_session(gpu=state, pinned_possible=False, ipc_possible=ipc_possible), _push(value))
+    assert type(route) is (gpu_routes.CudaIpc if ipc_possible else routes.SharedMemory) and not route.exports
+    request = kvstore_pb2.SessionRequest.FromString(route.request(1, 1000, region, None)[0])
+    [entry] = request.frame.entries
+    assert (entry.shm.region_id, entry.shm.offset, entry.shm.length) == (9, shm.HEADER_BYTES, value.nbytes)
+    np.testing.assert_array_equal(region.buffer[shm.HEADER_BYTES:][:value.nbytes].view(np.float32), value.host)
+    assert runtime.waits() == [("streamSynchronize", 7)]
+    region.close()
+
+
 def _pull_into(state, region, out, pulled, answered="k"):
     """Pull ``pulled`` (the value the server writes into the area named for it) into the GPU
     ``out`` through the pinned ``region`` (PinnedSharedMemory), answered as the value of key

@@ -326,6 +326,7 @@ class SharedMemory(Inline):
     def _offload(self, region, channel):
         if region is None:
             return self.items, ()
+        self._copied()  # GPU values staged in the pinned buffer are read from there
         placement, min_bytes = Placement(region.buffer, region.id, HEADER_BYTES), self.min_bytes
         return [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in self.items], ()
 
