@@ -622,3 +622,49 @@ def test_the_default_streams_of_two_devices_are_two_streams(lazy_cuda):
     state.record(copies)
     assert state.pending == {(0, 0), (0, 1)} and runtime.events == 2
 
+
+def test_exports_share_whole_allocations_and_remember_those_cuda_ipc_cannot_share(monkeypatch):
+    """cuda.Exports with CUDA faked: the allocation a pointer lies in (asked of the driver, once a
+    context is current on the thread) is exported whole, once, whichever piece of it a value is;
+    one that cudaIpcGetMemHandle refuses (a stream-ordered pool's, torch's expandable segments)
+    is None, asked once; memory the driver does not know is None."""
+    allocations = {1: (0x10_0000, 0x1000), 2: (0x20_0000, 0x2000)}  # buffer id -> (base, size); 2: no handle
+    calls, context = [], []
+
+    def attribute(ptr, which):
+        for key, (base, size) in allocations.items():
+            if context and base <= ptr < base + size:
+                return {cuda.BUFFER_ID: key, cuda.RANGE_START_ADDR: base, cuda.RANGE_SIZE: size}[which]
+        return None
+
+    class Runtime:
+        CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+
+        @staticmethod
+        def free(ptr):  # cudaFree(0): the device's primary context made current
+            calls.append(("free", ptr))
+            context.append(True)
+
+        @staticmethod
+        def ipcGetMemHandle(ptr):
+            calls.append(("ipcGetMemHandle", ptr))
+            if ptr == allocations[2][0]:
+                raise Runtime.CUDARuntimeError("cudaErrorInvalidValue")
+            return bytes([ptr >> 20]) * cuda.IPC_HANDLE_BYTES
+
+        @staticmethod
+        def deviceGetPCIBusId(device):
+            return f"0000:0{device + 1}:00.0"
+
+    monkeypatch.setattr(cuda, "pointer_attribute", attribute)
+    exports = cuda.Exports(types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=Runtime,
+                                                                            Device=lambda device: _NoContext())))
+    first = exports.find(DeviceMemory(0x10_0100, 256, 0, 0))
+    assert calls == [("free", 0), ("ipcGetMemHandle", 0x10_0000)]
+    assert (first.key, first.base, first.size, first.handle, first.pci_bus_id) == (
+        1, 0x10_0000, 0x1000, b"\x01" * cuda.IPC_HANDLE_BYTES, "0000:01:00.0")
+    assert exports.find(DeviceMemory(0x10_0800, 0x800, 0, 0)) is first  # another piece of the same allocation
+    assert exports.find(DeviceMemory(0x20_0000, 64, 0, 0)) is None
+    assert exports.find(DeviceMemory(0x20_1000, 64, 0, 0)) is None
+    assert calls[2:] == [("ipcGetMemHandle", 0x20_0000)]  # refused once, remembered
+    assert exports.find(DeviceMemory(0x30_0000, 64, 0, 0)) is None and calls[-1] == ("free", 0)
