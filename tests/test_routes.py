@@ -18,7 +18,7 @@ import pytest
 
 import tensorkv
 from tensorkv.backend import DeviceBytes, DeviceMemory
-from tensorkv.errors import FailedPreconditionError, InternalError
+from tensorkv.errors import FailedPreconditionError, InternalError, InvalidTensorError
 from tensorkv import cuda
 from tensorkv.transport import gpu_routes, routes, session as session_module, shm
 from tensorkv.transport.routes import Call, Thresholds
@@ -410,6 +410,24 @@ def test_the_cuda_routes_name_the_areas_of_gpu_values_and_wait_once(fake_exports
     region.close()
 
 
+def test_a_call_that_referenced_a_cuda_ipc_buffer_waits_for_the_engines_kernels_before_its_answer():
+    """The engine reads a pushed value in a worker's CUDA IPC buffer when it comes to it, which
+    may be after the call waited for a round, and after another stream's call settled
+    meanwhile: the call's own settle still waits for the engine's kernels."""
+    settled = []
+    staging = types.SimpleNamespace(settle=lambda reading=False: settled.append(reading))
+    buffer = types.SimpleNamespace(device=True, size=MiB, read=lambda offset, length: DeviceBytes(bytes(length)))
+    waiting, other = server_shm.Regions("ipv4:127.0.0.1:1", staging), server_shm.Regions("ipv4:127.0.0.1:2", staging)
+    region_id = waiting._add(buffer)
+    waiting.resolve(region_id, 0, 64)  # decoded; the call then waits for the key's round
+    other.settle()  # another worker's call completes the round and is answered
+    waiting.settle()  # its value is merged: the kernels that read the buffer come before the answer
+    waiting.settle()  # its next call references no buffer
+    assert settled == [False, True, False]
+    with pytest.raises(InvalidTensorError, match="outside its region"):
+        waiting.resolve(region_id, MiB - 8, 16)
+
+
 def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_stream(monkeypatch):
     """With CUDA faked: the driver opens a handle once per process, so streams that register the
     same allocation share the opening; a GPU the server cannot reach, or an allocation smaller
@@ -440,7 +458,7 @@ def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_st
 
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=Runtime, Device=lambda device: _NoContext(), UnownedMemory=lambda *args: args))
-    staging = types.SimpleNamespace(cupy=cupy, device=0, settle=lambda: calls.append(("settle",)))
+    staging = types.SimpleNamespace(cupy=cupy, device=0, settle=lambda reading=False: calls.append(("settle", reading)))
     sizes = {0x7000_0001: MiB, 0x7000_0002: MiB // 2}
     monkeypatch.setattr(cuda, "pointer_attribute", lambda ptr, attribute: sizes[ptr])
 
