@@ -370,6 +370,16 @@ def _rounds(kv, values):
     return pulled
 
 
+def _assert_same_bits(pulled, reference):
+    """Each value of ``pulled`` (of :func:`_rounds`) is bit for bit that of ``reference``."""
+    assert len(pulled) == len(reference)
+    keys = [f"{dtype}-{name}" for dtype in ROUTE_DTYPES for name in ROUTE_SHAPES]
+    for step, (got, want) in enumerate(zip(pulled, reference)):
+        for key, a, b in zip(keys, got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, (step, key)
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"pull {step}, key {key}: not bit for bit"
+
+
 def _info_routes(cluster):
     """WorkerLease.route of each server's workers."""
     routes = []
@@ -417,17 +427,67 @@ def test_gpu_values_over_each_route_match_the_numpy_route_bit_for_bit(gpu_server
         else:
             assert all(session.region is None for session in sessions)
         assert _info_routes(cluster) == [INFO_ROUTES[route]] * 2
-    assert len(pulled) == len(numpy_rounds)
-    keys = [f"{dtype}-{name}" for dtype in ROUTE_DTYPES for name in ROUTE_SHAPES]
-    for step, (got, want) in enumerate(zip(pulled, numpy_rounds)):
-        for key, a, b in zip(keys, got, want):
-            assert a.dtype == b.dtype and a.shape == b.shape, (step, key)
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"pull {step}, key {key}: not bit for bit"
+    _assert_same_bits(pulled, numpy_rounds)
     if route == "cuda-ipc":  # each server closed the worker's CUDA IPC buffers as its stream ended
         logs = [tmp / f"server{index}.log" for index in range(2)]
         released = re.compile(r"and [1-9][0-9]* CUDA IPC buffer\(s\) of")
         wait_until(lambda: all(released.search(log.read_text()) for log in logs), "the CUDA IPC buffers released")
         assert all("large values travel by CUDA IPC (device to device)" in log.read_text() for log in logs)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_gpu_values_to_a_cpu_server_on_this_host_match_numpy_values(tmp_path, kind):
+    """A CPU server pins no region: GPU values are copied into the worker's pinned buffer, and
+    from there into plain shared memory (once those copies are done)."""
+    with Cluster(servers=2, tmp_path=tmp_path, server_args=("--device", "cpu")) as cluster:
+        with _route_store(cluster, "numpy") as kv:
+            reference = _rounds(kv, _Values("numpy"))
+        with _route_store(cluster, "shm") as kv:
+            pulled = _rounds(kv, _Values(kind))
+            assert all(session.region is not None and not session.region.pinned and not session.cuda_buffers
+                       for session in kv._sessions)
+        assert _info_routes(cluster) == [INFO_ROUTES["numpy"]] * 2
+    _assert_same_bits(pulled, reference)
+
+
+def _keep_busy(stream, cycles=200_000_000):
+    """Queue a kernel that spins for ``cycles`` GPU clock cycles (about 0.1 s) on ``stream``."""
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) {}
+    }""", "spin")
+    with stream:
+        spin((1,), (1,), (np.int64(cycles),))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("written_by", ["cpu", "gpu"])
+def test_a_pulled_value_still_on_its_way_into_a_busy_stream_is_not_overwritten_by_the_next_call(
+        gpu_servers, written_by):
+    """Pinned shared memory: a pulled value's copy from the region into its out array waits on
+    the out array's stream (a non-blocking one, kept busy); the next call writes the same place
+    of the region, by the CPU (a NumPy value pushed beside CuPy ones) or by a copy out of the GPU
+    on another stream, only once that copy read it."""
+    cluster, _ = gpu_servers
+    n = 4 * ROUTE_BOUND  # sliced over both servers: each pulls into, then pushes from, the same area
+    with _route_store(cluster, "pinned-shm") as kv:
+        kv.init(["w", "g"], [cupy.arange(n, dtype=cupy.float32), cupy.zeros(n, cupy.float32)])
+        out, busy = cupy.zeros(n, cupy.float32), cupy.cuda.Stream(non_blocking=True)
+        cupy.cuda.Device().synchronize()
+        _keep_busy(busy)
+        with busy:
+            kv.pull("w", out=out)
+        if written_by == "cpu":
+            kv.push(["w", "g"], [np.full(n, -1, np.float32), cupy.ones(n, cupy.float32)])
+        else:
+            kv.push("w", cupy.full(n, -1, cupy.float32))
+        busy.synchronize()
+        cupy.testing.assert_array_equal(out, cupy.arange(n, dtype=cupy.float32))
+        cupy.testing.assert_array_equal(kv.pull("w"), np.full(n, -1, np.float32))
+        assert all(session.region.pinned for session in kv._sessions)
 
 
 # Registers a shared-memory region of its own on a raw Session stream to argv[1] as uid and gid

@@ -4,6 +4,8 @@ server that does not pin the region, or refuses a CUDA IPC buffer, leaves GPU va
 shared memory; the server writes each pulled value into the area named for it
 (SessionRequest.outputs); a session's CUDA copies wait once per call. The CUDA halves themselves
 run under `make test-gpu` (tests/test_gpu.py), against the NumPy route."""
+import collections
+import ctypes
 import logging
 import mmap
 import os
@@ -16,7 +18,7 @@ import pytest
 
 import tensorkv
 from tensorkv.backend import DeviceBytes, DeviceMemory
-from tensorkv.errors import FailedPreconditionError
+from tensorkv.errors import FailedPreconditionError, InternalError, InvalidTensorError
 from tensorkv import cuda
 from tensorkv.transport import gpu_routes, routes, session as session_module, shm
 from tensorkv.transport.routes import Call, Thresholds
@@ -294,6 +296,9 @@ class FakeRuntime:
     def eventSynchronize(self, event):
         self.calls.append(("eventSynchronize", event))
 
+    def streamWaitEvent(self, stream, event, flags):
+        self.calls.append(("streamWaitEvent", stream, event, flags))
+
     def waits(self):
         return [call for call in self.calls if call[0] in ("streamSynchronize", "eventSynchronize")]
 
@@ -405,6 +410,24 @@ def test_the_cuda_routes_name_the_areas_of_gpu_values_and_wait_once(fake_exports
     region.close()
 
 
+def test_a_call_that_referenced_a_cuda_ipc_buffer_waits_for_the_engines_kernels_before_its_answer():
+    """The engine reads a pushed value in a worker's CUDA IPC buffer when it comes to it, which
+    may be after the call waited for a round, and after another stream's call settled
+    meanwhile: the call's own settle still waits for the engine's kernels."""
+    settled = []
+    staging = types.SimpleNamespace(settle=lambda reading=False: settled.append(reading))
+    buffer = types.SimpleNamespace(device=True, size=MiB, read=lambda offset, length: DeviceBytes(bytes(length)))
+    waiting, other = server_shm.Regions("ipv4:127.0.0.1:1", staging), server_shm.Regions("ipv4:127.0.0.1:2", staging)
+    region_id = waiting._add(buffer)
+    waiting.resolve(region_id, 0, 64)  # decoded; the call then waits for the key's round
+    other.settle()  # another worker's call completes the round and is answered
+    waiting.settle()  # its value is merged: the kernels that read the buffer come before the answer
+    waiting.settle()  # its next call references no buffer
+    assert settled == [False, True, False]
+    with pytest.raises(InvalidTensorError, match="outside its region"):
+        waiting.resolve(region_id, MiB - 8, 16)
+
+
 def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_stream(monkeypatch):
     """With CUDA faked: the driver opens a handle once per process, so streams that register the
     same allocation share the opening; a GPU the server cannot reach, or an allocation smaller
@@ -435,7 +458,7 @@ def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_st
 
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=Runtime, Device=lambda device: _NoContext(), UnownedMemory=lambda *args: args))
-    staging = types.SimpleNamespace(cupy=cupy, device=0, settle=lambda: calls.append(("settle",)))
+    staging = types.SimpleNamespace(cupy=cupy, device=0, settle=lambda reading=False: calls.append(("settle", reading)))
     sizes = {0x7000_0001: MiB, 0x7000_0002: MiB // 2}
     monkeypatch.setattr(cuda, "pointer_attribute", lambda ptr, attribute: sizes[ptr])
 
@@ -453,3 +476,213 @@ def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_st
     with pytest.raises(FailedPreconditionError, match="the allocation opened has 524288 bytes"):
         cuda_ipc.open_buffer(staging, buffer(2))
     assert calls[-1] == ("close", 0x7000_0002) and not cuda_ipc._OPENED
+
+
+class LazyRuntime(FakeRuntime):
+    """A FakeRuntime whose copies move bytes (host memory stands for device memory too) only
+    when a wait reaches them, in each stream's order, a stream named with its device as CUDA
+    names it: bytes read or overwritten before the call waits for their copy are seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.device = 0  # the current one
+        self.queued = collections.defaultdict(list)  # (stream, device) -> steps not run yet
+        self.marks = {}  # event -> (its stream's steps, the step it was recorded as)
+
+    def Device(self, device):
+        runtime = self
+
+        class Current:
+            def __enter__(self):
+                self.before, runtime.device = runtime.device, device
+
+            def __exit__(self, *exc):
+                runtime.device = self.before
+
+        return Current()
+
+    def memcpyAsync(self, dst, src, nbytes, kind, stream):
+        super().memcpyAsync(dst, src, nbytes, kind, stream)
+        self.queued[stream, self.device].append(lambda: ctypes.memmove(dst, src, nbytes))
+
+    @staticmethod
+    def _run(steps, until=None):
+        while steps and (until is None or until in steps):
+            steps.pop(0)()
+
+    def streamSynchronize(self, stream):
+        super().streamSynchronize(stream)
+        self._run(self.queued[stream, self.device])
+
+    def eventRecord(self, event, stream):
+        super().eventRecord(event, stream)
+        steps = self.queued[stream, self.device]
+        steps.append(lambda: None)
+        self.marks[event] = (steps, steps[-1])
+
+    def eventSynchronize(self, event):
+        super().eventSynchronize(event)
+        self._run(*self.marks[event])
+
+    def streamWaitEvent(self, stream, event, flags):
+        super().streamWaitEvent(stream, event, flags)
+        steps, mark = self.marks[event]
+        self.queued[stream, self.device].append(lambda: self._run(steps, mark))
+
+
+class DeviceValue(FakeDeviceArray):
+    """A FakeDeviceArray whose bytes are those of ``host``, on ``stream`` of ``device``."""
+
+    __module__ = "cupy.fake"
+
+    def __init__(self, host, stream=0, device=0):
+        super().__init__(host.size, host.dtype)
+        self.host, self.stream, self.device = host, stream, device
+
+
+@pytest.fixture
+def lazy_cuda(monkeypatch):
+    """(a LazyRuntime, a session's cuda.Gpu over it) for DeviceValues, none of which CUDA IPC shares."""
+    runtime = LazyRuntime()
+    for module in (routes, gpu_routes):
+        monkeypatch.setattr(module, "device_memory", lambda array: DeviceMemory(
+            array.host.ctypes.data, array.nbytes, array.device, array.stream))
+    monkeypatch.setattr(cuda, "exports", lambda: types.SimpleNamespace(find=lambda memory: None))
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
+        empty_pinned=lambda n, dtype: np.full(n, 0xEE, dtype)))  # not zeros: a copy not done shows
+    cupy = _fake_cupy(runtime)
+    cupy.cuda.Device = runtime.Device
+    return runtime, cuda.Gpu(cupy)
+
+
+@needs_shm
+@pytest.mark.parametrize("ipc_possible", [False, True])
+def test_gpu_values_staged_on_the_host_are_copied_before_the_region_is_written_from_them(lazy_cuda, ipc_possible):
+    """A region that is not pinned: a pushed GPU value goes through the session's pinned buffer,
+    and from there into the region once its copy out of the GPU is done (also for CudaIpc, for an
+    allocation that CUDA IPC cannot share)."""
+    runtime, state = lazy_cuda
+    region = shm.Region(MiB)
+    region.id = 9
+    value = DeviceValue(np.arange(8192, dtype=np.float32), stream=7)
+    route = routes.choose(_session(gpu=state, pinned_possible=False, ipc_possible=ipc_possible), _push(value))
+    assert type(route) is (gpu_routes.CudaIpc if ipc_possible else routes.SharedMemory) and not route.exports
+    request = kvstore_pb2.SessionRequest.FromString(route.request(1, 1000, region, None)[0])
+    [entry] = request.frame.entries
+    assert (entry.shm.region_id, entry.shm.offset, entry.shm.length) == (9, shm.HEADER_BYTES, value.nbytes)
+    np.testing.assert_array_equal(region.buffer[shm.HEADER_BYTES:][:value.nbytes].view(np.float32), value.host)
+    assert runtime.waits() == [("streamSynchronize", 7)]
+    region.close()
+
+
+def _pull_into(state, region, out, pulled, answered="k"):
+    """Pull ``pulled`` (the value the server writes into the area named for it) into the GPU
+    ``out`` through the pinned ``region`` (PinnedSharedMemory), answered as the value of key
+    ``answered``; the items of the answer."""
+    call = Call("pull", [(0, "k")], outs=[[out]], keys=["k"], sizes=[out.nbytes], shapes=[(out.shape, out.dtype)],
+                caller={})
+    route = routes.choose(_session(gpu=state, ipc_possible=False), call)
+    request = kvstore_pb2.SessionRequest.FromString(route.request(1, 1000, region, None)[0])
+    area = request.outputs[0]
+    assert (area.region_id, area.offset, area.length) == (region.id, shm.HEADER_BYTES, out.nbytes)
+    region.buffer[area.offset:area.offset + area.length] = pulled.view(np.uint8)
+    response = kvstore_pb2.SessionResponse(id=1)
+    response.frame.entries.add(key=tensor_pb2.Key(str_key=answered), shm=area, tensor=tensor_pb2.Tensor(
+        dtype=codec.wire_dtype(pulled.dtype), shape=pulled.shape))
+    return route.answer(1, response.SerializeToString(), region, None)
+
+
+@needs_shm
+@pytest.mark.parametrize("written_by", ["cpu", "gpu"])
+def test_a_call_writes_the_region_once_the_last_calls_copies_out_of_it_are_done(lazy_cuda, written_by):
+    """A pulled value's copy from the pinned region into its GPU out array runs on after the
+    pull returns; the next call writes the same place of the region only after that copy read
+    it, whether the CPU writes there (a host value pushed beside GPU values) or a copy out of
+    the GPU on another stream; the copies of an answer that fails are waited for too."""
+    runtime, state = lazy_cuda
+    state.reserve(1)  # the session's pinned buffer, made by an earlier call
+    region = shm.Region(MiB)
+    region.id, region.pinned = 9, True
+    out, pulled = DeviceValue(np.zeros(8192, np.float32), stream=7), np.arange(8192, dtype=np.float32)
+    [item] = _pull_into(state, region, out, pulled)
+    assert item.array is out and state.pending == {(7, 0)} and not out.host.any()  # still running
+    pushed = np.full(8192, -1, np.float32)
+    values = [pushed, DeviceValue(np.ones(16, np.float32), stream=9)] if written_by == "cpu" else [
+        DeviceValue(pushed, stream=9)]
+    route = routes.choose(_session(gpu=state, ipc_possible=False), _push(*values))
+    assert type(route) is gpu_routes.PinnedSharedMemory
+    request = kvstore_pb2.SessionRequest.FromString(route.request(2, 1000, region, None)[0])
+    assert request.frame.entries[0].shm.offset == shm.HEADER_BYTES
+    np.testing.assert_array_equal(out.host, pulled)
+    np.testing.assert_array_equal(region.buffer[shm.HEADER_BYTES:][:pushed.nbytes].view(np.float32), pushed)
+    assert not state.pending
+    # an answer that fails once a copy into its out array is queued: that copy is waited for too
+    with pytest.raises(InternalError, match="into the out array of another key"):
+        _pull_into(state, region, out, pulled, answered="other")
+    assert state.pending == {(7, 0)}
+    region.close()
+
+
+def test_the_default_streams_of_two_devices_are_two_streams(lazy_cuda):
+    """Each device's default stream is 0: a call that copies values of two devices waits for
+    the copies on both, and keeps an event of each device for the copies that run on."""
+    runtime, state = lazy_cuda
+    values = [DeviceValue(np.arange(16, dtype=np.float32) + device, device=device) for device in (0, 1)]
+    route = routes.choose(_session(gpu=state, pinned_possible=False, ipc_possible=False, shm_possible=False,
+                                   channel_possible=False), _push(*values))
+    assert type(route) is routes.Inline
+    request = kvstore_pb2.SessionRequest.FromString(route.request(1, 1000, None, None)[0])
+    for entry, value in zip(request.frame.entries, values):
+        np.testing.assert_array_equal(np.frombuffer(entry.tensor.data, np.float32), value.host)
+    copies = state.copies()
+    for value in values:
+        copies.to_device(value.host.ctypes.data, DeviceMemory(value.host.ctypes.data, value.nbytes, value.device, 0))
+    state.record(copies)
+    assert state.pending == {(0, 0), (0, 1)} and runtime.events == 2
+
+
+def test_exports_share_whole_allocations_and_remember_those_cuda_ipc_cannot_share(monkeypatch):
+    """cuda.Exports with CUDA faked: the allocation a pointer lies in (asked of the driver, once a
+    context is current on the thread) is exported whole, once, whichever piece of it a value is;
+    one that cudaIpcGetMemHandle refuses (a stream-ordered pool's, torch's expandable segments)
+    is None, asked once; memory the driver does not know is None."""
+    allocations = {1: (0x10_0000, 0x1000), 2: (0x20_0000, 0x2000)}  # buffer id -> (base, size); 2: no handle
+    calls, context = [], []
+
+    def attribute(ptr, which):
+        for key, (base, size) in allocations.items():
+            if context and base <= ptr < base + size:
+                return {cuda.BUFFER_ID: key, cuda.RANGE_START_ADDR: base, cuda.RANGE_SIZE: size}[which]
+        return None
+
+    class Runtime:
+        CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+
+        @staticmethod
+        def free(ptr):  # cudaFree(0): the device's primary context made current
+            calls.append(("free", ptr))
+            context.append(True)
+
+        @staticmethod
+        def ipcGetMemHandle(ptr):
+            calls.append(("ipcGetMemHandle", ptr))
+            if ptr == allocations[2][0]:
+                raise Runtime.CUDARuntimeError("cudaErrorInvalidValue")
+            return bytes([ptr >> 20]) * cuda.IPC_HANDLE_BYTES
+
+        @staticmethod
+        def deviceGetPCIBusId(device):
+            return f"0000:0{device + 1}:00.0"
+
+    monkeypatch.setattr(cuda, "pointer_attribute", attribute)
+    exports = cuda.Exports(types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=Runtime,
+                                                                            Device=lambda device: _NoContext())))
+    first = exports.find(DeviceMemory(0x10_0100, 256, 0, 0))
+    assert calls == [("free", 0), ("ipcGetMemHandle", 0x10_0000)]
+    assert (first.key, first.base, first.size, first.handle, first.pci_bus_id) == (
+        1, 0x10_0000, 0x1000, b"\x01" * cuda.IPC_HANDLE_BYTES, "0000:01:00.0")
+    assert exports.find(DeviceMemory(0x10_0800, 0x800, 0, 0)) is first  # another piece of the same allocation
+    assert exports.find(DeviceMemory(0x20_0000, 64, 0, 0)) is None
+    assert exports.find(DeviceMemory(0x20_1000, 64, 0, 0)) is None
+    assert calls[2:] == [("ipcGetMemHandle", 0x20_0000)]  # refused once, remembered
+    assert exports.find(DeviceMemory(0x30_0000, 64, 0, 0)) is None and calls[-1] == ("free", 0)

@@ -76,54 +76,62 @@ def device_bytes(cupy, memory, owner):
 class Copies:
     """The copies of one call between pinned host memory and GPU values, each queued on its
     value's stream (DeviceMemory.stream), after the work that wrote it and before the work
-    that reads it; ``streams`` {stream: device} also holds those of GPU values that the
-    server reads or writes itself (CUDA IPC), which the call must wait for before it goes."""
+    that reads it; ``streams`` {(stream, device)} also holds those of GPU values that the
+    server reads or writes itself (CUDA IPC), which the call must wait for before it goes.
+    A stream is named with its device: each device's default stream is 0."""
 
-    def __init__(self, cupy):
-        self.cupy = cupy
-        self.streams = {}
+    def __init__(self, gpu):
+        self.gpu = gpu
+        self.streams = set()
 
     def to_host(self, memory, ptr):
-        """Copy the GPU bytes ``memory`` (a DeviceMemory) to pinned host memory at ``ptr``."""
-        self._copy(memory, ptr, memory.ptr, self.cupy.cuda.runtime.memcpyDeviceToHost)
+        """Copy the GPU bytes ``memory`` (a DeviceMemory) to pinned host memory at ``ptr``,
+        after the pending copies of earlier calls, which may still read it (Gpu.after_pending)."""
+        self._copy(memory, ptr, memory.ptr, self.gpu.cupy.cuda.runtime.memcpyDeviceToHost)
 
     def to_device(self, ptr, memory):
         """Copy ``memory.nbytes`` bytes of pinned host memory at ``ptr`` into ``memory``."""
-        self._copy(memory, memory.ptr, ptr, self.cupy.cuda.runtime.memcpyHostToDevice)
+        self._copy(memory, memory.ptr, ptr, self.gpu.cupy.cuda.runtime.memcpyHostToDevice)
 
     def order(self, memory):
         """Have the call wait for the work queued on ``memory`` before it goes."""
-        self.streams[memory.stream] = memory.device
+        self.streams.add((memory.stream, memory.device))
 
     def _copy(self, memory, dst, src, kind):
-        with self.cupy.cuda.Device(memory.device):
-            self.cupy.cuda.runtime.memcpyAsync(dst, src, memory.nbytes, kind, memory.stream)
-        self.streams[memory.stream] = memory.device
+        runtime, stream = self.gpu.cupy.cuda.runtime, (memory.stream, memory.device)
+        with self.gpu.cupy.cuda.Device(memory.device):
+            if kind == runtime.memcpyDeviceToHost:
+                self.gpu.after_pending(stream)
+            runtime.memcpyAsync(dst, src, memory.nbytes, kind, memory.stream)
+        self.streams.add(stream)
 
 
 class Gpu:
     """A session's CUDA state: a pinned host buffer for the GPU values that travel through
     the host (small ones, and every one where no region is pinned), reused call after call,
     and the copies of the last call still running out of it or out of the region into the
-    caller's GPU arrays (``pending``: an event recorded after them on each stream, made once
-    per stream). Each call waits once at most: :meth:`wait` before its request goes."""
+    caller's GPU arrays (``pending``: an event recorded after them on each (stream, device),
+    made once per stream). Each call waits once at most: :meth:`wait` before its request goes.
+    Until then, a copy that writes the buffer or the region waits on the GPU for the pending
+    ones on other streams (:meth:`after_pending`); the CPU waits for them (:meth:`settle`)
+    before it writes there."""
 
     def __init__(self, cupy):
         self.cupy = cupy
         self._buffer = None  # the pinned uint8 array
         self._next = 0  # the first free byte of it in this call
-        self._events = {}  # stream -> its cudaEvent_t, reused
-        self._pending = {}  # stream -> device, of copies recorded and not waited for
+        self._events = {}  # (stream, device) -> its cudaEvent_t, reused
+        self.pending = set()  # (stream, device) of copies recorded and not waited for
 
     def copies(self):
-        return Copies(self.cupy)
+        return Copies(self)
 
     def reserve(self, nbytes):
         """Start a call that stages up to ``nbytes`` (with alignment) in the buffer, grown to
-        fit; call after :meth:`wait`, as a grown buffer replaces the one copies may still read."""
+        fit (once the copies still reading the buffer it replaces are done)."""
         self._next = 0
         if nbytes and (self._buffer is None or len(self._buffer) < nbytes):
-            self.settle()  # copies of earlier calls may still read the buffer it replaces
+            self.settle()
             import cupyx
             self._buffer = cupyx.empty_pinned(max(MIN_STAGING_BYTES, 1 << max(0, nbytes - 1).bit_length()), np.uint8)
 
@@ -135,35 +143,42 @@ class Gpu:
         view = self._buffer[start:start + nbytes]
         return view, view.ctypes.data
 
+    def after_pending(self, stream):
+        """Have ``stream`` ((stream, device), with that device current) run its next work
+        after the pending copies on other streams, which may read the host memory it writes."""
+        for other in self.pending:
+            if other != stream:
+                self.cupy.cuda.runtime.streamWaitEvent(stream[0], self._events[other], 0)
+
     def wait(self, copies):
         """Wait for the streams of ``copies`` (one synchronize each: they are usually one),
         then for what is still pending on other streams."""
         runtime = self.cupy.cuda.runtime
-        for stream, device in copies.streams.items():
+        for stream, device in copies.streams:
             with self.cupy.cuda.Device(device):
                 runtime.streamSynchronize(stream)
-            self._pending.pop(stream, None)
+            self.pending.discard((stream, device))
         copies.streams.clear()
         self.settle()
 
     def settle(self):
         """Wait for the copies of earlier calls that still read the buffer or the region."""
-        for stream, device in self._pending.items():
+        for stream, device in self.pending:
             with self.cupy.cuda.Device(device):
-                self.cupy.cuda.runtime.eventSynchronize(self._events[stream])
-        self._pending.clear()
+                self.cupy.cuda.runtime.eventSynchronize(self._events[stream, device])
+        self.pending.clear()
 
     def record(self, copies):
         """Let the copies of ``copies`` run on after the call returns: an event after them on
         each stream, waited for before the buffer or region is written again."""
         runtime = self.cupy.cuda.runtime
-        for stream, device in copies.streams.items():
+        for stream, device in copies.streams:
             with self.cupy.cuda.Device(device):
-                event = self._events.get(stream)
+                event = self._events.get((stream, device))
                 if event is None:
-                    event = self._events[stream] = runtime.eventCreateWithFlags(EVENT_DISABLE_TIMING)
+                    event = self._events[stream, device] = runtime.eventCreateWithFlags(EVENT_DISABLE_TIMING)
                 runtime.eventRecord(event, stream)
-            self._pending[stream] = device
+            self.pending.add((stream, device))
         copies.streams.clear()
 
 

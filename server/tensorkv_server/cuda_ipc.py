@@ -43,7 +43,6 @@ class Buffer:
     def read(self, offset, length):
         """The DeviceBytes [offset, offset + length) (checked by the caller), read by the engine's kernels."""
         cupy = self.staging.cupy
-        self.staging.reading()
         return DeviceBytes(cupy.ndarray((length,), np.uint8, cupy.cuda.MemoryPointer(self._memory, offset)))
 
     def write(self, offset, item, region_id):
@@ -53,7 +52,7 @@ class Buffer:
         return Item(item.key, item.array, item.shape, item.slice, ref=(region_id, offset, item.array.nbytes))
 
     def close(self):
-        self.staging.settle()
+        self.staging.settle(reading=True)
         opened = _OPENED[self.handle]
         opened[2] -= 1
         if not opened[2]:

@@ -300,6 +300,9 @@ class Regions:
     def __init__(self, peer, staging=None):
         self.peer, self.staging = peer, staging
         self._by_id = {}
+        # Whether the call in progress referenced a CUDA IPC buffer (until :meth:`settle`): the
+        # engine may read it after a suspension, after another stream's call settled.
+        self._read_device = False
         # The user of the caller's connection, once it attached a region: on this host, and
         # the owner of memory it could read and write itself.
         self.proven_uid = None
@@ -370,6 +373,7 @@ class Regions:
         DeviceBytes (a pinned region's, copied to the GPU; a CUDA IPC buffer's)."""
         region = self._get(region_id)
         check_ref(region.size, offset, length)
+        self._read_device = self._read_device or region.device
         return region.read(offset, length)
 
     def placement(self, ref):
@@ -410,7 +414,8 @@ class Regions:
         """Wait for the copies into and out of the stream's pinned regions and CUDA IPC buffers
         (before the call is answered: the client may then change them)."""
         if self.staging is not None:
-            self.staging.settle()
+            self.staging.settle(self._read_device)
+        self._read_device = False
 
     def close(self):
         """Unmap every region of the stream and close its CUDA IPC buffers."""

@@ -38,9 +38,7 @@ class Staging:
         self.cupy = cupy
         self.device = cupy.cuda.Device().id  # the engine's
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        # Copies into or out of a worker's memory queued since the last settle; the engine's
-        # kernels read a worker's device memory (a CUDA IPC buffer) since then.
-        self._copying = self._reading = False
+        self._copying = False  # copies into or out of a worker's memory queued since the last settle
         self.slot_bytes = slot_bytes
         self._slots = [cupyx.empty_pinned(slot_bytes, np.uint8) for _ in range(slots)]
         self._copied = [None] * slots  # the event after each slot's last copy
@@ -107,10 +105,6 @@ class Staging:
         self._copying = True
         return bits
 
-    def reading(self):
-        """Note that the engine's kernels read a worker's device memory (until :meth:`settle`)."""
-        self._reading = True
-
     def to_host(self, value, ptr):
         """Copy the GPU ``value`` (CuPy or DeviceBFloat16) into pinned host memory at ``ptr``,
         after the engine's work that wrote it."""
@@ -133,12 +127,12 @@ class Staging:
     def _after_engine(self):
         self.stream.wait_event(self.cupy.cuda.get_current_stream().record())
 
-    def settle(self):
-        """Wait until every copy into or out of a worker's memory, and every kernel that read
-        it, has completed."""
-        if self._reading:
+    def settle(self, reading=False):
+        """Wait until every copy into or out of a worker's memory has completed, and with
+        ``reading`` (the caller's call referenced a worker's device memory, a CUDA IPC buffer,
+        which the engine's kernels read as they come to it) every kernel queued so far."""
+        if reading:
             self.cupy.cuda.get_current_stream().synchronize()
-            self._reading = False
         if self._copying:
             self.stream.synchronize()
             self._copying = False

@@ -49,6 +49,7 @@ class PinnedSharedMemory(SharedMemory):
             elif on_gpu(item.array):
                 sent.append(self._device_value(index, item, placement, region))
             else:
+                self.gpu.settle()  # copies of earlier calls may still read where the CPU writes
                 sent.append(placement.put(item) or item)
         return sent, ()
 
@@ -168,6 +169,8 @@ class CudaIpc(PinnedSharedMemory):
     def _offload(self, region, channel):
         if region is None or not region.pinned:  # the pushed values of self.pushed are still on the GPU
             placement = Placement(region.buffer, region.id, shm.HEADER_BYTES) if region is not None else None
+            if placement is not None:
+                self._copied()  # GPU values staged in the pinned buffer are read from there
             sent = [self._device_value(index, item, placement, region) if index in self.pushed else
                     (placement.put(item) or item) if placement is not None and item.array.nbytes >= self.min_bytes
                     else item for index, item in enumerate(self.items)]

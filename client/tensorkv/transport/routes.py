@@ -272,15 +272,19 @@ class Inline:
                 outs[call.part[index][0]] = [proxy]
         decoder = make_decoder(kvstore_pb2.SessionResponse, call.part, outs, resolve=self._resolve(region),
                                channel=channel is not None)
-        decoder.feed(data)
-        check_answer(decoder.first, call_id, call.kind, self.address)
-        items = decoder.finish()
-        if decoder.frames.incoming:
-            channel.receive(decoder.frames.incoming)
-        decoder.remember()
-        if self.copies is not None:
-            self._deliver(items)
-        return items
+        try:
+            decoder.feed(data)
+            check_answer(decoder.first, call_id, call.kind, self.address)
+            items = decoder.finish()
+            if decoder.frames.incoming:
+                channel.receive(decoder.frames.incoming)
+            decoder.remember()
+            if self.copies is not None:
+                self._deliver(items)
+            return items
+        finally:
+            if self.copies is not None:  # the copies queued, even by an answer that failed, run on
+                self.gpu.record(self.copies)
 
     def _resolve(self, region):
         """The ``resolve(region_id, offset, length)`` of the answer's references."""
@@ -294,7 +298,6 @@ class Inline:
                 memory, out = self.targets[index][:2]
                 self.copies.to_device(ptr, memory)
                 items[index].array = out
-        self.gpu.record(self.copies)
 
     def kept(self, request):
         """What sends this push again, when it may go without waiting for its answer (the
@@ -325,6 +328,7 @@ class SharedMemory(Inline):
     def _offload(self, region, channel):
         if region is None:
             return self.items, ()
+        self._copied()  # GPU values staged in the pinned buffer are read from there
         placement, min_bytes = Placement(region.buffer, region.id, HEADER_BYTES), self.min_bytes
         return [placement.put(item) or item if item.array.nbytes >= min_bytes else item for item in self.items], ()
 
