@@ -337,6 +337,24 @@ def test_a_session_waits_once_per_call_for_its_gpu_copies(monkeypatch):
     assert len(first[0]) == 100 and second[1] - first[1] == wire_shm.aligned(100)  # aligned places, one buffer
 
 
+def test_a_job_that_makes_a_stream_per_step_does_not_make_an_event_per_step(monkeypatch):
+    """With CUDA faked: past cuda.MAX_EVENTS streams, the event of the stream used least
+    recently (and waited for) is reused, on the same device."""
+    runtime = FakeRuntime()
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=lambda device: _NoContext()))
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda n, dtype: np.empty(n, dtype)))
+    state = cuda.Gpu(cupy)
+    for step in range(3 * cuda.MAX_EVENTS):
+        copies = state.copies()
+        state.wait(copies)
+        state.reserve(64)
+        copies.to_device(state.take(64)[1], DeviceMemory(1 << 30, 64, step % 2, 1000 + step))
+        state.record(copies)
+    assert runtime.events <= cuda.MAX_EVENTS + 2
+    recorded = [call for call in runtime.calls if call[0] == "eventRecord"]
+    assert len(recorded) == 3 * cuda.MAX_EVENTS and recorded[-1][2] == 1000 + 3 * cuda.MAX_EVENTS - 1
+
+
 class _NoContext:
     def __enter__(self):
         return self
@@ -430,8 +448,9 @@ def test_a_call_that_referenced_a_cuda_ipc_buffer_waits_for_the_engines_kernels_
 
 def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_stream(monkeypatch):
     """With CUDA faked: the driver opens a handle once per process, so streams that register the
-    same allocation share the opening; a GPU the server cannot reach, or an allocation smaller
-    than the caller says, is refused (and what was opened closed)."""
+    same allocation share the opening; a GPU the server cannot reach, an allocation smaller
+    than the caller says, or one whose size the driver does not tell, is refused (and what was
+    opened closed)."""
     from tensorkv_server import cuda_ipc
 
     calls = []
@@ -459,7 +478,7 @@ def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_st
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=Runtime, Device=lambda device: _NoContext(), UnownedMemory=lambda *args: args))
     staging = types.SimpleNamespace(cupy=cupy, device=0, settle=lambda reading=False: calls.append(("settle", reading)))
-    sizes = {0x7000_0001: MiB, 0x7000_0002: MiB // 2}
+    sizes = {0x7000_0001: MiB, 0x7000_0002: MiB // 2, 0x7000_0004: None}
     monkeypatch.setattr(cuda, "pointer_attribute", lambda ptr, attribute: sizes[ptr])
 
     def buffer(first, bus="0000:01:00.0", size=MiB):
@@ -476,6 +495,9 @@ def test_a_cuda_ipc_handle_is_opened_once_per_server_and_closed_with_its_last_st
     with pytest.raises(FailedPreconditionError, match="the allocation opened has 524288 bytes"):
         cuda_ipc.open_buffer(staging, buffer(2))
     assert calls[-1] == ("close", 0x7000_0002) and not cuda_ipc._OPENED
+    with pytest.raises(FailedPreconditionError, match="the allocation opened does not tell its size"):
+        cuda_ipc.open_buffer(staging, buffer(4))
+    assert calls[-1] == ("close", 0x7000_0004) and not cuda_ipc._OPENED
 
 
 class LazyRuntime(FakeRuntime):

@@ -30,6 +30,8 @@ BUFFER_ID, RANGE_START_ADDR, RANGE_SIZE = 7, 11, 12
 IPC_HANDLE_BYTES = 64  # a cudaIpcMemHandle_t
 # The allocations whose IPC handles the process keeps (the oldest is forgotten first).
 MAX_EXPORTS = 4096
+# The CUDA events a session keeps (one per stream its copies ran on) before it reuses the oldest.
+MAX_EVENTS = 64
 # The smallest staging buffer a session makes; larger ones are powers of two.
 MIN_STAGING_BYTES = 64 << 10
 
@@ -120,7 +122,7 @@ class Gpu:
         self.cupy = cupy
         self._buffer = None  # the pinned uint8 array
         self._next = 0  # the first free byte of it in this call
-        self._events = {}  # (stream, device) -> its cudaEvent_t, reused
+        self._events = {}  # (stream, device) -> its cudaEvent_t, reused (MAX_EVENTS at most, about)
         self.pending = set()  # (stream, device) of copies recorded and not waited for
 
     def copies(self):
@@ -174,12 +176,23 @@ class Gpu:
         runtime = self.cupy.cuda.runtime
         for stream, device in copies.streams:
             with self.cupy.cuda.Device(device):
-                event = self._events.get((stream, device))
-                if event is None:
-                    event = self._events[stream, device] = runtime.eventCreateWithFlags(EVENT_DISABLE_TIMING)
+                event = self._events.pop((stream, device), None) or self._spare_event(device) \
+                    or runtime.eventCreateWithFlags(EVENT_DISABLE_TIMING)
+                self._events[stream, device] = event  # the last used last
                 runtime.eventRecord(event, stream)
             self.pending.add((stream, device))
         copies.streams.clear()
+
+
+    def _spare_event(self, device):
+        """Past MAX_EVENTS, the event of the stream on ``device`` used least recently and not
+        pending (taken from it): a job that makes a stream per step does not make an event per step."""
+        if len(self._events) < MAX_EVENTS:
+            return None
+        for key in self._events:
+            if key[1] == device and key not in self.pending:
+                return self._events.pop(key)
+        return None
 
 
 class Export:

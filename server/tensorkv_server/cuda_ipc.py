@@ -89,9 +89,9 @@ def open_buffer(staging, message):
             raise FailedPreconditionError(f"cannot use the {what}: the driver did not open its handle ({error}); "
                                           "another container, or MPS, does that") from None
         size = cuda.pointer_attribute(ptr, cuda.RANGE_SIZE)
-    if size is not None and size < message.size:
+    if size is None or size < message.size:  # unknown: every reference into it would be unchecked
         runtime.ipcCloseMemHandle(ptr)
-        raise FailedPreconditionError(f"cannot use the {what}: the allocation opened has {size} bytes")
-    # Where the driver does not tell, the caller's word: a caller of the server's own user.
-    _OPENED[handle] = [ptr, size or message.size, 1]
-    return Buffer(staging, handle, ptr, size or message.size, what)
+        told = "does not tell its size" if size is None else f"has {size} bytes"
+        raise FailedPreconditionError(f"cannot use the {what}: the allocation opened {told}")
+    _OPENED[handle] = [ptr, size, 1]
+    return Buffer(staging, handle, ptr, size, what)
