@@ -304,6 +304,9 @@ def test_a_client_cannot_use_another_clients_memory(tmp_path):
                 answer = _ask(session, rank=1, op=push, entries=[_entry("w", n, ref)])
                 assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], ref
                 assert "outside its region" in answer.message
+            answer = _ask(session, rank=1, op=push, entries=[_entry("w", n, (mine.id, 4 + 64, n * 8))])
+            assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "at offset 68, not a multiple of the 8 bytes of float64" in answer.message
             answer = _ask(session, rank=1, op=kvstore_pb2.SESSION_OP_PULL, keys=[tensor_pb2.Key(str_key="w")],
                           output=tensor_pb2.SharedMemoryRef(region_id=mine.id, offset=8, length=mine.size))
             assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]

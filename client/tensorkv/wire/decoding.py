@@ -265,6 +265,9 @@ class FrameDecoder:
         if self.resolve is None:
             raise InvalidTensorError(f"key {key_repr(header.key)}: shared-memory references are only valid on the "
                                      "Session stream that registered the region")
+        if offset % header.dtype.itemsize:  # a kernel reading a GPU value there would fail, and break its context
+            raise InvalidTensorError(f"key {key_repr(header.key)}: a shared-memory reference at offset {offset}, "
+                                     f"not a multiple of the {header.dtype.itemsize} bytes of {header.dtype}")
         source = self.resolve(region_id, offset, length)
         if not self.copy_refs or isinstance(source, DeviceBytes):  # GPU memory: the value is where it was named
             return header.item(source.view(header.dtype))
