@@ -153,10 +153,12 @@ class SessionStream:
             if channel is not None and streams.ending:  # its calls on the channel end at their next boundary
                 await channel.calls_ended()
         finally:  # also when gRPC's stop cancels that wait
-            if channel is not None:
-                channel.close()
-            self.regions.close()
-            streams.closed()
+            try:
+                if channel is not None:
+                    channel.close()
+                self.regions.close()
+            finally:
+                streams.closed()
 
     async def _requests(self, requests):
         """The requests of a stream, until the server stops (OpenStreams.next_call)."""

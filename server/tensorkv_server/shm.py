@@ -418,9 +418,13 @@ class Regions:
         self._read_device = False
 
     def close(self):
-        """Unmap every region of the stream and close its CUDA IPC buffers."""
-        for region in self._by_id.values():
-            region.close()
+        """Unmap every region of the stream and close its CUDA IPC buffers; one that fails to
+        close (a CUDA error) is logged, and the others are closed all the same."""
+        for region_id, region in self._by_id.items():
+            try:
+                region.close()
+            except Exception:  # noqa: BLE001 - whatever the driver raised, the other regions are released
+                log.exception("region %d of %s did not close", region_id, self.peer)
         if self._by_id:
             buffers = sum(region.device for region in self._by_id.values())
             log.info("released %d shared-memory region(s) and %d CUDA IPC buffer(s) of %s",
