@@ -24,8 +24,8 @@ H2D at the measured pinned rates: the bound of a route that stages through host 
 Then ResNet-50 training steps on the GPU server (bench/resnet_step.py): torch's own SGD step
 (batch 64 x 3 x 224 x 224) next to the same step through tensorkv.Trainer over each route
 (CUDA IPC, pinned shared memory, TCP), as a ratio to the local step beside issue 34's goals
-(<= 1.2x over CUDA IPC, <= 1.6x over pinned shared memory), each Trainer's weights checked
-against the local step's after the same steps.
+(<= 1.2x over CUDA IPC, <= 1.6x over pinned shared memory), each Trainer step checked
+against torch's SGD fed the same gradients.
 
 Every round trip pushes one of two patterns alternately into a pull target filled with -1,
 and the pulled value is checked off the clock; an Adam row's last pull is checked against
