@@ -61,9 +61,11 @@ test-gpu:
 
 # `make bench-gpu`: the GPU baseline (bench/gpu.py) run by GPU_PYTHON on the tree as it is, as
 # test-gpu: the machine's limits (device copy, pinned and pageable H2D/D2H, host memcpy) and
-# push+pull from CuPy, NumPy and torch values to GPU and CPU servers on this host, Adam on each;
-# -> bench-results/gpu.{json,md}. Without a CUDA device it measures the CPU rows alone and says
-# so. GPU_PYTHON needs, besides CuPy (and torch for the torch row), what pyproject.toml pins:
+# push+pull from CuPy, NumPy and torch values to GPU and CPU servers on this host, Adam on each,
+# and a ResNet-50 step through tensorkv.Trainer per route next to torch's own SGD step
+# (bench/resnet_step.py); -> bench-results/gpu.{json,md}. Without a CUDA device it measures the
+# CPU rows alone and says so. GPU_PYTHON needs, besides CuPy (and torch for the torch and
+# ResNet-50 rows), what pyproject.toml pins:
 # grpcio 1.85.1, grpcio-health-checking 1.85.1, grpcio-reflection 1.85.1, protobuf 7.36.2 and
 # cryptography, whose wheels are carried to a GPU machine whose image lacks them (numpy, numba,
 # ml_dtypes, prometheus-client too where missing). `make bench-gpu BENCH_ARGS=--quick`: a smoke run.

@@ -21,19 +21,25 @@ counts the payload both ways (2 x size / round trip, as bench/run.py). "x 4 pinn
 H2D at the measured pinned rates: the bound of a route that stages through host memory);
 "x device copy" its fraction of the measured device-to-device copy rate.
 
+Then ResNet-50 training steps on the GPU server (bench/resnet_step.py): torch's own SGD step
+(batch 64 x 3 x 224 x 224) next to the same step through tensorkv.Trainer over each route
+(CUDA IPC, pinned shared memory, TCP), as a ratio to the local step beside issue 34's goals
+(<= 1.2x over CUDA IPC, <= 1.6x over pinned shared memory), each Trainer step checked
+against torch's SGD fed the same gradients.
+
 Every round trip pushes one of two patterns alternately into a pull target filled with -1,
 and the pulled value is checked off the clock; an Adam row's last pull is checked against
 the same steps on the embedded NumPy store. A row that fails is reported and the run goes on;
 the results are written, then it exits 2 if a value was wrong, 1 if a row failed otherwise.
 The whole run is stopped after RUN_LIMIT seconds (exit 1); every server is stopped by its PID.
-Without CuPy seeing a CUDA device (or without torch's CUDA for the torch rows) the GPU rows
-are skipped with one line saying why, and the CPU rows (host memcpy, NumPy worker -> CPU
-server, Adam on a CPU server) are still measured: a CPU-only mode, never a GPU number.
+Without CuPy seeing a CUDA device (or without torch's CUDA for the torch and ResNet-50
+rows) the GPU rows are skipped with one line saying why, and the CPU rows (host memcpy, NumPy
+worker -> CPU server, Adam on a CPU server) are still measured: a CPU-only mode, never a GPU
+number.
 Writes <out-dir>/gpu.{json,md} (gpu-quick.* with --quick: fewer repeats).
 """
 import contextlib
 import datetime
-import os
 import platform
 import signal
 import statistics
@@ -45,7 +51,9 @@ import time
 import numpy as np
 
 import common
-from run import CheckError, _check, _patterns, machine, server
+import resnet_step
+from gpu_routes import ROOT, open_store, route, started_server
+from run import CheckError, _check, _patterns, machine
 
 MiB = 1 << 20
 BIG = 64 * MiB
@@ -53,10 +61,7 @@ SIZES = (("16 floats", 64), ("4 MiB", 4 * MiB), ("64 MiB", BIG))  # (label, byte
 # repeats (quick, full) of each size's round trips, of an Adam row and of a limit's copies
 REPEATS = {64: (30, 200), 4 * MiB: (3, 20), BIG: (3, 10), "adam": (3, 7), "limit": (3, 10)}
 WARMUP = 2  # untimed round trips (copies) first
-CALL_TIMEOUT = 60.0  # seconds any one tensorkv call gets
 RUN_LIMIT = 300  # seconds the whole run gets (SIGALRM), a bound far above what it should take
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 GPU_SERVER, CPU_SERVER = "GPU server", "CPU server"
 
 
@@ -180,54 +185,7 @@ def host_memcpy(repeats, size=BIG):
     return size / seconds / 1e9
 
 
-# ---- servers and round trips ---------------------------------------------------------
-
-def server_device(address):
-    """The device a server says its values live on (its Info)."""
-    import grpc
-    from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc
-    with grpc.insecure_channel(address) as channel:
-        return kvstore_pb2_grpc.KVStoreServiceStub(channel).Info(kvstore_pb2.InfoRequest(), timeout=10).device
-
-
-@contextlib.contextmanager
-def started_server(device, logdir):
-    """A one-worker sync server on 127.0.0.1 with ``--device device``; yields its address and
-    checks that it put its values where asked."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "client"), os.path.join(ROOT, "server")]
-        + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    with server(1, env, logdir, ("--device", device, "--log-level", "WARNING")) as address:
-        actual = server_device(address)
-        if actual.split(":")[0] != device.split(":")[0]:
-            raise RuntimeError(f"server {address} started with --device {device} reports device {actual!r}")
-        yield address
-
-
-def open_store(address, transport="auto"):
-    """A dist_sync store of the one worker of ``address``, dropping an earlier row's keys;
-    ``transport`` 'pinned' is 'auto' with CUDA IPC off in its session (GPU values then take
-    the region pinned on both ends)."""
-    import tensorkv
-    kv = tensorkv.create("dist_sync", servers=address, transport="auto" if transport == "pinned" else transport,
-                         if_exists="replace", timeout=CALL_TIMEOUT)
-    if transport == "pinned":
-        kv._conns[0].session.ipc_refused = True
-    return kv
-
-
-def route(kv):
-    """How this store's large values went, read after its calls: 'CUDA IPC' (buffers opened
-    on the server), 'pinned shared memory' or 'shared memory' (a region was set up), else
-    'tcp' (the data channel) or 'grpc'."""
-    session = getattr(kv._conns[0], "session", None)
-    if getattr(session, "cuda_buffers", None):
-        return "CUDA IPC"
-    region = getattr(session, "region", None)
-    if region is not None:
-        return "pinned shared memory" if region.pinned else "shared memory"
-    return "grpc" if kv.transport == "grpc" else "tcp"
-
+# ---- round trips ---------------------------------------------------------------------
 
 class Values:
     """How one kind of worker values is made, synchronized and read back: NumPy arrays, CuPy
@@ -408,6 +366,9 @@ def measure(quick, logdir, say):
             for row, where, kind in ADAM_ROWS:
                 if where == server_name and not why_not[kind]:
                     attempt(row, lambda: adam_row(address, server_name, row, kind))
+            if server_name == GPU_SERVER and not why_not["torch"]:
+                result["resnet"] = resnet_step.measure(torch, "cuda", address, "quick" if quick else "full", say,
+                                                       attempt)
 
     for server_name, device in ((GPU_SERVER, "cuda"), (CPU_SERVER, "cpu")):
         if server_name != GPU_SERVER or not no_gpu:
@@ -493,6 +454,8 @@ def markdown(result, command):
                   for row in result["adam"]]
         if result["adam_cpu_over_gpu"]:
             lines.append(f"\nAdam, NumPy worker: CPU server / GPU server = {result['adam_cpu_over_gpu']:.2f}x")
+    if result.get("resnet"):
+        lines += ["", *resnet_step.markdown(result["resnet"])]
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,6 @@
 """bench/gpu.py (`make bench-gpu`) where CUDA is hidden: it says in one line why the GPU rows
 are skipped, still measures the CPU rows against a real server and checks their values; a
-wrong value pulled fails a row."""
+wrong value pulled fails a row; the ResNet-50 rows' table (bench/resnet_step.py) in gpu.md."""
 import json
 import os
 import subprocess
@@ -16,6 +16,7 @@ from cluster import ROOT, Cluster
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu  # noqa: E402  (bench/gpu.py)
+import resnet_step  # noqa: E402  (bench/resnet_step.py)
 from run import CheckError  # noqa: E402  (bench/run.py)
 
 # seconds the quick run gets on a loaded machine (9 to 25 s on 2 cores here): past its own
@@ -64,3 +65,25 @@ def test_the_bound_of_four_pinned_crossings():
     assert four == pytest.approx(25.0) and device == 1400.0
     assert gpu.bounds({"host memcpy": 6.0}) == (None, None)
     assert np.isclose(gpu.bounds({"pinned H2D": 40.0, "pinned D2H": 60.0})[0], 1 / (1 / 40 + 1 / 60))
+
+
+def test_the_resnet50_rows_land_in_gpu_md_with_their_ratios_and_goals():
+    # made-up numbers of the shape resnet_step.measure() gives: the table's format alone
+    rows = [{"row": resnet_step.FORWARD_BACKWARD, "route": None, "ms": 30.0},
+            {"row": resnet_step.LOCAL, "route": None, "ms": 40.0},
+            {"row": "Trainer.step(), same-host default", "route": "CUDA IPC", "ms": 50.0, "worst_vs_torch": 2e-6},
+            {"row": "Trainer.step(), pinned shared memory", "route": "pinned shared memory", "ms": 60.0,
+             "worst_vs_torch": 3e-6}]
+    resnet_step.judge(rows, "cuda")
+    resnet = {"device": "cuda", "batch": 64, "image": 224, "warmup_steps": 3, "timed_steps": 20, "lr": 0.01,
+              "momentum": 0.9, "rows": rows}
+    result = {"date": "d", "commit": "c", "machine": {"platform": "p", "cpus": 16, "cpu": "x", "python": "3",
+                                                      "numpy": "2", "grpcio": "1"},
+              "skipped": [], "failures": [], "limits_gbps": {}, "four_pinned_gbps": None, "rows": [], "adam": [],
+              "resnet": resnet}
+    table = gpu.markdown(result, "python bench/gpu.py")
+    assert "batch 64 x 3 x 224 x 224" in table and "medians of 20 steps after 3" in table
+    assert "| local step: torch.optim.SGD | — | 40.0 | 1.00 | — | — |" in table
+    assert "| Trainer.step(), same-host default | CUDA IPC | 50.0 | 1.25 | <= 1.2x: not met | 2.0e-06 |" in table
+    assert "| Trainer.step(), pinned shared memory | pinned shared memory | 60.0 | 1.50 | <= 1.6x: met | 3.0e-06 |" \
+        in table
