@@ -708,3 +708,74 @@ def test_exports_share_whole_allocations_and_remember_those_cuda_ipc_cannot_shar
     assert exports.find(DeviceMemory(0x20_1000, 64, 0, 0)) is None
     assert calls[2:] == [("ipcGetMemHandle", 0x20_0000)]  # refused once, remembered
     assert exports.find(DeviceMemory(0x30_0000, 64, 0, 0)) is None and calls[-1] == ("free", 0)
+
+
+class _DevArray(np.ndarray):
+    """Host memory standing for a CuPy array: its ``data.ptr`` is its address."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+class _LazyStream:
+    """A CUDA stream whose copies happen only when it is synchronized (a copy read too late, or
+    a buffer reused too early, shows)."""
+
+    def __init__(self, runtime):
+        self.runtime, self.ptr = runtime, id(self)
+
+    def record(self):
+        return self
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        for dst, src, nbytes in self.runtime.queued.pop(self.ptr, []):
+            ctypes.memmove(dst, src, nbytes)
+
+
+def test_values_that_come_on_the_data_channel_cross_once_to_a_gpu_server(monkeypatch):
+    """With CUDA faked: a GPU server receives data-channel values into pinned host memory and
+    copies each to the device with one asynchronous copy (not cupy.asarray, which copies a host
+    array into pinned memory first), keeping the buffers until the copies are done; 2-bit codes
+    and values elsewhere stay as they are."""
+    from tensorkv.backend import BFLOAT16, DeviceBFloat16
+    from tensorkv_server.staging import Staging
+
+    runtime = types.SimpleNamespace(memcpyHostToDevice=1, queued=collections.defaultdict(list))
+    runtime.memcpyAsync = lambda dst, src, nbytes, kind, stream: runtime.queued[stream].append((dst, src, nbytes))
+    engine = _LazyStream(runtime)
+    cupy = types.SimpleNamespace(
+        empty=lambda n, dtype: np.zeros(n, dtype).view(_DevArray),
+        cuda=types.SimpleNamespace(runtime=runtime, Device=lambda: types.SimpleNamespace(id=0),
+                                   Stream=lambda non_blocking: _LazyStream(runtime), get_current_stream=lambda: engine))
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda n, dtype: np.empty(n, dtype)))
+    staging = Staging(cupy, slot_bytes=64, slots=1)
+    buffer = staging.empty_pinned(64)
+    buffer[:16] = np.arange(4, dtype=np.float32).view(np.uint8)
+    buffer[16:24] = np.array([1.5, -2, 3, 4], BFLOAT16).view(np.uint8)
+    codes, elsewhere = buffer[24:28], np.ones(2, np.float32)
+    items = [codec.Item("f", buffer[:16].view(np.float32).reshape(2, 2)), codec.Item("b", buffer[16:24].view(BFLOAT16)),
+             codec.Item("c", codes, (16,), two_bit=0.5), codec.Item("e", elsewhere)]
+    moved = staging.received(items, [buffer])
+    assert [item.key for item in moved] == ["f", "b", "c", "e"]
+    assert moved[2] is items[2] and moved[3] is items[3]
+    assert isinstance(moved[0].array, _DevArray) and moved[0].array.shape == (2, 2)
+    assert isinstance(moved[1].array, DeviceBFloat16)
+    assert not moved[0].array.any()  # queued, not copied yet: the buffer is still needed ...
+    assert staging._held == [buffer]
+    staging.settle()  # ... until the copies are done
+    assert staging._held == []
+    np.testing.assert_array_equal(moved[0].array, np.arange(4, dtype=np.float32).reshape(2, 2))
+    np.testing.assert_array_equal(moved[1].array.bits.view(BFLOAT16), np.array([1.5, -2, 3, 4], BFLOAT16))
+
+
+def test_a_gpu_servers_receive_buffers_are_made_by_its_allocator():
+    from tensorkv.wire import allocator
+
+    made = []
+    buffers = allocator.Buffers(1 << 30, allocate=lambda n: made.append(n) or np.empty(n, np.uint8))
+    buffers.empty(100), buffers.empty(allocator.REUSE_MIN_BYTES)
+    assert made == [100, allocator.REUSE_MIN_BYTES]

@@ -138,7 +138,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         # bytes kept as glibc is told to keep of freed memory, and no more than the budget: a
         # call's buffers are made before it waits for room, and would all be kept).
         self.buffers = allocator.Buffers(min(allocator.SERVER_TRIM_THRESHOLD,
-                                             limits.max_inflight_bytes or allocator.SERVER_TRIM_THRESHOLD))
+                                             limits.max_inflight_bytes or allocator.SERVER_TRIM_THRESHOLD),
+                                         self.staging.empty_pinned if self.staging else None)
 
     def decoder(self, message_class, **options):
         """A decoder of a stream of serialized ``message_class`` (see codec.StreamDecoder) within

@@ -245,6 +245,8 @@ class SessionStream:
             # Not owned: a stored value that became a view of the buffer would keep all of it.
             items = [codec.Item(key, value) for key, value in zip(layout.keys, layout.views(call.incoming[0]))] \
                 if call.incoming else []
+        if call.incoming and self.service.staging is not None:
+            items = self.service.staging.received(items, call.incoming)
         work = self._work(request, items, layout)
         if timeout is not None:
             try:

@@ -1,6 +1,8 @@
 """Values between the network and a GPU, through pinned host memory.
 
-Receive: a value larger than one message arrives in chunks. Each chunk is copied into a
+Receive: values that come on the data channel are received into pinned host memory and
+copied from there to the device, one copy each (:meth:`Staging.received`). A value larger
+than one message of a gRPC stream arrives in chunks. Each chunk is copied into a
 pinned buffer of a small ring and from there to the value's device array by an
 asynchronous copy on the staging stream, so the copy of one chunk runs while the next one
 is received. The finished value is ordered before the engine's kernels by an event.
@@ -39,6 +41,7 @@ class Staging:
         self.device = cupy.cuda.Device().id  # the engine's
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._copying = False  # copies into or out of a worker's memory queued since the last settle
+        self._held = []  # host buffers that copies queued since then read
         self.slot_bytes = slot_bytes
         self._slots = [cupyx.empty_pinned(slot_bytes, np.uint8) for _ in range(slots)]
         self._copied = [None] * slots  # the event after each slot's last copy
@@ -65,6 +68,41 @@ class Staging:
             cupy.cuda.runtime.memcpyAsync(device_ptr + start, slot.ctypes.data, len(piece),
                                           cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
             self._copied[index] = self.stream.record()
+
+    def empty_pinned(self, nbytes):
+        """``nbytes`` of pinned host memory (a uint8 array from CuPy's pool): where values that
+        come on the data channel are received, so that :meth:`received` copies them on at the
+        speed of the bus (cupy.asarray of a host array copies it into pinned memory first)."""
+        return self._empty_pinned(nbytes, np.uint8)
+
+    def received(self, items, buffers):
+        """``items`` with the values that lie in ``buffers`` (the host arrays they were received
+        into, pinned: :meth:`empty_pinned`) copied to the device, one asynchronous copy each
+        on the staging stream, ordered before the engine's next work; the buffers are kept
+        until :meth:`settle` (their memory goes back to the pool, for the next call to
+        receive into, only once the copies have read it). 2-bit codes stay on the host."""
+        spans = [(buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes) for buffer in buffers]
+        cupy, moved, copied = self.cupy, [], False
+        for item in items:
+            array = item.array
+            start = array.ctypes.data if isinstance(array, np.ndarray) and array.nbytes else None
+            if start is None or item.two_bit or not any(low <= start < high for low, high in spans):
+                moved.append(item)
+                continue
+            if not copied:
+                self._after_engine()  # the device memory may have been freed by kernels still queued
+                copied = True
+            bits = cupy.empty(array.nbytes, np.uint8)
+            cupy.cuda.runtime.memcpyAsync(bits.data.ptr, start, array.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                                          self.stream.ptr)
+            value = DeviceBFloat16(bits.view(np.uint16).reshape(array.shape)) if array.dtype == BFLOAT16 \
+                else bits.view(array.dtype).reshape(array.shape)
+            moved.append(codec.Item(item.key, value, item.shape, item.slice))
+        if copied:
+            cupy.cuda.get_current_stream().wait_event(self.stream.record())
+            self._copying = True
+            self._held.extend(buffers)
+        return moved
 
     # ---- send -------------------------------------------------------------------------
 
@@ -136,6 +174,7 @@ class Staging:
         if self._copying:
             self.stream.synchronize()
             self._copying = False
+            self._held.clear()
 
 
 class DeviceReceiver:

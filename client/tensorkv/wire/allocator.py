@@ -82,7 +82,8 @@ class Buffers:
     a snapshot keeps its buffer from being handed out. The buffers kept, in use or idle,
     take ``max_bytes`` at most: idle ones, the first made first, make room for a new one,
     and a buffer there is no room for is not kept (it is freed once released). Smaller
-    buffers come from ``np.empty``. For one thread (a server's event loop).
+    buffers are new ones. Each is made by ``allocate`` (``np.empty`` by default; a GPU
+    server's are pinned). For one thread (a server's event loop).
 
     >>> buffers = Buffers(1 << 30)
     >>> first = buffers.empty(REUSE_MIN_BYTES)
@@ -94,15 +95,21 @@ class Buffers:
     (2, True)
     """
 
-    def __init__(self, max_bytes):
+    def __init__(self, max_bytes, allocate=None):
         self.max_bytes = max_bytes
+        self._allocate = allocate  # nbytes -> a new uint8 array (None: np.empty), e.g. pinned memory
         self._kept = []
+
+    def _new(self, nbytes):
+        if self._allocate is not None:
+            return self._allocate(nbytes)
+        import numpy as np  # not at the top: a server re-execs itself before it needs NumPy
+        return np.empty(nbytes, np.uint8)
 
     def empty(self, nbytes):
         """A uint8 array of ``nbytes`` bytes, its contents undefined."""
-        import numpy as np  # not at the top: a server re-execs itself before it needs NumPy
         if nbytes < REUSE_MIN_BYTES:
-            return np.empty(nbytes, np.uint8)
+            return self._new(nbytes)
         kept = self._kept
         # Idle: the list's reference and getrefcount's argument are the only ones.
         idle = [i for i in range(len(kept)) if sys.getrefcount(kept[i]) == 2]
@@ -117,7 +124,7 @@ class Buffers:
             total -= kept[i].nbytes
             dropped.add(i)
         self._kept = [kept[i] for i in range(len(kept)) if i not in dropped]
-        buffer = np.empty(nbytes, np.uint8)
+        buffer = self._new(nbytes)
         if total <= self.max_bytes:
             self._kept.append(buffer)
         return buffer
