@@ -502,9 +502,19 @@ def test_the_limits_log_line_reads_in_units_and_names_each_flag():
     from tensorkv_server import limits
     line = limits.describe(limits.Limits(max_inflight_bytes=(6 << 30) + (1 << 29)), 13743895347)
     assert line == ("limits: 16 GiB per value (--max-value-bytes), 65536 keys per call (--max-keys-per-call), "
-                    "6.5 GiB in flight (--max-inflight-bytes), 12.8 GiB stored (--max-memory)")
+                    "6.5 GiB in flight (--max-inflight-bytes), 12.8 GiB stored (--max-memory), "
+                    "60 s without progress (--progress-timeout)")
     assert [size(n) for n in (0, 1, 512, 1024, 1536, 64 << 20, 1 << 40, 1048535, (1 << 30) - 1, 900)] == [
         "0 bytes", "1 byte", "512 bytes", "1 KiB", "1.5 KiB", "64 MiB", "1 TiB", "1 MiB", "1 GiB", "900 bytes"]
+
+
+def test_a_started_server_logs_its_progress_timeout_with_its_other_limits(tmp_path):
+    """The limits line of a server's log names --progress-timeout as it was given (it named
+    the other limits only)."""
+    with Cluster(tmp_path=tmp_path, server_args=["--progress-timeout", "7.5"]):
+        log = (tmp_path / "server0.log").read_text()
+    assert re.search(r"limits: .* \(--max-inflight-bytes\), .* \(--max-memory\), 7\.5 s without progress "
+                     r"\(--progress-timeout\)", log), log
 
 
 def test_with_a_state_dir_the_default_memory_leaves_room_for_a_snapshots_copy(tmp_path):
