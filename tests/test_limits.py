@@ -25,7 +25,7 @@ from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
 from tensorkv.wire.rowsparse_wire import set_row_ids
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES
-from tensorkv_server.service import ROW_ANSWER_COPIES
+from tensorkv_server.service import ROW_ANSWER_COPIES, STATE_ANSWER_COPIES
 
 from cluster import STOP_TIMEOUT, Cluster, check_workers, free_port, rss, wait_until
 from test_datachan import progress_server, stalled_channel_call
@@ -803,17 +803,17 @@ UNREAD_TIMEOUT = 5  # --progress-timeout (s) of _unread_answers: the time to see
 
 
 @contextlib.contextmanager
-def _unread_answers(tmp_path, budget):
-    """A server of 2 workers with a budget for bytes in flight of ``budget`` bytes, a progress
+def _unread_answers(tmp_path, budget, mode="sync"):
+    """A server in ``mode`` for 2 workers with a budget for bytes in flight of ``budget`` bytes, a progress
     timeout of UNREAD_TIMEOUT s and a metrics port; yields (rank 0's store on gRPC streams, a
     raw channel, the incarnation of rank 1 registered on it, the function that reads
     tensorkv_inflight_bytes). As _pulls_of's, the channel reads the messages of an answer
     stream only as its iterator asks for them; it takes messages of any length."""
     metrics_port = free_port()
-    with Cluster(num_workers=2, tmp_path=tmp_path, server_args=(
+    with Cluster(num_workers=2, mode=mode, tmp_path=tmp_path, server_args=(
             "--metrics-port", str(metrics_port), "--max-inflight-bytes", str(budget),
             "--progress-timeout", str(UNREAD_TIMEOUT))) as cluster, \
-            tensorkv.create("dist_sync", servers=cluster.addresses, transport="grpc", session=False,
+            tensorkv.create(f"dist_{mode}", servers=cluster.addresses, transport="grpc", session=False,
                             timeout=60) as kv, \
             grpc.insecure_channel(cluster.addresses[0], options=[("grpc.max_receive_message_length", -1)]) as channel:
         incarnation = kvstore_pb2_grpc.KVStoreServiceStub(channel).Register(
@@ -856,3 +856,50 @@ def test_a_row_sparse_pulls_answer_stays_counted_while_it_is_written(tmp_path):
         np.testing.assert_array_equal(kv.pull("w"), value)  # needs 32 MiB: the room the unread answer holds
         _ended_stalled(tmp_path, unread, "the answer of a row-sparse pull")
         assert inflight() == 0
+
+
+def test_the_optimizer_states_answer_is_counted_while_it_is_written(tmp_path):
+    """Rank 1 asks for the optimizer states (Adam's 2 states of an 8 MiB value) and reads none
+    of the answer: its bytes (the host copies of the states, our messages of them) are counted
+    while the server writes it, so that rank 0's pull waits for room until --progress-timeout
+    ends that call (DEADLINE_EXCEEDED, logged) and gives them back. Before: not counted, nor
+    bounded by the progress timeout."""
+    value = _floats(2 * MIB)
+    with _unread_answers(tmp_path, 40 * MIB, mode="async") as (kv, channel, _, inflight):
+        kv.init("w", np.zeros_like(value))
+        kv.set_optimizer(tensorkv.optimizer.Adam(learning_rate=0.1))
+        kv.push("w", value)  # the states exist once the key was updated
+        pulled = kv.pull("w")
+        unread = kvstore_pb2_grpc.KVStoreServiceStub(channel).GetOptimizerStates(
+            kvstore_pb2.GetOptimizerStatesRequest(), timeout=120)
+        wait_until(lambda: inflight() == STATE_ANSWER_COPIES * 2 * value.nbytes, "the answer's bytes counted")
+        np.testing.assert_array_equal(kv.pull("w"), pulled)  # needs 16 MiB: the room the unread answer holds
+        _ended_stalled(tmp_path, unread, "the answer of GetOptimizerStates")
+        assert inflight() == 0
+
+
+def test_an_answer_that_cannot_be_split_may_take_more_than_the_whole_budget():
+    """budget.Budget.reserve_whole: an answer over the whole budget (all the optimizer states)
+    waits until the whole budget is free, then is counted past it; calls behind it wait until
+    it is given back. One within the budget is reserved as any other."""
+    import asyncio
+
+    from tensorkv_server.budget import Budget
+
+    async def scenario():
+        budget = Budget(100)
+        first = await budget.reserve(10)
+        whole = asyncio.ensure_future(budget.reserve_whole(250))
+        await asyncio.sleep(0)
+        assert not whole.done() and budget.used == 10
+        first.release()
+        granted = await asyncio.wait_for(whole, 60)
+        assert granted.nbytes == 250 and budget.used == 250
+        behind = asyncio.ensure_future(budget.reserve(1))
+        await asyncio.sleep(0)
+        assert not behind.done()
+        granted.release()
+        assert (await asyncio.wait_for(behind, 60)).nbytes == 1 and budget.used == 1
+        assert (await budget.reserve_whole(99)).nbytes == 99 and budget.used == 100
+
+    asyncio.run(scenario())

@@ -54,6 +54,9 @@ WRITTEN_ANSWERS = {"RowSparsePull"}
 ROW_ANSWER_COPIES = 3
 # Copies of a Pull or PushPull answer's values held at once: our messages, and gRPC's of them.
 _GRPC_ANSWER_COPIES = 2
+# Copies of the optimizer states a GetOptimizerStates answer holds at once: the host copies
+# of the states, and our messages of them.
+STATE_ANSWER_COPIES = 2
 # How a worker's large values travel (WorkerLease.route), in words for the log.
 _ROUTE_NAMES = {"cuda-ipc": "CUDA IPC (device to device)", "pinned-shm": "shared memory pinned on both ends",
                 "shm": "shared memory", "data-channel": "the data channel"}
@@ -364,9 +367,17 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return kvstore_pb2.SetUpdaterResponse(multipliers=len(optimizer.lr_mult) + len(optimizer.wd_mult))
 
     async def GetOptimizerStates(self, request, context):
-        optimizer, key_states = self.coordinator.optimizer_states()
-        for message in states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse, optimizer, key_states):
-            yield message
+        """All the states in one answer, which cannot be split: counted in the budget, past it
+        if need be (budget.Budget.reserve_whole), until written."""
+        what = "the answer of GetOptimizerStates"
+        held = await self.budget.reserve_whole(STATE_ANSWER_COPIES * self.coordinator.optimizer_state_bytes(),
+                                               context.time_remaining(), what)
+        try:
+            messages = list(states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse,
+                                                    *self.coordinator.optimizer_states()))
+            await progress.write_all(context, messages, self.limits.progress_timeout, what)
+        finally:
+            held.release()
 
     async def SetLearningRate(self, request, context):
         check_changeable(self.coordinator.move, "SetLearningRate")
