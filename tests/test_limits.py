@@ -22,11 +22,14 @@ from tensorkv.transport.session import RawSession as Session
 from tensorkv.wire import shm
 from tensorkv.wire.codec import Item, encode_stream
 from tensorkv.wire.grpc_options import CHANNEL_OPTIONS
+from tensorkv.wire.rowsparse_wire import set_row_ids
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from tensorkv_server.datachan import HANDSHAKE_TIMEOUT, TOKEN_BYTES
+from tensorkv_server.service import ROW_ANSWER_COPIES, STATE_ANSWER_COPIES
 
-from cluster import STOP_TIMEOUT, Cluster, check_workers, rss, wait_until
+from cluster import STOP_TIMEOUT, Cluster, check_workers, free_port, rss, wait_until
 from test_datachan import progress_server, stalled_channel_call
+from test_metrics import scrape
 
 TIMEOUT = 20.0  # seconds for one call
 
@@ -502,9 +505,19 @@ def test_the_limits_log_line_reads_in_units_and_names_each_flag():
     from tensorkv_server import limits
     line = limits.describe(limits.Limits(max_inflight_bytes=(6 << 30) + (1 << 29)), 13743895347)
     assert line == ("limits: 16 GiB per value (--max-value-bytes), 65536 keys per call (--max-keys-per-call), "
-                    "6.5 GiB in flight (--max-inflight-bytes), 12.8 GiB stored (--max-memory)")
+                    "6.5 GiB in flight (--max-inflight-bytes), 12.8 GiB stored (--max-memory), "
+                    "60 s without progress (--progress-timeout)")
     assert [size(n) for n in (0, 1, 512, 1024, 1536, 64 << 20, 1 << 40, 1048535, (1 << 30) - 1, 900)] == [
         "0 bytes", "1 byte", "512 bytes", "1 KiB", "1.5 KiB", "64 MiB", "1 TiB", "1 MiB", "1 GiB", "900 bytes"]
+
+
+def test_a_started_server_logs_its_progress_timeout_with_its_other_limits(tmp_path):
+    """The limits line of a server's log names --progress-timeout as it was given (it named
+    the other limits only)."""
+    with Cluster(tmp_path=tmp_path, server_args=["--progress-timeout", "7.5"]):
+        log = (tmp_path / "server0.log").read_text()
+    assert re.search(r"limits: .* \(--max-inflight-bytes\), .* \(--max-memory\), 7\.5 s without progress "
+                     r"\(--progress-timeout\)", log), log
 
 
 def test_with_a_state_dir_the_default_memory_leaves_room_for_a_snapshots_copy(tmp_path):
@@ -784,3 +797,109 @@ def test_a_pull_cancelled_or_past_its_deadline_mid_answer_ends_quietly(tmp_path)
         np.testing.assert_array_equal(kv.pull("w"), value)
     log = (tmp_path / "server0.log").read_text()
     assert "Traceback" not in log and "unexpected error" not in log, log
+
+
+UNREAD_TIMEOUT = 5  # --progress-timeout (s) of _unread_answers: the time to see an unread answer counted
+
+
+@contextlib.contextmanager
+def _unread_answers(tmp_path, budget, mode="sync"):
+    """A server in ``mode`` for 2 workers with a budget for bytes in flight of ``budget`` bytes, a progress
+    timeout of UNREAD_TIMEOUT s and a metrics port; yields (rank 0's store on gRPC streams, a
+    raw channel, the incarnation of rank 1 registered on it, the function that reads
+    tensorkv_inflight_bytes). As _pulls_of's, the channel reads the messages of an answer
+    stream only as its iterator asks for them; it takes messages of any length."""
+    metrics_port = free_port()
+    with Cluster(num_workers=2, mode=mode, tmp_path=tmp_path, server_args=(
+            "--metrics-port", str(metrics_port), "--max-inflight-bytes", str(budget),
+            "--progress-timeout", str(UNREAD_TIMEOUT))) as cluster, \
+            tensorkv.create(f"dist_{mode}", servers=cluster.addresses, transport="grpc", session=False,
+                            timeout=60) as kv, \
+            grpc.insecure_channel(cluster.addresses[0], options=[("grpc.max_receive_message_length", -1)]) as channel:
+        incarnation = kvstore_pb2_grpc.KVStoreServiceStub(channel).Register(
+            kvstore_pb2.RegisterRequest(rank=1), timeout=TIMEOUT).incarnation
+        yield kv, channel, incarnation, lambda: scrape(metrics_port)[1][("tensorkv_inflight_bytes", ())]
+
+
+def _ended_stalled(tmp_path, answer, what):
+    """Check that the call of ``answer`` (a response stream not read so far) was ended by the
+    progress timeout already: logged, and DEADLINE_EXCEEDED once read."""
+    assert re.search(rf"call from ipv4:127\.0\.0\.1:\d+ ended: {what}: no bytes moved for {UNREAD_TIMEOUT} s "
+                     r"\(--progress-timeout\)", (tmp_path / "server0.log").read_text())
+    with pytest.raises(grpc.RpcError) as ended:
+        for _ in answer:
+            pass
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"{what}: no bytes moved for {UNREAD_TIMEOUT} s (--progress-timeout)" in ended.value.details()
+
+
+def test_a_row_sparse_pulls_answer_stays_counted_while_it_is_written(tmp_path):
+    """Rank 1 asks for 16 MiB of rows and reads none of the answer (a RowSparsePull read as a
+    stream of one message, as it is on the wire): the bytes reserved for it (the rows, the
+    message and its serialized copy) stay counted while the server writes it, so that rank 0's
+    pull of the value waits for room until --progress-timeout ends that call (DEADLINE_EXCEEDED,
+    logged) and gives them back. Before: given back once the answer was built, before gRPC sent
+    it; the pull went on at once, and the answer that was not read stayed in the server
+    uncounted for as long as the connection lived."""
+    rows, width = 16384, 256  # rows of 1 KiB
+    value = _floats(rows * width).reshape(rows, width)
+    with _unread_answers(tmp_path, 64 * MIB) as (kv, channel, incarnation, inflight):
+        kv.init("w", value)
+        request = kvstore_pb2.RowSparsePullRequest(rank=1, incarnation=incarnation)
+        set_row_ids(request.keys.add(), "w", np.arange(rows))
+        row_sparse_pull = channel.unary_stream("/tensorkv.v1.KVStoreService/RowSparsePull",
+                                               request_serializer=kvstore_pb2.RowSparsePullRequest.SerializeToString,
+                                               response_deserializer=kvstore_pb2.RowSparsePullResponse.FromString)
+        unread = row_sparse_pull(request, timeout=120)
+        held = ROW_ANSWER_COPIES * (value.nbytes + rows * 8)
+        wait_until(lambda: inflight() == held, "the answer's bytes counted")
+        np.testing.assert_array_equal(kv.pull("w"), value)  # needs 32 MiB: the room the unread answer holds
+        _ended_stalled(tmp_path, unread, "the answer of a row-sparse pull")
+        assert inflight() == 0
+
+
+def test_the_optimizer_states_answer_is_counted_while_it_is_written(tmp_path):
+    """Rank 1 asks for the optimizer states (Adam's 2 states of an 8 MiB value) and reads none
+    of the answer: its bytes (the host copies of the states, our messages of them) are counted
+    while the server writes it, so that rank 0's pull waits for room until --progress-timeout
+    ends that call (DEADLINE_EXCEEDED, logged) and gives them back. Before: not counted, nor
+    bounded by the progress timeout."""
+    value = _floats(2 * MIB)
+    with _unread_answers(tmp_path, 40 * MIB, mode="async") as (kv, channel, _, inflight):
+        kv.init("w", np.zeros_like(value))
+        kv.set_optimizer(tensorkv.optimizer.Adam(learning_rate=0.1))
+        kv.push("w", value)  # the states exist once the key was updated
+        pulled = kv.pull("w")
+        unread = kvstore_pb2_grpc.KVStoreServiceStub(channel).GetOptimizerStates(
+            kvstore_pb2.GetOptimizerStatesRequest(), timeout=120)
+        wait_until(lambda: inflight() == STATE_ANSWER_COPIES * 2 * value.nbytes, "the answer's bytes counted")
+        np.testing.assert_array_equal(kv.pull("w"), pulled)  # needs 16 MiB: the room the unread answer holds
+        _ended_stalled(tmp_path, unread, "the answer of GetOptimizerStates")
+        assert inflight() == 0
+
+
+def test_an_answer_that_cannot_be_split_may_take_more_than_the_whole_budget():
+    """budget.Budget.reserve_whole: an answer over the whole budget (all the optimizer states)
+    waits until the whole budget is free, then is counted past it; calls behind it wait until
+    it is given back. One within the budget is reserved as any other."""
+    import asyncio
+
+    from tensorkv_server.budget import Budget
+
+    async def scenario():
+        budget = Budget(100)
+        first = await budget.reserve(10)
+        whole = asyncio.ensure_future(budget.reserve_whole(250))
+        await asyncio.sleep(0)
+        assert not whole.done() and budget.used == 10
+        first.release()
+        granted = await asyncio.wait_for(whole, 60)
+        assert granted.nbytes == 250 and budget.used == 250
+        behind = asyncio.ensure_future(budget.reserve(1))
+        await asyncio.sleep(0)
+        assert not behind.done()
+        granted.release()
+        assert (await asyncio.wait_for(behind, 60)).nbytes == 1 and budget.used == 1
+        assert (await budget.reserve_whole(99)).nbytes == 99 and budget.used == 100
+
+    asyncio.run(scenario())

@@ -2,8 +2,9 @@
 # deploy/compose/cluster.sh -- `make cluster`: compose.yaml's two servers and two workers from
 # the image $TENSORKV_IMAGE (default tensorkv:dev, already built), with secrets made for this
 # run by deploy/secrets.sh; prints each worker's output and exit status, then the servers'
-# `tensorkv status`, and tears it all down (volumes too). Exit status 1 when a worker failed,
-# did not finish within $TENSORKV_CLUSTER_TIMEOUT seconds (default 300), or status failed.
+# `tensorkv status`, and tears it all down (volumes and the network too). Exit status 1 when a
+# worker failed, did not finish within $TENSORKV_CLUSTER_TIMEOUT seconds (default 300), or
+# status failed.
 # ENGINE (default podman) and COMPOSE (default podman-compose; `docker compose` works too).
 set -euo pipefail
 engine=${ENGINE:-podman}
@@ -12,12 +13,15 @@ here=$(cd "$(dirname "$0")" && pwd)
 export TENSORKV_IMAGE=${TENSORKV_IMAGE:-tensorkv:dev}
 TENSORKV_SECRETS=$(mktemp -d); export TENSORKV_SECRETS
 timeout=${TENSORKV_CLUSTER_TIMEOUT:-300}
-in_compose() { $compose -p tensorkv-cluster -f "$here/compose.yaml" "$@"; }
-# The workers' containers go first, with the anonymous volumes of the image's VOLUME (which
-# podman-compose 1.0.3's `down -v` leaves behind).
+project=tensorkv-cluster
+in_compose() { $compose -p "$project" -f "$here/compose.yaml" "$@"; }
+# The workers' containers go first, with the anonymous volumes of the image's VOLUME, and the
+# project's network last (podman-compose 1.0.3's `down -v` leaves both behind; docker compose's
+# removes the network, and the rm then finds none).
 cleanup() {
     "$engine" rm -f -v tensorkv-worker-0 tensorkv-worker-1 >/dev/null 2>&1 || true
     in_compose down -v -t 10 >/dev/null 2>&1 || true
+    "$engine" network rm "${project}_default" >/dev/null 2>&1 || true
     rm -rf "$TENSORKV_SECRETS"
 }
 trap cleanup EXIT

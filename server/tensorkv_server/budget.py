@@ -109,6 +109,16 @@ class Budget:
                 f"held by other calls): try again, or give the server a larger {FLAG}")
         return Reservation(self, nbytes)
 
+    async def reserve_whole(self, nbytes, timeout=None, what="this call"):
+        """:meth:`reserve` of ``nbytes`` for an answer that cannot be split, which may be more
+        than the whole budget: then it waits for the whole budget and is counted past it, so
+        that no other call gets room until it is given back."""
+        if self.total is None or nbytes <= self.total:
+            return await self.reserve(nbytes, timeout, what)
+        reservation = await self.reserve(self.total, timeout, what)
+        reservation.add(nbytes - self.total)
+        return reservation
+
     async def paced(self, messages, reservation, peer):
         """The messages (bytes) of a gRPC stream from ``peer``, each counted in ``reservation``
         as it arrives; the next one is read only once the budget has room, or once this stream

@@ -162,4 +162,5 @@ def describe(limits, max_memory):
     return (f"limits: {size(limits.max_value_bytes)} per value (--max-value-bytes), "
             f"{plural(limits.max_keys_per_call, 'key')} per call (--max-keys-per-call), "
             f"{size(limits.max_inflight_bytes)} in flight (--max-inflight-bytes), "
-            f"{size(max_memory)} stored (--max-memory)")
+            f"{size(max_memory)} stored (--max-memory), "
+            f"{limits.progress_timeout:g} s without progress (--progress-timeout)")

@@ -55,17 +55,20 @@ async def write_all(context, messages, seconds, what):
     its status waits behind the bytes the peer does not take, and a raised error's traceback
     would keep the handler's values (the whole answer) until then."""
     messages.reverse()  # popped from the end as they go: gRPC has its own copy of each then
-    while messages:
-        try:
+    try:
+        # On its own first: sent with a first message that stalls, it would count as unsent, and
+        # the call's status could not follow (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, logged; the
+        # peer then waits for its deadline).
+        await context.send_initial_metadata(())
+        while messages:
             await within(context.write(messages.pop()), seconds)
-        except grpc.aio.InternalError:  # the call ended under the write (cancelled, or past its deadline)
-            messages.clear()
-            raise asyncio.CancelledError from None  # as gRPC's own writes end then: no error logged
-        except asyncio.TimeoutError:
-            messages.clear()
-            error = stalled(what, seconds)
-            _STALLS.note(context.peer(), str(error))
-            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
-            context.set_details(str(error))
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, DeadlineExceededError.__name__),))
-            return
+    except grpc.aio.InternalError:  # the call ended under the write (cancelled, or past its deadline)
+        messages.clear()
+        raise asyncio.CancelledError from None  # as gRPC's own writes end then: no error logged
+    except asyncio.TimeoutError:
+        messages.clear()
+        error = stalled(what, seconds)
+        _STALLS.note(context.peer(), str(error))
+        context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+        context.set_details(str(error))
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, DeadlineExceededError.__name__),))

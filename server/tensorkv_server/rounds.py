@@ -494,6 +494,12 @@ class Coordinator:
         self.optimizer = self.engine.updater.optimizer
         log.info("learning rate of optimizer %s set to %g", self.optimizer.name, self.optimizer.learning_rate)
 
+    def optimizer_state_bytes(self):
+        """The bytes of the optimizer states that :meth:`optimizer_states` copies."""
+        if self.optimizer is None:
+            return 0
+        return sum(array.nbytes for _, arrays in self.engine.updater.get_states().values() for array in arrays)
+
     def optimizer_states(self):
         """(optimizer or None, {key: (num_update, [Item])}) with copies of the states."""
         if self.optimizer is None:

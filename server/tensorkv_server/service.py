@@ -45,11 +45,18 @@ _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"]
 # Methods whose requests, or responses, the handlers see as bytes.
 RAW_REQUESTS = {"Init", "Push", "PushPull", "Session"}
 RAW_RESPONSES = {"Pull", "PushPull", "Session", "ReadKey"}
+# Unary methods whose handlers write their answer (progress.write_all), so that its bytes stay
+# counted in the budget until gRPC has sent them: registered as server streams, which on the
+# wire answer as a unary method does, with one message.
+WRITTEN_ANSWERS = {"RowSparsePull"}
 # Copies of a row-sparse answer's rows and ids that the server may hold at once: the rows, the
 # answer message, its serialized bytes.
 ROW_ANSWER_COPIES = 3
 # Copies of a Pull or PushPull answer's values held at once: our messages, and gRPC's of them.
 _GRPC_ANSWER_COPIES = 2
+# Copies of the optimizer states a GetOptimizerStates answer holds at once: the host copies
+# of the states, and our messages of them.
+STATE_ANSWER_COPIES = 2
 # How a worker's large values travel (WorkerLease.route), in words for the log.
 _ROUTE_NAMES = {"cuda-ipc": "CUDA IPC (device to device)", "pinned-shm": "shared memory pinned on both ends",
                 "shm": "shared memory", "data-channel": "the data channel"}
@@ -71,8 +78,9 @@ def add_to_server(service, server, descriptor=_SERVICE):
     """Register ``service``, the handlers of the service ``descriptor``, on ``server`` as the
     generated code would, except that every
     request arrives as bytes: the tensor streams (RAW_REQUESTS) reach their handlers so, the
-    other requests are parsed here (:func:`_parser`), and the tensor streams of RAW_RESPONSES
-    leave as bytes. Each handler is wrapped in :func:`tensorkv.wire.status.translate_errors`."""
+    other requests are parsed here (:func:`_parser`), the tensor streams of RAW_RESPONSES
+    leave as bytes, and the handlers of WRITTEN_ANSWERS write their one message. Each handler
+    is wrapped in :func:`tensorkv.wire.status.translate_errors`."""
     factories = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -83,7 +91,8 @@ def add_to_server(service, server, descriptor=_SERVICE):
     for method in descriptor.methods:
         response = GetMessageClass(method.output_type)
         parse = None if method.name in RAW_REQUESTS else _parser(method)
-        handlers[method.name] = factories[method.client_streaming, method.server_streaming](
+        server_streaming = method.server_streaming or method.name in WRITTEN_ANSWERS
+        handlers[method.name] = factories[method.client_streaming, server_streaming](
             translate_errors(getattr(service, method.name), parse),
             response_serializer=None if method.name in RAW_RESPONSES else response.SerializeToString,
         )
@@ -290,7 +299,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
             response = kvstore_pb2.RowSparsePullResponse()
             for (key, row_ids), (shape, rows) in zip(requests, results):
                 rowsparse_wire.set_value(response.values.add(), key, shape, row_ids, rows)
-            return response
+            await progress.write_all(context, [response], self.limits.progress_timeout,
+                                     "the answer of a row-sparse pull")
         finally:
             budget.release_held()
 
@@ -363,9 +373,17 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServiceServicer):
         return kvstore_pb2.SetUpdaterResponse(multipliers=len(optimizer.lr_mult) + len(optimizer.wd_mult))
 
     async def GetOptimizerStates(self, request, context):
-        optimizer, key_states = self.coordinator.optimizer_states()
-        for message in states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse, optimizer, key_states):
-            yield message
+        """All the states in one answer, which cannot be split: counted in the budget, past it
+        if need be (budget.Budget.reserve_whole), until written."""
+        what = "the answer of GetOptimizerStates"
+        held = await self.budget.reserve_whole(STATE_ANSWER_COPIES * self.coordinator.optimizer_state_bytes(),
+                                               context.time_remaining(), what)
+        try:
+            messages = list(states_wire.to_messages(kvstore_pb2.GetOptimizerStatesResponse,
+                                                    *self.coordinator.optimizer_states()))
+            await progress.write_all(context, messages, self.limits.progress_timeout, what)
+        finally:
+            held.release()
 
     async def SetLearningRate(self, request, context):
         check_changeable(self.coordinator.move, "SetLearningRate")

@@ -12,7 +12,8 @@ command again:
 3. stream each new server its part, a snapshot header then the bytes of its values and
    optimizer states, read range by range from the old servers (:mod:`.reshard_plan`): the
    tool holds a few pieces of PIECE_BYTES at a time, never a whole value;
-4. compare the SHA-256 of every range on both sides;
+4. compare the SHA-256 of every range on both sides, and what the new servers hold with what
+   the old ones do (keys, elements of values and optimizer states);
 5. commit the new servers (they serve workers from then on), then mark the old ones moved
    (they refuse workers with a message naming the new servers). Nothing is deleted.
 """
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from tensorkv.config import ClientConfig, parse_servers
-from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, KVStoreError
+from tensorkv.errors import FailedPreconditionError, InvalidArgumentError, KVStoreError, key_repr
 from tensorkv.tools import reshard_plan
 from tensorkv.v1 import kvstore_pb2, kvstore_pb2_grpc, maintenance_pb2, maintenance_pb2_grpc
 from tensorkv.wire import codec
@@ -223,6 +224,13 @@ def _each(items, call):
     return [future.result() for future in futures]
 
 
+def _elements(held):
+    """(elements of a value, of its optimizer states) of reshard_plan.held, in words."""
+    if held is None:
+        return "none of it"
+    return f"{plural(held[0], 'element')} of value and {held[1]} of optimizer states"
+
+
 def _say(text):
     print(f"tensorkv reshard: {text}", file=sys.stderr, flush=True)
 
@@ -285,27 +293,31 @@ class _Move:
                     for address, info in zip(self.to, target_infos)]
         self._check_targets(target_infos)
         # every refusal before anything changes
-        plan = self._plan(_each(self.sources, lambda source: source.describe()))
+        headers = _each(self.sources, lambda source: source.describe())
+        plan = self._plan(headers)
+        self._check_not_empty(headers)
         if self.live:
             _each([source for source, info in zip(self.sources, source_infos) if not self._ours(info.move, "source")],
                   lambda source: source.mark(kvstore_pb2.MOVE_ROLE_SOURCE, self.to))
             _say(f"froze the run on {','.join(self.names)}: they refuse workers from now on")
-            plan = self._plan(_each(self.sources, Remote.describe))  # as frozen
+            headers = _each(self.sources, Remote.describe)  # as frozen
+            plan = self._plan(headers)
         pending = [index for index, info in enumerate(target_infos) if not self._committed(info)]
         started = time.monotonic()
         _each(pending, lambda index: self._import(self.targets[index], plan[index]))
         _say(f"streamed {size(sum(plan[index].nbytes for index in pending))} to "
              f"{plural(len(pending), 'new server')} in {time.monotonic() - started:.1f} s; checking every byte")
         self._verify([(self.targets[index], plan[index]) for index in pending])
+        moved = self._check_held(headers)
         _each([self.targets[index] for index in pending],
               lambda target: target.mark(kvstore_pb2.MOVE_ROLE_TARGET, self.names, done=True))
         if self.live:
             _each(self.sources, lambda source: source.mark(kvstore_pb2.MOVE_ROLE_SOURCE, self.to, done=True))
         _say(f"moved: start the job's workers with TENSORKV_SERVERS={','.join(self.to)} and if_exists='resume' "
              "(TENSORKV_IF_EXISTS=resume)")
-        return [{"server": target.address, "keys": len(part.header["keys"]), "bytes": part.nbytes,
+        return [{"server": target.address, "keys": len(header["keys"]), "bytes": part.nbytes,
                  "state": "moved" if index in pending else "moved already"}
-                for index, (target, part) in enumerate(zip(self.targets, plan))]
+                for index, (target, header, part) in enumerate(zip(self.targets, moved, plan))]
 
     # ---- checks ---------------------------------------------------------------------
 
@@ -355,6 +367,16 @@ class _Move:
                 raise FailedPreconditionError(
                     f"{target.address} holds {', '.join(held)}: a run moves to servers started empty; pass --force "
                     "to drop what it holds")
+
+    def _check_not_empty(self, headers):
+        """FailedPreconditionError when the old servers (their snapshot ``headers``) hold no key:
+        new servers that took such a run would look moved to, and a job's workers resumed there
+        would start from scratch without a word."""
+        if not any(header["keys"] for header in headers):
+            raise FailedPreconditionError(
+                f"nothing to move: the old servers ({','.join(self.names)}) hold no keys, and nothing was changed; "
+                f"check {'--from' if self.live else '--from-snapshots'}: the job's servers, in the order of its "
+                "workers' TENSORKV_SERVERS")
 
     def _plan(self, headers):
         """reshard_plan.plan of ``headers`` on the new servers, by the bound the workers slice by."""
@@ -434,6 +456,24 @@ class _Move:
                         f"{segment.end}) differ from those on {self.names[segment.source]}: run this again")
         ranges = sum(len(part.segments) for _, part in imported)
         _say(f"checked {plural(ranges, 'range')}: the same bytes on both sides")
+
+    def _check_held(self, source_headers):
+        """The snapshot headers of the new servers, as they describe themselves;
+        FailedPreconditionError unless together they hold the keys of the old servers'
+        ``source_headers``, each with as many elements of value and optimizer states: the
+        servers' own numbers, not the plan's."""
+        headers = _each(self.targets, Remote.describe)
+        moved, run = reshard_plan.held(headers), reshard_plan.held(source_headers)
+        differ = sorted((key for key in run.keys() | moved.keys() if run.get(key) != moved.get(key)), key=repr)
+        if differ:
+            shown = "; ".join(f"key {key_repr(key)}: {_elements(moved.get(key))} on the new servers, "
+                              f"{_elements(run.get(key))} on the old ones" for key in differ[:5])
+            raise FailedPreconditionError(
+                f"the new servers do not hold the run of the old ones ({plural(len(moved), 'key')}, the old ones "
+                f"{plural(len(run), 'key')}): {shown}{'; ...' if len(differ) > 5 else ''}. Nothing is committed: run "
+                "this again; if this comes back, the tool's plan is wrong: give the move up (`tensorkv reshard "
+                "--abort` with the same --from and --to)")
+        return headers
 
     def _give_up(self, infos):
         """--abort: drop the freeze of the old servers (refused by them once the move is done)."""

@@ -128,6 +128,20 @@ def _place(key, pieces, targets, bound):
                     target.segments.append(Segment(piece.source, key, array, low, high, (high - low) * item))
 
 
+def held(headers):
+    """{key: (elements of its value, elements of its optimizer states)} that the servers whose
+    snapshot headers are ``headers`` hold together, the slices of a key added up."""
+    found = {}
+    for header in headers:
+        states = {check_key(entry["key"]): entry["num_states"] for entry in header["states"]}
+        for entry in header["keys"]:
+            key = check_key(entry["key"])
+            begin, end = entry["slice"] or (0, math.prod(entry["shape"]))
+            values, state_elements = found.get(key, (0, 0))
+            found[key] = (values + end - begin, state_elements + (end - begin) * states.get(key, 0))
+    return found
+
+
 def run_header(headers):
     """The header fields, besides keys and states, of the run that the old servers' ``headers``
     hold together: theirs, checked to agree; the run not going on (its workers start again)."""
