@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import tensorkv
 from tensorkv.tools.launch import ended
 from tensorkv.transport.security import Security
+from tensorkv.wire import allocator
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -85,6 +86,17 @@ def free_port():
             return port
 
 
+def server_env():
+    """The environment a Cluster's servers start in: this one's, with GLIBC_TUNABLES set as a
+    server sets it when it re-execs itself (allocator.reexec_with_tunables), so that it runs
+    tuned without the re-exec, which imports NumPy, gRPC and tensorkv a second time: half of
+    a server's start, most of the suite's CPU time. A server told how to tune (either
+    variable set) is left to do so itself; test_server's malloc test starts ones that re-exec."""
+    if "TENSORKV_NO_MALLOC_TUNING" in os.environ or not allocator.wanted():
+        return dict(os.environ)
+    return {**os.environ, "GLIBC_TUNABLES": allocator.SERVER_TUNABLES}
+
+
 def rss(pid):
     """The resident memory of process ``pid``, in bytes (VmRSS)."""
     with open(f"/proc/{pid}/status") as status:
@@ -123,7 +135,7 @@ class Cluster:
     def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=(),
                  security=Security()):
         self.num_workers = num_workers
-        self.addresses, self.processes, self.logs, self.commands = [], [], [], []
+        self.addresses, self.processes, self.logs, self.commands, self._envs = [], [], [], [], []
         self._held = []  # sockets that keep the ports of killed servers (see kill)
         self._server_args, self._security = server_args, security
         self._mode, self._round_timeout = mode, round_timeout
@@ -133,6 +145,7 @@ class Cluster:
                 # a file either way: a server that exits at start is reported with its log
                 self.logs.append(open(log_dir / f"server{i}.log", "w+") if log_dir else tempfile.TemporaryFile("w+"))
                 self.commands.append(None)
+                self._envs.append(None)
                 self.processes.append(None)
                 self.addresses.append(None)
                 self._start(i)
@@ -151,7 +164,8 @@ class Cluster:
             sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers", str(self.num_workers),
             "--mode", self._mode, "--round-timeout", str(self._round_timeout), "--device", "cpu", "--grace", "2",
             *(str(arg).replace("{index}", str(index)) for arg in self._server_args)]
-        self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
+        self._envs[index] = server_env()
+        self.processes[index] = subprocess.Popen(self.commands[index], env=self._envs[index], stdout=self.logs[index],
                                                  stderr=subprocess.STDOUT)
         self.addresses[index] = f"127.0.0.1:{port}"
 
@@ -208,7 +222,7 @@ class Cluster:
         """Kill server ``index`` (SIGKILL, by its PID) and start it again on the same port."""
         self.processes[index].kill()
         self.processes[index].wait(STOP_TIMEOUT)
-        self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
+        self.processes[index] = subprocess.Popen(self.commands[index], env=self._envs[index], stdout=self.logs[index],
                                                  stderr=subprocess.STDOUT)
         self._wait_serving(self.addresses[index], self.processes[index], self._security, self.logs[index])
 
