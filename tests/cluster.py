@@ -4,6 +4,7 @@ bounded, each process stopped by its own PID (SIGTERM, then SIGKILL)."""
 import contextlib
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -71,15 +72,54 @@ def _tail(log, lines=20):
     return f"; its log ends:\n{text}" if text else "; its log is empty"
 
 
+BAND_PORTS = 16384  # free_port() picks below the ephemeral range, from this many ports
+
+
+def _port_band():
+    """(first, stop): the ports this process's free_port() picks from: BAND_PORTS below the
+    kernel's ephemeral range (ip_local_port_range), from which bind(0) and outgoing connections
+    take theirs (a server's data port, any client's socket), split between pytest-xdist's
+    workers (make test runs 4), so that no port picked here is taken by another test's process
+    before the server it is for binds it. None where there is no room below that range."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if low - BAND_PORTS < 1024:
+        return None
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = BAND_PORTS // workers
+    first = low - BAND_PORTS + worker * size
+    return first, first + size
+
+
+def _candidates():
+    """The ports free_port() tries in turn: its band's, from a random one (another suite run on
+    this host at once starts elsewhere), wrapping around, once each; then any (port 0)."""
+    band = _port_band()
+    if band is not None:
+        first, stop = band
+        start = random.randrange(first, stop)
+        yield from range(start, stop)
+        yield from range(first, start)
+    while True:
+        yield 0
+
+
 _given = set()
+_ports = _candidates()
 
 
 def free_port():
-    """A port free on 127.0.0.1 now, and never given before in this process (two picks for
-    one server, its --port and --metrics-port, must differ)."""
-    while True:
+    """A port free on 127.0.0.1 now, never given before in this process (two picks for one
+    server, its --port and --metrics-port, must differ), in this process's band (_port_band)."""
+    for candidate in _ports:
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", candidate))
+            except OSError:  # taken, or still held by a closed server's connections (TIME_WAIT)
+                continue
             port = sock.getsockname()[1]
         if port not in _given:
             _given.add(port)
@@ -171,8 +211,8 @@ class Cluster:
 
     def _wait_started(self, index, tries=PORT_TRIES):
         """Wait until server ``index`` serves. A free port can be taken between free_port() and
-        the server's bind (by another server's data port, which binds port 0): a server that
-        could not listen on its --port is started again on another one; ``tries`` starts in all."""
+        the server's bind (by a process outside this test run): a server that could not listen
+        on its --port is started again on another one; ``tries`` starts in all."""
         for _ in range(tries - 1):
             port = self.addresses[index].rsplit(":", 1)[1]
             try:
