@@ -35,8 +35,11 @@ breaking: $(STAMP)
 breaking-baseline: $(STAMP)
 	$(VENV)/bin/buf build --exclude-source-info -o -#format=json | $(PY) -m json.tool --indent 1 > $(BUF_BASELINE)
 
+# Four pytest processes at once (pytest-xdist), on two cores too: most of a test's time is spent
+# waiting on server and worker processes. A module whose tests share a server runs in one of them
+# (pytest.mark.xdist_group, --dist loadgroup).
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 4 --dist loadgroup
 
 # `make test-slow`: the tests marked slow (minutes each, e.g. waits longer than keepalive
 # periods), which `make test` leaves out.

@@ -4,6 +4,7 @@ bounded, each process stopped by its own PID (SIGTERM, then SIGKILL)."""
 import contextlib
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import tensorkv
 from tensorkv.tools.launch import ended
 from tensorkv.transport.security import Security
+from tensorkv.wire import allocator
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -70,19 +72,69 @@ def _tail(log, lines=20):
     return f"; its log ends:\n{text}" if text else "; its log is empty"
 
 
+BAND_PORTS = 16384  # free_port() picks below the ephemeral range, from this many ports
+
+
+def _port_band():
+    """(first, stop): the ports this process's free_port() picks from: BAND_PORTS below the
+    kernel's ephemeral range (ip_local_port_range), from which bind(0) and outgoing connections
+    take theirs (a server's data port, any client's socket), split between pytest-xdist's
+    workers (make test runs 4), so that no port picked here is taken by another test's process
+    before the server it is for binds it. None where there is no room below that range."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if low - BAND_PORTS < 1024:
+        return None
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = BAND_PORTS // workers
+    first = low - BAND_PORTS + worker * size
+    return first, first + size
+
+
+def _candidates():
+    """The ports free_port() tries in turn: its band's, from a random one (another suite run on
+    this host at once starts elsewhere), wrapping around, once each; then any (port 0)."""
+    band = _port_band()
+    if band is not None:
+        first, stop = band
+        start = random.randrange(first, stop)
+        yield from range(start, stop)
+        yield from range(first, start)
+    while True:
+        yield 0
+
+
 _given = set()
+_ports = _candidates()
 
 
 def free_port():
-    """A port free on 127.0.0.1 now, and never given before in this process (two picks for
-    one server, its --port and --metrics-port, must differ)."""
-    while True:
+    """A port free on 127.0.0.1 now, never given before in this process (two picks for one
+    server, its --port and --metrics-port, must differ), in this process's band (_port_band)."""
+    for candidate in _ports:
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", candidate))
+            except OSError:  # taken, or still held by a closed server's connections (TIME_WAIT)
+                continue
             port = sock.getsockname()[1]
         if port not in _given:
             _given.add(port)
             return port
+
+
+def server_env():
+    """The environment a Cluster's servers start in: this one's, with GLIBC_TUNABLES set as a
+    server sets it when it re-execs itself (allocator.reexec_with_tunables), so that it runs
+    tuned without the re-exec, which imports NumPy, gRPC and tensorkv a second time: half of
+    a server's start, most of the suite's CPU time. A server told how to tune (either
+    variable set) is left to do so itself; test_server's malloc test starts ones that re-exec."""
+    if "TENSORKV_NO_MALLOC_TUNING" in os.environ or not allocator.wanted():
+        return dict(os.environ)
+    return {**os.environ, "GLIBC_TUNABLES": allocator.SERVER_TUNABLES}
 
 
 def rss(pid):
@@ -123,7 +175,7 @@ class Cluster:
     def __init__(self, servers=1, num_workers=1, mode="sync", round_timeout=30.0, tmp_path=None, server_args=(),
                  security=Security()):
         self.num_workers = num_workers
-        self.addresses, self.processes, self.logs, self.commands = [], [], [], []
+        self.addresses, self.processes, self.logs, self.commands, self._envs = [], [], [], [], []
         self._held = []  # sockets that keep the ports of killed servers (see kill)
         self._server_args, self._security = server_args, security
         self._mode, self._round_timeout = mode, round_timeout
@@ -133,6 +185,7 @@ class Cluster:
                 # a file either way: a server that exits at start is reported with its log
                 self.logs.append(open(log_dir / f"server{i}.log", "w+") if log_dir else tempfile.TemporaryFile("w+"))
                 self.commands.append(None)
+                self._envs.append(None)
                 self.processes.append(None)
                 self.addresses.append(None)
                 self._start(i)
@@ -151,14 +204,15 @@ class Cluster:
             sys.executable, "-m", "tensorkv_server", "--port", str(port), "--num-workers", str(self.num_workers),
             "--mode", self._mode, "--round-timeout", str(self._round_timeout), "--device", "cpu", "--grace", "2",
             *(str(arg).replace("{index}", str(index)) for arg in self._server_args)]
-        self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
+        self._envs[index] = server_env()
+        self.processes[index] = subprocess.Popen(self.commands[index], env=self._envs[index], stdout=self.logs[index],
                                                  stderr=subprocess.STDOUT)
         self.addresses[index] = f"127.0.0.1:{port}"
 
     def _wait_started(self, index, tries=PORT_TRIES):
         """Wait until server ``index`` serves. A free port can be taken between free_port() and
-        the server's bind (by another server's data port, which binds port 0): a server that
-        could not listen on its --port is started again on another one; ``tries`` starts in all."""
+        the server's bind (by a process outside this test run): a server that could not listen
+        on its --port is started again on another one; ``tries`` starts in all."""
         for _ in range(tries - 1):
             port = self.addresses[index].rsplit(":", 1)[1]
             try:
@@ -208,7 +262,7 @@ class Cluster:
         """Kill server ``index`` (SIGKILL, by its PID) and start it again on the same port."""
         self.processes[index].kill()
         self.processes[index].wait(STOP_TIMEOUT)
-        self.processes[index] = subprocess.Popen(self.commands[index], stdout=self.logs[index],
+        self.processes[index] = subprocess.Popen(self.commands[index], env=self._envs[index], stdout=self.logs[index],
                                                  stderr=subprocess.STDOUT)
         self._wait_serving(self.addresses[index], self.processes[index], self._security, self.logs[index])
 

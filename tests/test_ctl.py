@@ -14,6 +14,10 @@ from tensorkv.transport.security import Security
 from cluster import WORKER_TIMEOUT, Cluster, check_workers, wait_until
 from test_security import READ_ONLY_TOKEN, TOKEN, Pki
 
+# One pytest-xdist worker runs this module (make test's --dist loadgroup): its tests share one
+# job, which the last of them ends by killing a server, and which another worker would start again.
+pytestmark = pytest.mark.xdist_group("test_ctl")
+
 LEASE_MS = 10_000  # the servers' --lease-timeout
 # The values the job leaves, as its pushes (no optimizer: the sum of the last round's pushes).
 WEIGHT = (np.arange(3000, dtype=np.float32).reshape(60, 50) * 1 / 7 - 2) + \

@@ -12,7 +12,10 @@ NODE_DIR = ROOT / "examples" / "node"
 # node_modules is installed by `npm ci` once per package-lock.json: the stamp holds its hash.
 STAMP = NODE_DIR / "node_modules" / ".package-lock.sha256"
 
-pytestmark = pytest.mark.skipif(not (shutil.which("node") and shutil.which("npm")), reason="needs node and npm")
+# One pytest-xdist worker runs this module (make test's --dist loadgroup): two would run `npm ci`
+# into the same node_modules at once.
+pytestmark = [pytest.mark.skipif(not (shutil.which("node") and shutil.which("npm")), reason="needs node and npm"),
+              pytest.mark.xdist_group("test_node_client")]
 
 
 @pytest.fixture(scope="module")
