@@ -117,13 +117,17 @@ def bound(port):
 
 
 # How many of the connections from port to the listeners are in TIME_WAIT as root's: distinct
-# ones (a read of /proc/net/tcp while other sockets come and go may list a row twice), and only
-# those to the listeners (other connections of the host may have used the port before).
+# ones, seen in any of three reads (a read of /proc/net/tcp while other sockets come and go may
+# list a row twice, or miss one: other test processes open and close many), and only those to
+# the listeners (other connections of the host may have used the port before).
 def time_waits(port):
-    with open("/proc/net/tcp") as table:
-        rows = [line.split() for line in table.read().splitlines()[1:]]
-    return len({int(row[2].split(":")[1], 16) for row in rows
-                if int(row[1].split(":")[1], 16) == port and row[3] == "06" and row[7] == "0"} & targets)
+    seen = set()
+    for _ in range(3):
+        with open("/proc/net/tcp") as table:
+            rows = [line.split() for line in table.read().splitlines()[1:]]
+        seen |= {int(row[2].split(":")[1], 16) for row in rows
+                 if int(row[1].split(":")[1], 16) == port and row[3] == "06" and row[7] == "0"}
+    return len(seen & targets)
 
 
 def relay(source, sink):
