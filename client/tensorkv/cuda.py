@@ -183,7 +183,6 @@ class Gpu:
             self.pending.add((stream, device))
         copies.streams.clear()
 
-
     def _spare_event(self, device):
         """Past MAX_EVENTS, the event of the stream on ``device`` used least recently and not
         pending (taken from it): a job that makes a stream per step does not make an event per step."""

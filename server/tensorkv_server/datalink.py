@@ -58,18 +58,16 @@ class PlainLink:
 
     async def _piece(self, most):
         """Up to ``most`` bytes, as they come (some)."""
-        piece = await self._loop.sock_recv(self.sock, most)
-        if not piece:
-            raise EOFError("the client closed the data channel")
-        self.moved = self._loop.time()
-        return piece
+        return self._came(await self._loop.sock_recv(self.sock, most))
 
     def received(self, most):
         """Up to ``most`` bytes that came already (b"" when none), without waiting."""
         try:
-            piece = self.sock.recv(most)
+            return self._came(self.sock.recv(most))
         except (BlockingIOError, InterruptedError):
             return b""
+
+    def _came(self, piece):
         if not piece:
             raise EOFError("the client closed the data channel")
         self.moved = self._loop.time()
@@ -88,12 +86,10 @@ class PlainLink:
         """As loop.sock_sendall, noting each time bytes go out (moved)."""
         view, sent = memoryview(data), 0
         while sent < len(view):
-            try:
-                sent += self.sock.send(view[sent:])
-            except (BlockingIOError, InterruptedError):
+            count = self.send_now(view[sent:])
+            if not count:
                 await self._writable()
-                continue
-            self.moved = self._loop.time()
+            sent += count
 
     async def _writable(self):
         fd, ready = self.sock.fileno(), self._loop.create_future()  # fd: the socket may be closed meanwhile

@@ -92,11 +92,7 @@ class Staging:
             if not copied:
                 self._after_engine()  # the device memory may have been freed by kernels still queued
                 copied = True
-            bits = cupy.empty(array.nbytes, np.uint8)
-            cupy.cuda.runtime.memcpyAsync(bits.data.ptr, start, array.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
-                                          self.stream.ptr)
-            value = DeviceBFloat16(bits.view(np.uint16).reshape(array.shape)) if array.dtype == BFLOAT16 \
-                else bits.view(array.dtype).reshape(array.shape)
+            value = _typed(self._upload_bits(start, array.nbytes), array.dtype, array.shape)
             moved.append(codec.Item(item.key, value, item.shape, item.slice))
         if copied:
             cupy.cuda.get_current_stream().wait_event(self.stream.record())
@@ -134,13 +130,19 @@ class Staging:
     def from_host(self, ptr, nbytes):
         """A new device array (uint8) of the ``nbytes`` bytes of pinned host memory at ``ptr``,
         copied straight on the staging stream and ordered before the engine's next work."""
+        self._after_engine()  # the memory may have been freed by kernels still queued
+        bits = self._upload_bits(ptr, nbytes)
+        self.cupy.cuda.get_current_stream().wait_event(self.stream.record())
+        self._copying = True
+        return bits
+
+    def _upload_bits(self, ptr, nbytes):
+        """A new device array (uint8) that a copy of the ``nbytes`` bytes of host memory at
+        ``ptr``, queued on the staging stream, fills."""
         cupy = self.cupy
         bits = cupy.empty(nbytes, np.uint8)
-        self._after_engine()  # the memory may have been freed by kernels still queued
         cupy.cuda.runtime.memcpyAsync(bits.data.ptr, ptr, nbytes, cupy.cuda.runtime.memcpyHostToDevice,
                                       self.stream.ptr)
-        cupy.cuda.get_current_stream().wait_event(self.stream.record())
-        self._copying = True
         return bits
 
     def to_host(self, value, ptr):
@@ -204,6 +206,12 @@ class DeviceReceiver:
         engine's stream."""
         cupy = self.staging.cupy
         cupy.cuda.get_current_stream().wait_event(self.staging.stream.record())
-        if np.dtype(dtype) == BFLOAT16:
-            return DeviceBFloat16(self.bits.view(np.uint16).reshape(self.shape))
-        return self.bits.view(dtype).reshape(self.shape)
+        return _typed(self.bits, dtype, self.shape)
+
+
+def _typed(bits, dtype, shape):
+    """The device bytes ``bits`` (CuPy uint8) as a value of ``dtype`` and ``shape`` (a
+    DeviceBFloat16 for bfloat16, which CuPy does not have)."""
+    if np.dtype(dtype) == BFLOAT16:
+        return DeviceBFloat16(bits.view(np.uint16).reshape(shape))
+    return bits.view(dtype).reshape(shape)
